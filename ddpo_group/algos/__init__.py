@@ -1,0 +1,1 @@
+"""Advantage estimators, policy losses and Group-PPO grouping: pure tensor math."""

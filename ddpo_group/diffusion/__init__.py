@@ -1,0 +1,1 @@
+"""Diffusion trajectories as token sequences: log-prob scheduler step, sampler, tiny pipeline."""

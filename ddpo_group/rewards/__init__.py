@@ -1,0 +1,1 @@
+"""Reward functions: registry, built-ins and plugin loading (see README, "Rewards")."""
