@@ -1,0 +1,326 @@
+"""Sample grids: one PNG per logged epoch, rows = prompts, columns = group members.
+
+`save_epoch_samples` is what the trainer calls every `log_images_every` epochs. It writes,
+under `run_dir/samples/`:
+
+    epoch_XXXX.png        the grid (each cell captioned "r=<reward> a=<advantage>", the prompt on the left)
+    epoch_XXXX/NNN.png    every sample on its own, NNN = its index in the epoch batch
+    epoch_XXXX.json       {"epoch", "group_size", "grid", "records": [{index, prompt, reward, advantage, image}]}
+                          where `grid` and each `image` are paths relative to the samples/ folder
+
+Every file is written to a temporary file in the same folder and moved into place with
+`os.replace`, so a crash never leaves a half-written PNG or JSON behind. The JSON is written
+last: when it exists, the images it names exist too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+BACKGROUND = (255, 255, 255)
+EMPTY_CELL = (230, 230, 230)
+TEXT_COLOR = (0, 0, 0)
+FONT_SIZE = 11
+# Auto upscale makes a cell at least this wide, so that "r=0.83 a=+1.20" fits under it.
+MIN_CELL_WIDTH = 96
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch.Tensor, without importing torch here
+        x = x.detach().to("cpu").float().numpy()
+    return np.asarray(x)
+
+
+def _font() -> ImageFont.ImageFont:
+    try:
+        return ImageFont.load_default(size=FONT_SIZE)
+    except TypeError:  # Pillow < 10.1, or built without FreeType: fixed bitmap font
+        return ImageFont.load_default()
+
+
+def _text_width(draw: ImageDraw.ImageDraw, text: str, font) -> float:
+    return draw.textlength(text, font=font)
+
+
+def _line_height(font) -> int:
+    left, top, right, bottom = font.getbbox("Ag")
+    return int(bottom) + 2
+
+
+def to_uint8_hwc(image: Any) -> np.ndarray:
+    """Convert one image (3, H, W) float in [0, 1] to (H, W, 3) uint8.
+
+    value = round(clip(x, 0, 1) * 255), rounding halves up (floor(x * 255 + 0.5)).
+    """
+    array = _to_numpy(image).astype(np.float64)
+    if array.ndim != 3 or array.shape[0] != 3:
+        raise ValueError(f"images: each image must have shape (3, H, W), got {tuple(array.shape)}")
+    array = np.floor(np.clip(array, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+    return np.ascontiguousarray(array.transpose(1, 2, 0))
+
+
+def auto_upscale(width: int) -> int:
+    """Integer nearest-neighbour factor s = max(1, ceil(MIN_CELL_WIDTH / width)): 32 -> 3, 64 -> 2, 256 -> 1."""
+    return max(1, math.ceil(MIN_CELL_WIDTH / width))
+
+
+def _fit_lines(draw, text: str, font, max_width: float, max_lines: int) -> list[str]:
+    """Greedy word wrap to lines at most `max_width` pixels wide; truncate with '...' past `max_lines`."""
+    if max_lines < 1:
+        return []
+    lines: list[str] = []
+    current = ""
+    for word in text.split():
+        candidate = f"{current} {word}" if current else word
+        if _text_width(draw, candidate, font) <= max_width:
+            current = candidate
+            continue
+        if current:
+            lines.append(current)
+        while _text_width(draw, word, font) > max_width and len(word) > 1:  # break a word longer than a line
+            cut = len(word) - 1
+            while cut > 1 and _text_width(draw, word[:cut], font) > max_width:
+                cut -= 1
+            lines.append(word[:cut])
+            word = word[cut:]
+        current = word
+    if current:
+        lines.append(current)
+    if len(lines) > max_lines:
+        lines = lines[:max_lines]
+        last = lines[-1]
+        while last and _text_width(draw, last + "...", font) > max_width:
+            last = last[:-1]
+        lines[-1] = last.rstrip() + "..."
+    return lines
+
+
+def make_grid(
+    images: Any,
+    nrow: int,
+    captions: Sequence[str] | None = None,
+    row_labels: Sequence[str] | None = None,
+    upscale: int | None = None,
+    padding: int = 2,
+    caption_height: int | None = None,
+    label_width: int = 160,
+) -> Image.Image:
+    """Tile images into a captioned grid, `nrow` images per row (the torchvision convention).
+
+    images: (N, 3, H, W) float in [0, 1] (torch or numpy), or a sequence of N such (3, H, W)
+        images where None marks an empty cell (drawn in light grey). Placed row-major:
+        image i goes to row i // nrow, column i % nrow; rows = ceil(N / nrow).
+    captions: N strings drawn under their image (e.g. "r=0.83 a=+1.20"), or None.
+    row_labels: one string per row drawn left of the row (wrapped, truncated with "..."), or None.
+    upscale: integer nearest-neighbour factor s; None picks `auto_upscale(W)` (32x32 -> 96x96).
+
+    Layout, in pixels (cw = W*s, ch = H*s; cap = caption_height, default a text line when
+    captions are given and 0 otherwise; lab = label_width when row_labels are given, else 0):
+        width  = lab + padding + ncol * (cw + padding)
+        height = padding + rows * (ch + cap + padding)
+        image (r, c) top-left corner = (lab + padding + c*(cw + padding), padding + r*(ch + cap + padding))
+    where ncol = nrow.
+    """
+    if nrow < 1:
+        raise ValueError(f"nrow must be >= 1, got {nrow}")
+    if isinstance(images, (list, tuple)):
+        cells = [None if image is None else to_uint8_hwc(image) for image in images]
+    else:
+        array = _to_numpy(images)
+        if array.ndim != 4 or array.shape[1] != 3:
+            raise ValueError(f"images must have shape (N, 3, H, W) with values in [0, 1], got {tuple(array.shape)}")
+        cells = [to_uint8_hwc(image) for image in array]
+    present = [cell for cell in cells if cell is not None]
+    if not present:
+        raise ValueError("images: need at least one image (got none, or only empty cells)")
+    height, width = present[0].shape[:2]
+    if any(cell.shape[:2] != (height, width) for cell in present):
+        raise ValueError("images: all images must have the same height and width")
+    num_cells = len(cells)
+    if captions is not None and len(captions) != num_cells:
+        raise ValueError(f"captions: expected {num_cells} strings (one per image), got {len(captions)}")
+    num_rows = math.ceil(num_cells / nrow)
+    if row_labels is not None and len(row_labels) != num_rows:
+        raise ValueError(f"row_labels: expected {num_rows} strings (one per row), got {len(row_labels)}")
+
+    scale = auto_upscale(width) if upscale is None else int(upscale)
+    if scale < 1:
+        raise ValueError(f"upscale must be a positive integer or None (auto), got {upscale}")
+    font = _font()
+    if caption_height is None:
+        caption_height = _line_height(font) + 2 if captions is not None else 0
+    label_w = label_width if row_labels is not None else 0
+    cell_w, cell_h = width * scale, height * scale
+    step_x, step_y = cell_w + padding, cell_h + caption_height + padding
+
+    grid = Image.new("RGB", (label_w + padding + nrow * step_x, padding + num_rows * step_y), BACKGROUND)
+    draw = ImageDraw.Draw(grid)
+    for i, cell in enumerate(cells):
+        row, col = divmod(i, nrow)
+        x, y = label_w + padding + col * step_x, padding + row * step_y
+        if cell is None:
+            draw.rectangle([x, y, x + cell_w - 1, y + cell_h - 1], fill=EMPTY_CELL)
+            continue
+        tile = Image.fromarray(cell, mode="RGB")
+        if scale != 1:
+            tile = tile.resize((cell_w, cell_h), resample=Image.Resampling.NEAREST)
+        grid.paste(tile, (x, y))
+        if captions is not None and caption_height > 0:
+            line = _fit_lines(draw, captions[i], font, cell_w, 1)
+            if line:
+                draw.text((x + 1, y + cell_h + 1), line[0], fill=TEXT_COLOR, font=font)
+    if row_labels is not None:
+        max_lines = max(1, (cell_h + caption_height) // _line_height(font))
+        for row, label in enumerate(row_labels):
+            lines = _fit_lines(draw, label, font, label_w - 2 * padding - 2, max_lines)
+            draw.multiline_text(
+                (padding + 1, padding + row * step_y), "\n".join(lines), fill=TEXT_COLOR, font=font, spacing=2
+            )
+    return grid
+
+
+def format_caption(reward: float, advantage: float | None) -> str:
+    """'r=0.83 a=+1.20' (advantage signed; 'a=n/a' when there is none)."""
+    adv = "n/a" if advantage is None or not np.isfinite(advantage) else f"{advantage:+.2f}"
+    return f"r={reward:.2f} a={adv}"
+
+
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Write through `write(tmp_path)` to a temporary file beside `path`, then os.replace it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A unique name in the same folder (os.replace is atomic only within one file system).
+    tmp = str(path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_png(image: Image.Image, path: str | os.PathLike) -> None:
+    """Save a PIL image as PNG atomically."""
+    atomic_write(Path(path), lambda tmp: image.save(tmp, format="PNG"))
+
+
+def save_json(obj: Any, path: str | os.PathLike) -> None:
+    """Save a JSON document atomically."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+
+    atomic_write(Path(path), write)
+
+
+def group_rows(prompts: Sequence[str], group_size: int) -> list[tuple[str, list[int]]]:
+    """Arrange sample indices into grid rows: (prompt, indices) per row.
+
+    Rows follow each prompt's first appearance; a row holds at most `group_size` copies of one
+    prompt, in index order (a prompt sampled k*group_size times fills k rows; fewer than
+    group_size copies leave the rest of its row empty).
+    """
+    by_prompt: dict[str, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        by_prompt.setdefault(prompt, []).append(index)
+    rows = []
+    for prompt, indices in by_prompt.items():
+        for start in range(0, len(indices), group_size):
+            rows.append((prompt, indices[start : start + group_size]))
+    return rows
+
+
+def save_epoch_samples(
+    run_dir: str | os.PathLike,
+    epoch: int,
+    images: Any,
+    prompts: Sequence[str],
+    rewards: Any,
+    advantages: Any,
+    group_size: int,
+    max_rows: int = 8,
+    upscale: int | None = None,
+) -> Path:
+    """Write the epoch's grid, single images and JSON records; return the grid path.
+
+    images: (N, 3, H, W) float in [0, 1]; prompts: N strings; rewards: (N,); advantages: (N,)
+    per-sample advantages, or None. Grid rows come from `group_rows(prompts, group_size)`,
+    capped at `max_rows` rows; `group_size` columns. Every sample (not only those in the grid)
+    is saved as samples/epoch_XXXX/NNN.png and listed in samples/epoch_XXXX.json.
+    """
+    if epoch < 0:
+        raise ValueError(f"epoch must be >= 0, got {epoch}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    array = _to_numpy(images)
+    if array.ndim != 4 or array.shape[1] != 3:
+        raise ValueError(f"images must have shape (N, 3, H, W) with values in [0, 1], got {tuple(array.shape)}")
+    num = array.shape[0]
+    if num == 0:
+        raise ValueError("images: need at least one sample, got N = 0")
+    prompts = [str(p) for p in prompts]
+    rewards = _to_numpy(rewards).astype(np.float64)
+    if len(prompts) != num:
+        raise ValueError(f"prompts: expected {num} prompts (one per image), got {len(prompts)}")
+    if rewards.shape != (num,):
+        raise ValueError(f"rewards must have shape ({num},), got {tuple(rewards.shape)}")
+    if advantages is None:
+        advantages = np.full(num, np.nan)
+    advantages = _to_numpy(advantages).astype(np.float64)
+    if advantages.shape != (num,):
+        raise ValueError(
+            f"advantages must have shape ({num},) (one per sample) or be None, got {tuple(advantages.shape)}; "
+            "for per-step advantages (N, T) pass one column, e.g. advantages[:, 0]"
+        )
+
+    samples_dir = Path(run_dir) / "samples"
+    stem = f"epoch_{epoch:04d}"
+    digits = max(3, len(str(num - 1)))
+    pixels = [to_uint8_hwc(image) for image in array]
+    records = []
+    for index in range(num):
+        image_rel = f"{stem}/{index:0{digits}d}.png"
+        save_png(Image.fromarray(pixels[index], mode="RGB"), samples_dir / image_rel)
+        advantage = float(advantages[index])
+        records.append(
+            {
+                "index": index,
+                "prompt": prompts[index],
+                "reward": float(rewards[index]),
+                "advantage": advantage if np.isfinite(advantage) else None,
+                "image": image_rel,
+            }
+        )
+
+    rows = group_rows(prompts, group_size)[:max_rows]
+    cells: list[Any] = []
+    captions: list[str] = []
+    for _, indices in rows:
+        for slot in range(group_size):
+            if slot < len(indices):
+                index = indices[slot]
+                cells.append(array[index])
+                captions.append(format_caption(rewards[index], advantages[index]))
+            else:
+                cells.append(None)
+                captions.append("")
+    grid = make_grid(cells, group_size, captions=captions, row_labels=[p for p, _ in rows], upscale=upscale)
+    grid_path = samples_dir / f"{stem}.png"
+    save_png(grid, grid_path)
+    save_json(
+        {"epoch": int(epoch), "group_size": int(group_size), "grid": grid_path.name, "records": records},
+        samples_dir / f"{stem}.json",
+    )
+    return grid_path

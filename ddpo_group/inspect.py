@@ -1,0 +1,505 @@
+"""Run inspection: one self-contained HTML report for a run directory (or two, side by side).
+
+The report shows the run's config, reward curves (reward_mean +- reward_std, each
+reward/<component>), kl / loss / clipfrac and the other scalar metrics that were logged,
+the time per phase, the per-epoch sample grids, and for a few prompts the best and worst
+samples of the last logged epoch with their rewards and advantages. Every image is embedded
+as a base64 data URI, so the single .html file can be moved and opened anywhere.
+
+A run directory is what the trainer writes (docs/CONTRACTS.md, "run directory"):
+
+    run_dir/metrics.jsonl          one JSON object per epoch (required)
+    run_dir/config.json            the run's config (optional)
+    run_dir/samples/epoch_XXXX.png / .json / epoch_XXXX/NNN.png   (ddpo_group.grids, optional)
+
+Entry point: `ddpo-group-inspect` / scripts/inspect_run.py (ddpo_group.cli.inspect_main).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+RUN_DIR_HELP = (
+    "expected a run directory written by the trainer (logdir/run_name) containing metrics.jsonl "
+    "(one JSON object per epoch), and optionally config.json and samples/"
+)
+# Panels after the reward panels, in this order, when the key was logged.
+SCALAR_KEYS = ("kl", "approx_kl", "clipfrac", "loss")
+SCALAR_PREFIXES = ("group/", "tracker/", "critic/")
+TIME_KEYS = ("time/sample", "time/reward", "time/train")
+RUN_STYLES = ("-", "--")
+_SAMPLE_JSON = re.compile(r"^epoch_(\d+)\.json$")
+_SAMPLE_PNG = re.compile(r"^epoch_(\d+)\.png$")
+
+
+@dataclass
+class RunData:
+    """What the report reads from one run directory."""
+
+    path: Path
+    config: dict | None
+    metrics: list[dict]
+    grids: dict[int, Path] = field(default_factory=dict)  # epoch -> samples/epoch_XXXX.png
+    sample_files: dict[int, Path] = field(default_factory=dict)  # epoch -> samples/epoch_XXXX.json
+    name: str = ""  # label in legends and headings; the folder name by default
+
+    def __post_init__(self):
+        self.name = self.name or self.path.name
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Parse metrics.jsonl: one JSON object per line (blank lines skipped)."""
+    path = Path(path)
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path} line {line_number}: not valid JSON ({err.msg}); "
+                    "metrics.jsonl must hold one JSON object per line"
+                ) from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{path} line {line_number}: expected a JSON object like "
+                    f'{{"epoch": 0, "reward_mean": ...}}, got {type(row).__name__}'
+                )
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
+
+
+def load_run(run_dir: str | os.PathLike) -> RunData:
+    """Read metrics.jsonl, config.json (if present) and the list of sample epochs of a run."""
+    path = Path(run_dir)
+    if not path.exists():
+        raise ValueError(f"run directory {path} does not exist; {RUN_DIR_HELP}")
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory; {RUN_DIR_HELP}")
+    metrics_path = path / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise ValueError(f"{metrics_path} not found; {RUN_DIR_HELP}")
+    metrics = read_metrics(metrics_path)
+    config_path = path / "config.json"
+    config = _read_json(config_path) if config_path.is_file() else None
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    run = RunData(path=path, config=config, metrics=metrics)
+    samples_dir = path / "samples"
+    if samples_dir.is_dir():
+        for entry in sorted(samples_dir.iterdir()):
+            if match := _SAMPLE_PNG.match(entry.name):
+                run.grids[int(match.group(1))] = entry
+            elif match := _SAMPLE_JSON.match(entry.name):
+                run.sample_files[int(match.group(1))] = entry
+    return run
+
+
+def read_sample_records(run: RunData, epoch: int) -> list[dict]:
+    """Records of samples/epoch_XXXX.json, each with `image_path` (absolute Path) added."""
+    path = run.sample_files[epoch]
+    document = _read_json(path)
+    records = document.get("records") if isinstance(document, dict) else document
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: expected a list of records or an object with a 'records' list")
+    out = []
+    for i, record in enumerate(records):
+        if not isinstance(record, dict) or "prompt" not in record or "reward" not in record:
+            raise ValueError(f"{path}: record {i} must be an object with at least 'prompt' and 'reward'")
+        record = dict(record)
+        image = record.get("image")
+        record["image_path"] = path.parent / image if image else None
+        out.append(record)
+    return out
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def metric_series(metrics: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
+    """(x, y) of a metric over the rows that logged a finite number for it; x = epoch (row index if absent)."""
+    xs, ys = [], []
+    for i, row in enumerate(metrics):
+        y = _number(row.get(key))
+        if y is None:
+            continue
+        x = _number(row.get("epoch"))
+        xs.append(i if x is None else x)
+        ys.append(y)
+    return xs, ys
+
+
+def _keys_in_order(runs: Sequence[RunData]) -> list[str]:
+    """Metric keys to plot after reward_mean, in report order, each logged by at least one run."""
+    seen: list[str] = []
+    for run in runs:
+        for row in run.metrics:
+            for key in row:
+                if key not in seen and _number(row[key]) is not None:
+                    seen.append(key)
+    components = sorted(k for k in seen if k.startswith("reward/"))
+    scalars = [k for k in SCALAR_KEYS if k in seen]
+    prefixed = [k for prefix in SCALAR_PREFIXES for k in sorted(seen) if k.startswith(prefix)]
+    rest = [k for k in ("peak_rss_mb",) if k in seen]
+    return components + scalars + prefixed + rest
+
+
+def _png_data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+
+
+def _figure_png(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    return buffer.getvalue()
+
+
+def _new_axes(title: str):
+    # Figure + Agg canvas directly: no pyplot, no global backend switch in the caller's process.
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(4.6, 3.0), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("epoch", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def plot_curves(runs: Sequence[RunData]) -> list[tuple[str, bytes]]:
+    """One PNG per metric panel: reward_mean +- reward_std, then each other logged scalar (runs overlaid)."""
+    panels = []
+    colors = ("tab:blue", "tab:orange")
+    if any(metric_series(run.metrics, "reward_mean")[0] for run in runs):
+        fig, ax = _new_axes("reward_mean +- reward_std")
+        for i, run in enumerate(runs):
+            xs, means = metric_series(run.metrics, "reward_mean")
+            if not xs:
+                continue
+            ax.plot(xs, means, RUN_STYLES[i], color=colors[i], label=run.name, marker="." if len(xs) < 30 else None)
+            by_epoch = dict(zip(*metric_series(run.metrics, "reward_std")))
+            band = [(x, m, by_epoch[x]) for x, m in zip(xs, means) if x in by_epoch]
+            if band:
+                bx, bm, bs = zip(*band)
+                ax.fill_between(bx, [m - s for m, s in zip(bm, bs)], [m + s for m, s in zip(bm, bs)],
+                                color=colors[i], alpha=0.2)
+        ax.legend(fontsize=8)
+        panels.append(("reward_mean +- reward_std", _figure_png(fig)))
+    for key in _keys_in_order(runs):
+        fig, ax = _new_axes(key)
+        for i, run in enumerate(runs):
+            xs, ys = metric_series(run.metrics, key)
+            if xs:
+                ax.plot(xs, ys, RUN_STYLES[i], color=colors[i], label=run.name, marker="." if len(xs) < 30 else None)
+        ax.legend(fontsize=8)
+        panels.append((key, _figure_png(fig)))
+    return panels
+
+
+def plot_times(runs: Sequence[RunData]) -> bytes | None:
+    """Seconds per phase (time/sample, time/reward, time/train) per epoch; None when none was logged."""
+    if not any(metric_series(run.metrics, key)[0] for run in runs for key in TIME_KEYS):
+        return None
+    fig, ax = _new_axes("time per phase (s)")
+    fig.set_size_inches(6.0, 3.2)
+    for i, run in enumerate(runs):
+        for key, color in zip(TIME_KEYS, ("tab:green", "tab:purple", "tab:red")):
+            xs, ys = metric_series(run.metrics, key)
+            if xs:
+                label = key if len(runs) == 1 else f"{run.name}: {key}"
+                ax.plot(xs, ys, RUN_STYLES[i], color=color, label=label)
+    ax.legend(fontsize=7)
+    return _figure_png(fig)
+
+
+def _mean_reward_by_prompt(records: Sequence[dict]) -> dict[str, float]:
+    sums: dict[str, list[float]] = {}
+    for record in records:
+        reward = _number(record.get("reward"))
+        if reward is not None:
+            sums.setdefault(record["prompt"], []).append(reward)
+    return {prompt: sum(v) / len(v) for prompt, v in sums.items()}
+
+
+def choose_prompts(run: RunData, num_prompts: int = 3) -> list[str]:
+    """The `num_prompts` prompts of the last sample epoch whose mean reward changed most.
+
+    change(p) = |mean reward of p in the last sample epoch - mean reward of p in the first|;
+    prompts absent from the first epoch (or a single sample epoch) rank after, by first appearance.
+    """
+    if not run.sample_files:
+        return []
+    epochs = sorted(run.sample_files)
+    last = read_sample_records(run, epochs[-1])
+    order = list(dict.fromkeys(record["prompt"] for record in last))
+    last_means = _mean_reward_by_prompt(last)
+    first_means = _mean_reward_by_prompt(read_sample_records(run, epochs[0])) if len(epochs) > 1 else {}
+
+    def rank(item: tuple[int, str]):
+        position, prompt = item
+        if prompt in first_means and prompt in last_means:
+            return (0, -abs(last_means[prompt] - first_means[prompt]), position)
+        return (1, 0.0, position)
+
+    return [prompt for _, prompt in sorted(enumerate(order), key=rank)[:num_prompts]]
+
+
+def _e(text: Any) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _img(data_uri: str, alt: str, css_class: str = "") -> str:
+    cls = f' class="{css_class}"' if css_class else ""
+    return f'<img{cls} src="{data_uri}" alt="{_e(alt)}">'
+
+
+def _file_img(path: Path | None, alt: str, css_class: str = "") -> str:
+    if path is None or not path.is_file():
+        return f'<span class="missing">missing image: {_e(path)}</span>'
+    return _img(_png_data_uri(path.read_bytes()), alt, css_class)
+
+
+def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(config, dict):
+        return {prefix: config}
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _fmt(value: Any) -> str:
+    number = _number(value)
+    if number is None:
+        return "" if value is None else str(value)
+    return f"{number:.4g}"
+
+
+def _config_section(runs: Sequence[RunData]) -> str:
+    parts = ["<h2>Config</h2>"]
+    if len(runs) == 2 and all(run.config is not None for run in runs):
+        flat = [_flatten(run.config) for run in runs]
+        keys = sorted(set(flat[0]) | set(flat[1]))
+        differ = [k for k in keys if flat[0].get(k, "<absent>") != flat[1].get(k, "<absent>")]
+        rows = "".join(
+            f"<tr><td>{_e(k)}</td><td>{_e(flat[0].get(k, '<absent>'))}</td><td>{_e(flat[1].get(k, '<absent>'))}</td></tr>"
+            for k in differ
+        )
+        parts.append(
+            f"<h3>Differences ({len(differ)})</h3><table><tr><th>key</th><th>{_e(runs[0].name)}</th>"
+            f"<th>{_e(runs[1].name)}</th></tr>{rows}</table>"
+        )
+    cells = []
+    for run in runs:
+        body = (
+            f"<pre>{_e(json.dumps(run.config, indent=2, sort_keys=True, default=str))}</pre>"
+            if run.config is not None
+            else f"<p>no config.json in {_e(run.path)}</p>"
+        )
+        cells.append(f'<div class="col"><details><summary>{_e(run.name)}: config.json</summary>{body}</details></div>')
+    parts.append(f'<div class="cols">{"".join(cells)}</div>')
+    return "\n".join(parts)
+
+
+def _summary_section(runs: Sequence[RunData]) -> str:
+    keys = ["epoch", "global_step", "num_processes", "num_samples", "reward_mean", "reward_std", "kl", "loss"]
+    header = "".join(f"<th>{_e(run.name)} first</th><th>{_e(run.name)} last</th>" for run in runs)
+    rows = []
+    for key in keys:
+        values = []
+        for run in runs:
+            logged = [row[key] for row in run.metrics if key in row]
+            values += [_fmt(logged[0]) if logged else "", _fmt(logged[-1]) if logged else ""]
+        if any(values):
+            rows.append(f"<tr><td>{_e(key)}</td>" + "".join(f"<td>{_e(v)}</td>" for v in values) + "</tr>")
+    counts = ", ".join(f"{_e(run.name)}: {len(run.metrics)} rows" for run in runs)
+    return f"<h2>Summary</h2><p>metrics.jsonl: {counts}</p><table><tr><th>metric</th>{header}</tr>{''.join(rows)}</table>"
+
+
+def _curves_section(runs: Sequence[RunData]) -> str:
+    panels = plot_curves(runs)
+    parts = ["<h2>Curves</h2>"]
+    if not panels:
+        parts.append("<p>no numeric metrics logged yet</p>")
+    parts.append('<div class="panels">' + "".join(_img(_png_data_uri(png), key, "plot") for key, png in panels) + "</div>")
+    times = plot_times(runs)
+    if times is not None:
+        parts.append("<h3>Time per phase</h3>" + _img(_png_data_uri(times), "time per phase", "plot"))
+    return "\n".join(parts)
+
+
+def _grids_section(runs: Sequence[RunData]) -> str:
+    epochs = sorted(set().union(*(run.grids for run in runs)))
+    parts = ["<h2>Sample grids</h2>"]
+    if not epochs:
+        return parts[0] + "<p>no sample grids (samples/epoch_XXXX.png) in this run</p>"
+    for epoch in epochs:
+        cells = []
+        for run in runs:
+            content = _file_img(run.grids[epoch], f"{run.name} epoch {epoch}", "grid") if epoch in run.grids else "<p>no grid</p>"
+            label = f"<h4>{_e(run.name)}</h4>" if len(runs) > 1 else ""
+            cells.append(f'<div class="col">{label}{content}</div>')
+        parts.append(f'<h3>epoch {epoch}</h3><div class="cols">{"".join(cells)}</div>')
+    return "\n".join(parts)
+
+
+def _sample_cell(record: dict) -> str:
+    advantage = _number(record.get("advantage"))
+    caption = f"r={record['reward']:.3f} a={'n/a' if advantage is None else f'{advantage:+.2f}'}"
+    image = _file_img(record.get("image_path"), f"sample {record.get('index', '')}", "sample")
+    return f'<figure>{image}<figcaption>{_e(caption)}</figcaption></figure>'
+
+
+def _prompts_section(runs: Sequence[RunData], prompts: Sequence[str], top_k: int) -> str:
+    parts = [f"<h2>Best and worst samples (last sample epoch, top {top_k})</h2>"]
+    if not prompts:
+        return parts[0] + "<p>no sample records (samples/epoch_XXXX.json) to choose prompts from</p>"
+    last_records = {}
+    for run in runs:
+        if run.sample_files:
+            epoch = max(run.sample_files)
+            last_records[run.name] = (epoch, read_sample_records(run, epoch))
+    for prompt in prompts:
+        parts.append(f"<h3>{_e(prompt)}</h3>")
+        cells = []
+        for run in runs:
+            if run.name not in last_records:
+                cells.append(f'<div class="col"><p>{_e(run.name)}: no sample records</p></div>')
+                continue
+            epoch, records = last_records[run.name]
+            mine = [r for r in records if r["prompt"] == prompt and _number(r.get("reward")) is not None]
+            header = f"<h4>{_e(run.name)}, epoch {epoch}</h4>" if len(runs) > 1 else f"<h4>epoch {epoch}</h4>"
+            if not mine:
+                cells.append(f'<div class="col">{header}<p>not sampled in this epoch</p></div>')
+                continue
+            ranked = sorted(mine, key=lambda r: r["reward"], reverse=True)
+            best = "".join(_sample_cell(r) for r in ranked[:top_k])
+            worst = "".join(_sample_cell(r) for r in ranked[::-1][:top_k])
+            cells.append(
+                f'<div class="col">{header}<p>best</p><div class="row">{best}</div>'
+                f'<p>worst</p><div class="row">{worst}</div></div>'
+            )
+        parts.append(f'<div class="cols">{"".join(cells)}</div>')
+    return "\n".join(parts)
+
+
+CSS = """
+body { font-family: sans-serif; margin: 1.5em; color: #222; }
+table { border-collapse: collapse; font-size: 0.85em; margin-bottom: 1em; }
+td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
+.cols { display: flex; gap: 1.5em; align-items: flex-start; }
+.col { flex: 1; min-width: 0; }
+.panels { display: flex; flex-wrap: wrap; gap: 0.5em; }
+img.grid { max-width: 100%; image-rendering: pixelated; }
+img.sample { width: 96px; image-rendering: pixelated; }
+.row { display: flex; flex-wrap: wrap; gap: 6px; }
+figure { margin: 0; font-size: 0.8em; text-align: center; }
+pre { font-size: 0.8em; background: #f6f6f6; padding: 0.5em; overflow-x: auto; }
+.missing { color: #a00; font-size: 0.8em; }
+"""
+
+
+def build_report(
+    run_dir: str | os.PathLike,
+    compare: str | os.PathLike | None = None,
+    prompts: Sequence[str] | None = None,
+    top_k: int = 4,
+    num_prompts: int = 3,
+) -> str:
+    """The HTML text of the report for `run_dir` (and `compare` side by side, if given).
+
+    prompts: prompts to show best/worst samples for; None = `choose_prompts(run, num_prompts)`
+    of the first run (of the second when the first has no sample records).
+    """
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    runs = [load_run(run_dir)] + ([load_run(compare)] if compare is not None else [])
+    if len(runs) == 2 and runs[0].name == runs[1].name:
+        # Same folder name under two logdirs: tell them apart in legends and headings.
+        for run in runs:
+            resolved = run.path.resolve()
+            run.name = f"{resolved.parent.name}/{resolved.name}"
+    if prompts is None:
+        chosen: list[str] = []
+        for run in runs:
+            chosen = chosen or choose_prompts(run, num_prompts)
+    else:
+        chosen = list(prompts)
+        known = set()
+        for run in runs:
+            if run.sample_files:
+                known |= {r["prompt"] for r in read_sample_records(run, max(run.sample_files))}
+        unknown = [p for p in chosen if p not in known]
+        if unknown:
+            examples = ", ".join(repr(p) for p in sorted(known)[:5]) or "none (no samples/epoch_XXXX.json)"
+            raise ValueError(
+                f"prompts: {unknown!r} not sampled in the last sample epoch of "
+                f"{' or '.join(str(run.path) for run in runs)}; prompts there include: {examples}"
+            )
+    title = " vs ".join(run.name for run in runs)
+    body = [
+        f"<h1>ddpo-group run report: {_e(title)}</h1>",
+        "<p>" + "<br>".join(_e(run.path) for run in runs) + "</p>",
+        _summary_section(runs),
+        _config_section(runs),
+        _curves_section(runs),
+        _grids_section(runs),
+        _prompts_section(runs, chosen, top_k),
+    ]
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{_e(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+
+
+def write_report(
+    run_dir: str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    compare: str | os.PathLike | None = None,
+    prompts: Sequence[str] | None = None,
+    top_k: int = 4,
+) -> Path:
+    """Build the report and write it (atomically) to `output`; default run_dir/report.html,
+    or run_dir/report_vs_<compare name>.html with `compare`. Returns the path written."""
+    from ddpo_group.grids import atomic_write
+
+    text = build_report(run_dir, compare=compare, prompts=prompts, top_k=top_k)
+    if output is None:
+        name = "report.html" if compare is None else f"report_vs_{Path(compare).resolve().name}.html"
+        output = Path(run_dir) / name
+    output = Path(output)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    atomic_write(output, write)
+    return output
