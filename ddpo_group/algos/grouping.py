@@ -15,7 +15,7 @@ import math
 import torch
 
 from ddpo_group.algos.advantages import (
-    _option,
+    estimator_option,
     compute_gae_advantages,
     compute_grpo_advantages,
     register_adv_est,
@@ -379,25 +379,25 @@ def group_ppo_estimator(
             rewards,
             prompt_ids,
             mask,
-            norm_by_std=bool(_option("norm_by_std", options, config, True)),
-            eps=float(_option("eps", options, config, 1e-6)),
+            norm_by_std=bool(estimator_option("norm_by_std", options, config, True)),
+            eps=float(estimator_option("eps", options, config, 1e-6)),
         )
-    threshold = options["threshold"] if "threshold" in options else _option("variance_threshold", {}, config, 1.0)
+    threshold = options["threshold"] if "threshold" in options else estimator_option("variance_threshold", {}, config, 1.0)
     mask = torch.as_tensor(mask)
     advantages, returns = compute_gae_advantages(
         token_level_rewards,
         values,
         mask,
-        gamma=float(_option("gamma", options, config, 1.0)),
-        lam=float(_option("lam", options, config, 0.95)),
+        gamma=float(estimator_option("gamma", options, config, 1.0)),
+        lam=float(estimator_option("lam", options, config, 0.95)),
     )
     endpoint_mask, group_ids = find_group_endpoints(
         advantages,
         outcome_advantages,
         mask,
         threshold,
-        _option("max_group_size", options, config, 16),
-        eps=float(_option("eps", options, config, 1e-6)),
+        estimator_option("max_group_size", options, config, 16),
+        eps=float(estimator_option("eps", options, config, 1e-6)),
     )
     info = options.get("info")
     if info is not None:
