@@ -6,7 +6,29 @@ import argparse
 import sys
 from typing import Sequence
 
-# train_main (ddpo-group-train) goes here.
+
+def train_main(argv: Sequence[str] | None = None) -> None:
+    """ddpo-group-train / scripts/train.py: `--config config/grpo.py[:VARIANT] [--config.FIELD=VALUE ...]`.
+
+    The default config is config/grpo.py:tiny of the checkout this package lives in.
+    """
+    import os
+
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    from ddpo_group.config_check import base_config_path
+
+    default = os.path.join(os.path.dirname(base_config_path()), "grpo.py:tiny")
+    if "config" not in flags.FLAGS:
+        config_flags.DEFINE_config_file("config", default, "Training configuration (FILE[:VARIANT]).")
+
+    def main(_):
+        from ddpo_group.trainer import train
+
+        train(flags.FLAGS.config)
+
+    app.run(main, argv=list(argv) if argv is not None else None)
 
 
 def inspect_main(argv: Sequence[str] | None = None) -> int:

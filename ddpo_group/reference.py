@@ -1,0 +1,95 @@
+"""The reference policy pi_ref of the KL term, refreshed by "mixup" (DESIGN section 6).
+
+    theta_ref <- alpha * theta + (1 - alpha) * theta_ref     every `update_freq` optimizer steps
+
+alpha = 1 is a hard sync, update_freq = 0 never updates (pi_ref stays the initial policy).
+The reference starts equal to the initial policy. With LoRA and no mixup it is the base
+model with the adapters disabled, which costs no memory; otherwise it is a frozen copy of
+the trainable parameters only, swapped in with `torch.func.functional_call` (the frozen
+weights are shared with the policy).
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+
+class ReferencePolicy:
+    """Callable like the UNet: `ref(sample, t, encoder_hidden_states=...)` runs pi_ref without gradients."""
+
+    def __init__(self, unet, use_lora, mixup_alpha=1.0, update_freq=0):
+        if not 0.0 < mixup_alpha <= 1.0:
+            raise ValueError(f"train.reference_model_mixup_alpha must be in (0, 1], got {mixup_alpha}")
+        if update_freq < 0:
+            raise ValueError(f"train.reference_update_freq must be >= 0 (0: never), got {update_freq}")
+        self.unet = unet
+        self.mixup_alpha = float(mixup_alpha)
+        self.update_freq = int(update_freq)
+        self.uses_disabled_adapters = bool(use_lora) and self.update_freq == 0
+        self.params = {}
+        if not self.uses_disabled_adapters:
+            self.params = {
+                name: param.detach().clone() for name, param in unet.named_parameters() if param.requires_grad
+            }
+        self.num_syncs = 0
+        self.steps_since_sync = 0
+
+    @torch.no_grad()
+    def __call__(self, *args, **kwargs):
+        if self.uses_disabled_adapters:
+            with adapters_disabled(self.unet):
+                return self.unet(*args, **kwargs)
+        return torch.func.functional_call(self.unet, self.params, args, kwargs, strict=False)
+
+    @torch.no_grad()
+    def mixup(self):
+        """theta_ref <- alpha * theta + (1 - alpha) * theta_ref on the trainable parameters."""
+        if self.uses_disabled_adapters:
+            return
+        current = dict(self.unet.named_parameters())
+        for name, ref_param in self.params.items():
+            ref_param.mul_(1.0 - self.mixup_alpha).add_(current[name].detach().to(ref_param.dtype), alpha=self.mixup_alpha)
+        self.num_syncs += 1
+        self.steps_since_sync = 0
+
+    def on_optimizer_step(self):
+        """Count an optimizer step; mix up when `update_freq` steps have passed. Returns True on a sync."""
+        self.steps_since_sync += 1
+        if self.update_freq > 0 and self.steps_since_sync >= self.update_freq:
+            self.mixup()
+            return True
+        return False
+
+    def metrics(self):
+        return {"ref/num_syncs": self.num_syncs, "ref/steps_since_sync": self.steps_since_sync}
+
+    def state_dict(self):
+        """Counters and the reference parameters (empty when the reference is the adapter-free base)."""
+        return {
+            "num_syncs": self.num_syncs,
+            "steps_since_sync": self.steps_since_sync,
+            "params": {name: p.detach().cpu().contiguous() for name, p in self.params.items()},
+        }
+
+    def load_state_dict(self, state):
+        self.num_syncs = int(state["num_syncs"])
+        self.steps_since_sync = int(state["steps_since_sync"])
+        params = state.get("params", {})
+        if self.params and set(params) != set(self.params):
+            missing = sorted(set(self.params) - set(params))[:3]
+            raise ValueError(
+                f"reference checkpoint does not match the model: missing parameters such as {missing}; "
+                "was it written with other use_lora / lora_rank settings?"
+            )
+        for name, value in params.items():
+            self.params[name].copy_(value)
+
+
+@contextmanager
+def adapters_disabled(unet):
+    """Run the peft-adapted UNet as its base model inside the block."""
+    unet.disable_adapters()
+    try:
+        yield unet
+    finally:
+        unet.enable_adapters()

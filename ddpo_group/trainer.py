@@ -1,0 +1,878 @@
+"""The epoch loop on Accelerate (DESIGN section 7).
+
+One epoch, in the order it happens (each phase one method of `Trainer`):
+
+    sample_epoch        num_batches_per_epoch x batch_size trajectories per process, group_size images
+                        per prompt (the copies of a prompt may sit on different processes); rewards run in
+                        a thread pool while the next batch samples
+    gather              rewards, reward components, prompt ids (and critic values) of all processes
+    compute_advantages  PerPromptStatTracker ("ddpo") or a registered estimator (grpo, rloo, gae,
+                        group_ppo) on the gathered batch; each process keeps its own slice
+    train_epoch         num_inner_epochs passes over shuffled samples; the selected steps of each
+                        trajectory (all | fraction | endpoints) are re-scored one step at a time with
+                        gradients, losses back-propagated per step and accumulated over steps and
+                        micro-batches; one clipped optimizer step per gradient_accumulation_steps
+                        micro-batches; reference mixup after each optimizer step
+    update_critic       gae / group_ppo: clipped value loss (endpoints only for group_ppo)
+    log / save          metrics.jsonl, trackers, sample grids, atomic checkpoints
+
+Per-step back-propagation keeps memory at one UNet activation set whatever T is. The loss of a
+micro-batch is a function of its (b, K) matrix of step log-probs; step k's backward uses that
+matrix with column k live and every other column detached, so the gradients summed over the
+steps are exactly the gradient of the whole loss. Losses that couple the steps of a sequence
+(gspo, geo_mean) first compute every column without gradients.
+"""
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import time
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, set_seed
+from tqdm.auto import tqdm
+
+from ddpo_group.algos import advantages as adv_lib
+from ddpo_group.algos import grouping
+from ddpo_group.algos.losses import agg_loss, compute_value_loss, gaussian_kl, get_policy_loss, kl_penalty
+from ddpo_group.config_check import CRITIC_ESTIMATORS, check_config
+from ddpo_group.diffusion.loading import load_pipeline
+from ddpo_group.diffusion.sampling import Trajectories, sample_trajectories, step_log_prob
+from ddpo_group.prompts import load_prompts
+from ddpo_group.reference import ReferencePolicy
+from ddpo_group.stat_tracking import PerPromptStatTracker
+
+logger = logging.getLogger("ddpo_group")
+
+# Losses whose per-step gradient depends on the other steps' current log-probs.
+SEQUENCE_LOSSES = ("gspo", "geo_mean")
+CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names the path and the fix."""
+
+
+@dataclasses.dataclass
+class LossConfig:
+    """The attributes a registered policy loss reads (DESIGN section 9)."""
+
+    clip_ratio: float
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    loss_agg_mode: str
+
+
+def make_accelerator(config, run_dir):
+    """An Accelerator for GPUs, one CPU, or several CPU processes (gloo) under torchrun / accelerate launch."""
+    log_with = None if config.log_with == "none" else config.log_with
+    if log_with == "wandb" and "WANDB_MODE" not in os.environ and not _network_reachable("api.wandb.ai", 443):
+        os.environ["WANDB_MODE"] = "offline"
+    return Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=config.mixed_precision,
+        log_with=log_with,
+        project_config=ProjectConfiguration(
+            project_dir=run_dir, logging_dir=os.path.join(run_dir, "tensorboard"), automatic_checkpoint_naming=False
+        ),
+    )
+
+
+def _network_reachable(host, port, timeout=2.0):
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def draw_prompt_indices(num_prompts, total, group_size, seed, epoch, batch_index):
+    """The K-repeat sampler: total // group_size distinct prompts, each repeated group_size times, shuffled.
+
+    Every process draws the same list (same seed) and takes its own contiguous slice, so the copies
+    of one prompt are spread over processes.
+    """
+    rng = np.random.default_rng([seed, epoch, batch_index])
+    num_groups = total // group_size
+    chosen = rng.choice(num_prompts, size=num_groups, replace=num_groups > num_prompts)
+    return np.repeat(chosen, group_size)[rng.permutation(total)]
+
+
+def find_checkpoint(path):
+    """A checkpoint_N directory, or the latest complete one under path/checkpoints or path."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"config.resume_from={path!r} does not exist; give a run directory or a checkpoint_N")
+    if CHECKPOINT_RE.match(os.path.basename(path)):
+        candidates = [path]
+    else:
+        root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+        names = [n for n in os.listdir(root) if CHECKPOINT_RE.match(n)]
+        candidates = [os.path.join(root, n) for n in sorted(names, key=lambda n: -int(CHECKPOINT_RE.match(n)[1]))]
+    if not candidates:
+        raise CheckpointError(f"config.resume_from={path!r} holds no checkpoint_N directory to resume from")
+    checkpoint = candidates[0]
+    state_path = os.path.join(checkpoint, TRAINER_STATE)
+    try:
+        with open(state_path) as f:
+            state = json.load(f)
+        int(state["epoch"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} is incomplete or corrupt ({state_path}: {err}); delete it or point "
+            "config.resume_from at an earlier checkpoint_N"
+        ) from err
+    return checkpoint, state
+
+
+def _write_json_atomic(path, obj):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=float)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class Trainer:
+    """Builds everything from a config (models, optimizer, rewards, prompts) and runs the epochs."""
+
+    def __init__(self, config):
+        self.config = config
+        check_config(config, has_gpu=torch.cuda.is_available())
+        self._resume_checkpoint, self._resume_state = (None, None)
+        if config.resume_from:
+            self._resume_checkpoint, self._resume_state = find_checkpoint(config.resume_from)
+            self.run_dir = os.path.dirname(os.path.dirname(self._resume_checkpoint))
+        else:
+            run_name = config.run_name or datetime.datetime.now().strftime("%Y.%m.%d_%H.%M.%S")
+            self.run_dir = os.path.abspath(os.path.join(config.logdir, run_name))
+        self.accelerator = make_accelerator(config, self.run_dir)
+        acc = self.accelerator
+        check_config(config, num_processes=acc.num_processes, has_gpu=torch.cuda.is_available())
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+        if acc.is_main_process:
+            os.makedirs(self.run_dir, exist_ok=True)
+            _write_json_atomic(os.path.join(self.run_dir, "config.json"), config.to_dict())
+        acc.wait_for_everyone()
+        set_seed(config.seed, device_specific=True)
+        if config.allow_tf32 and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = True
+
+        # Rewards and prompts first: a missing reward model fails before any diffusion model loads.
+        from ddpo_group.rewards import AsyncRewardRunner, build_reward_fn
+
+        self.reward_fn = build_reward_fn(
+            config.reward_fn or None,
+            config.reward_weights.to_dict() or None,
+            reward_workers=config.reward_workers,
+            reward_kwargs=config.reward_kwargs.to_dict() or None,
+            reward_aggregation=config.reward_aggregation,
+            device=self.accelerator.device,
+        )
+        self.reward_fn.check_ready()
+        self.reward_runner = AsyncRewardRunner(self.reward_fn, config.reward_workers)
+        self.prompts = load_prompts(config.prompt_fn, **dict(config.prompt_fn_kwargs))
+
+        self._build_models()
+        self._build_algorithm_state()
+        self.first_epoch, self.global_step, self.skipped_steps = 0, 0, 0
+        if self._resume_checkpoint:
+            self._load_checkpoint()
+        self.stop_requested = False
+
+    # ------------------------------------------------------------------ set-up
+    def _build_models(self):
+        config, acc = self.config, self.accelerator
+        self.pipeline = load_pipeline(config.pretrained.model, revision=config.pretrained.revision or None)
+        pipe = self.pipeline
+        pipe.set_progress_bar_config(disable=True)
+        pipe.safety_checker = None
+        inference_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
+        pipe.vae.requires_grad_(False)
+        pipe.text_encoder.requires_grad_(False)
+        pipe.vae.to(acc.device, dtype=inference_dtype)
+        pipe.text_encoder.to(acc.device, dtype=inference_dtype)
+        unet = pipe.unet
+        if config.use_lora:
+            from peft import LoraConfig
+
+            unet.requires_grad_(False)
+            unet.to(acc.device, dtype=inference_dtype)
+            unet.add_adapter(
+                LoraConfig(
+                    r=config.lora_rank,
+                    lora_alpha=config.lora_alpha or config.lora_rank,
+                    init_lora_weights="gaussian",
+                    target_modules=["to_k", "to_q", "to_v", "to_out.0"],
+                )
+            )
+            for param in unet.parameters():
+                if param.requires_grad:
+                    param.data = param.data.float()
+        else:
+            unet.requires_grad_(True)
+            unet.to(acc.device, dtype=torch.float32)
+        self.unet_module = unet
+        self.trainable_params = [p for p in unet.parameters() if p.requires_grad]
+        if config.train.use_8bit_adam:
+            try:
+                import bitsandbytes as bnb
+            except ImportError as err:
+                raise ImportError(
+                    "config.train.use_8bit_adam=True needs bitsandbytes: `pip install bitsandbytes` (GPU only), "
+                    "or set --config.train.use_8bit_adam=False"
+                ) from err
+            optimizer_cls = bnb.optim.AdamW8bit
+        else:
+            optimizer_cls = torch.optim.AdamW
+        t = config.train
+        optimizer = optimizer_cls(
+            self.trainable_params,
+            lr=t.learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            weight_decay=t.adam_weight_decay,
+            eps=t.adam_epsilon,
+        )
+        self.reference = None
+        if t.use_reference_model:
+            self.reference = ReferencePolicy(
+                unet, config.use_lora, t.reference_model_mixup_alpha, t.reference_update_freq
+            )
+        self.critic = self.critic_module = self.critic_optimizer = None
+        acc.register_save_state_pre_hook(self._save_model_hook)
+        acc.register_load_state_pre_hook(self._load_model_hook)
+        if config.algorithm.adv_estimator in CRITIC_ESTIMATORS:
+            from ddpo_group.critic import ValueNetwork
+
+            self.critic_module = ValueNetwork(
+                latent_channels=unet.config.in_channels,
+                prompt_dim=pipe.text_encoder.config.hidden_size,
+                hidden=config.critic.hidden,
+            ).to(acc.device)
+            critic_optimizer = torch.optim.AdamW(self.critic_module.parameters(), lr=config.critic.learning_rate)
+            self.unet, self.optimizer, self.critic, self.critic_optimizer = acc.prepare(
+                unet, optimizer, self.critic_module, critic_optimizer
+            )
+        else:
+            self.unet, self.optimizer = acc.prepare(unet, optimizer)
+        pipe.unet = self.unet_module
+        self.loss_config = LossConfig(
+            clip_ratio=t.clip_range,
+            clip_ratio_low=t.clip_ratio_low if t.clip_ratio_low is not None else t.clip_range,
+            clip_ratio_high=t.clip_ratio_high if t.clip_ratio_high is not None else t.clip_range,
+            clip_ratio_c=t.clip_ratio_c,
+            loss_agg_mode=t.loss_agg_mode,
+        )
+        self.policy_loss = get_policy_loss(t.policy_loss)
+
+    def _build_algorithm_state(self):
+        config = self.config
+        names = self._reward_names()
+        tracking = config.per_prompt_stat_tracking
+        self.trackers = {
+            name: PerPromptStatTracker(tracking.buffer_size, tracking.min_count, config.algorithm.norm_adv_by_std)
+            for name in names
+        }
+        self.threshold = grouping.AdaptiveThreshold.from_config(config.group_ppo)
+
+    def _reward_names(self):
+        """Advantage streams: one ("reward") unless rewards are normalised one by one before summing."""
+        if self.config.reward_aggregation == "normalize_then_sum" and len(self.reward_fn.names) > 1:
+            return list(self.reward_fn.names)
+        return ["reward"]
+
+    # ------------------------------------------------------------------ the loop
+    def run(self):
+        config, acc = self.config, self.accelerator
+        if config.log_with != "none":
+            acc.init_trackers(
+                config.project_name,
+                config=_flatten(config.to_dict()),
+                init_kwargs={"wandb": {"name": os.path.basename(self.run_dir), "dir": self.run_dir}},
+            )
+        self._install_signal_handlers()
+        logger.info(
+            "run %s: %d processes, %d trajectories per epoch, %s", self.run_dir, acc.num_processes,
+            config.sample.batch_size * config.sample.num_batches_per_epoch * acc.num_processes,
+            config.algorithm.adv_estimator,
+        )
+        epoch = self.first_epoch
+        try:
+            bar = tqdm(range(self.first_epoch, config.num_epochs), desc="epoch", disable=not acc.is_main_process)
+            for epoch in bar:
+                if self._should_stop():
+                    break
+                metrics = {"epoch": epoch}
+                samples = self.sample_epoch(epoch, metrics)
+                if self._should_stop():
+                    break
+                self.compute_advantages(samples, metrics)
+                if config.debug_dump:
+                    self._dump_debug(epoch, samples)
+                self.train_epoch(samples, epoch, metrics)
+                if self.critic is not None:
+                    self.update_critic(samples, metrics)
+                self.log_epoch(epoch, samples, metrics)
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
+                if config.save_freq and (epoch + 1) % config.save_freq == 0 and epoch + 1 < config.num_epochs:
+                    self.save_checkpoint(epoch + 1)
+            else:
+                epoch = config.num_epochs
+            self.save_checkpoint(epoch)
+        finally:
+            self.reward_runner.shutdown()
+            acc.end_training()
+        return self.run_dir
+
+    def _install_signal_handlers(self):
+        def request_stop(signum, frame):
+            if self.stop_requested:  # a second signal exits at once
+                signal.signal(signum, signal.SIG_DFL)
+                raise KeyboardInterrupt
+            self.stop_requested = True
+            logger.warning("signal %d: finishing the current phase, then writing a final checkpoint", signum)
+
+        with contextlib.suppress(ValueError):  # not in the main thread
+            signal.signal(signal.SIGINT, request_stop)
+            signal.signal(signal.SIGTERM, request_stop)
+
+    def _should_stop(self):
+        """True on every process as soon as one process was asked to stop."""
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.gather(flag).sum().item() > 0)
+
+    # ------------------------------------------------------------------ sampling and rewards
+    def sample_epoch(self, epoch, metrics):
+        config, acc = self.config, self.accelerator
+        s = config.sample
+        total = s.batch_size * acc.num_processes
+        batches, futures = [], []
+        start = time.perf_counter()
+        for batch_index in tqdm(
+            range(s.num_batches_per_epoch), desc="sampling", leave=False, disable=not acc.is_main_process
+        ):
+            indices = draw_prompt_indices(len(self.prompts), total, s.group_size, config.seed, epoch, batch_index)
+            local = indices[acc.process_index * s.batch_size : (acc.process_index + 1) * s.batch_size]
+            records = [self.prompts[i] for i in local]
+            generator = torch.Generator().manual_seed(
+                int(np.random.default_rng([config.seed, epoch, batch_index, acc.process_index]).integers(2**62))
+            )
+            with acc.autocast():
+                trajectories = sample_trajectories(
+                    self.pipeline,
+                    [r.prompt for r in records],
+                    num_inference_steps=s.num_steps,
+                    guidance_scale=s.guidance_scale,
+                    eta=s.eta,
+                    generator=generator,
+                    prompt_ids=torch.as_tensor(local, dtype=torch.int64),
+                    negative_prompt=s.negative_prompt,
+                )
+            # rewards of this batch run in the thread pool while the next batch samples
+            futures.append(
+                self.reward_runner.submit(trajectories.images.float(), [r.prompt for r in records], [r.metadata for r in records])
+            )
+            batches.append(trajectories)
+        metrics["time/sample"] = time.perf_counter() - start
+        start = time.perf_counter()
+        results = [future.result() for future in futures]
+        metrics["time/reward"] = time.perf_counter() - start
+        samples = Trajectories.cat(batches)
+        rewards = np.concatenate([r[0] for r in results])
+        components = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
+        device = acc.device
+        samples.rewards = torch.as_tensor(rewards, dtype=torch.float32, device=device)
+        samples.components = {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in components.items()}
+        return samples
+
+    # ------------------------------------------------------------------ advantages
+    def compute_advantages(self, samples, metrics):
+        """Advantages (B_local, T) on the gathered batch of all processes; sets samples.advantages."""
+        config, acc = self.config, self.accelerator
+        start = time.perf_counter()
+        algo = config.algorithm
+        gather = acc.gather
+        rewards = gather(samples.rewards)
+        prompt_ids = gather(samples.prompt_ids.to(acc.device))
+        mask = gather(samples.mask.to(acc.device).float())
+        b_local = len(samples.prompts)
+        local = slice(acc.process_index * b_local, (acc.process_index + 1) * b_local)
+        samples.gathered_rewards = rewards
+        samples.gathered_components = {k: gather(v) for k, v in samples.components.items()}
+
+        streams = self._reward_names()
+        weights = dict(self.reward_fn.weights) if len(streams) > 1 else {"reward": 1.0}
+        stream_rewards = {"reward": rewards} if streams == ["reward"] else samples.gathered_components
+
+        def outcome_advantages(name, estimator):
+            r = stream_rewards[name]
+            if estimator == "ddpo":
+                prompts = [self.prompts[int(i)].prompt for i in prompt_ids.tolist()]
+                adv = self.trackers[name].update(prompts, r.cpu().numpy())
+                return torch.as_tensor(adv, dtype=mask.dtype, device=mask.device)[:, None] * mask
+            name = "grpo" if estimator in CRITIC_ESTIMATORS else estimator
+            options = {"norm_by_std": algo.norm_adv_by_std} if name == "grpo" else {}
+            adv, _ = adv_lib.get_adv_estimator(name)(rewards=r, prompt_ids=prompt_ids, mask=mask, **options)
+            return adv
+
+        estimator = algo.adv_estimator
+        outcome = sum(weights[name] * outcome_advantages(name, estimator) for name in streams)
+        samples.endpoint_mask = None
+        if estimator in CRITIC_ESTIMATORS:
+            from ddpo_group.critic import compute_values
+
+            with torch.no_grad():
+                values_local = compute_values(
+                    acc.unwrap_model(self.critic), samples.latents, samples.timesteps, samples.prompt_embeds,
+                    micro_batch_size=config.train.eval_micro_batch_size or None,
+                )
+            values = gather(values_local.float())
+            token_rewards = adv_lib.token_level_rewards_from_outcome(rewards, mask)
+            if estimator == "gae":
+                advantages, returns = adv_lib.compute_gae_advantages(
+                    token_rewards, values, mask, gamma=algo.gamma, lam=algo.lam
+                )
+                train_mask = mask
+            else:
+                gp = config.group_ppo
+                advantages, returns, endpoint_mask, group_ids = grouping.compute_group_ppo_advantages(
+                    token_rewards, values, mask, outcome_advantages=outcome,
+                    threshold=self.threshold.threshold, max_group_size=gp.max_group_size,
+                    gamma=algo.gamma, lam=algo.lam, eps=gp.eps,
+                )
+                metrics.update(grouping.grouping_metrics(endpoint_mask, mask, self.threshold.threshold))
+                self.threshold.update(endpoint_mask, mask)
+                samples.endpoint_mask = endpoint_mask[local]
+                train_mask = endpoint_mask.to(mask.dtype) * mask
+            samples.returns = returns[local]
+            samples.old_values = values[local]
+            samples.critic_mask = train_mask[local]
+            metrics["critic/value_mean"] = float((values * mask).sum() / mask.sum())
+        else:
+            advantages = outcome
+        advantages = advantages.clamp(-config.train.adv_clip_max, config.train.adv_clip_max)
+        samples.advantages = advantages[local]
+        samples.gathered_advantages = advantages
+        if estimator == "ddpo":
+            stats = self.trackers[streams[0]].get_stats()
+            metrics.update({f"tracker/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
+        metrics.update(_group_stats(rewards, prompt_ids))
+        metrics["time/advantages"] = time.perf_counter() - start
+
+    # ------------------------------------------------------------------ training
+    def _selected_steps(self, samples, rows, generator):
+        """Step indices (b, K) and their mask (b, K) for the trajectories `rows`."""
+        config = self.config
+        mask = samples.mask[rows].float()
+        b, T = mask.shape
+        selection = config.train.timestep_selection
+        if config.algorithm.adv_estimator == "group_ppo":
+            selection = "endpoints" if config.group_ppo.actor_tokens == "endpoints" else "all"
+        if selection == "all":
+            idx = torch.arange(T).expand(b, T)
+        elif selection == "fraction":
+            k = max(1, int(T * config.train.timestep_fraction))
+            idx = torch.stack([torch.randperm(T, generator=generator)[:k] for _ in range(b)])
+        else:
+            columns = samples.endpoint_mask.any(dim=0).nonzero().flatten().cpu()
+            idx = columns.expand(b, len(columns))
+        idx = idx.to(mask.device)
+        return idx, mask.gather(1, idx)
+
+    def _step(self, unet, samples, rows, step_index):
+        """log pi(x_{t+1} | x_t, c) for trajectories `rows` at their steps step_index (b,)."""
+        config = self.config
+        cfg = config.train.cfg and config.sample.guidance_scale > 1.0
+        latents = samples.latents[rows]
+        ar = torch.arange(len(rows), device=latents.device)
+        return step_log_prob(
+            unet,
+            self.pipeline.scheduler,
+            latents[ar, step_index],
+            latents[ar, step_index + 1],
+            samples.timesteps[rows][ar, step_index],
+            samples.prompt_embeds[rows],
+            samples.negative_prompt_embeds[rows] if cfg else None,
+            config.sample.guidance_scale if cfg else 1.0,
+            config.sample.eta,
+        )
+
+    def train_epoch(self, samples, epoch, metrics):
+        config, acc = self.config, self.accelerator
+        t = config.train
+        b_local = len(samples.prompts)
+        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch * 101 + acc.process_index)
+        kl_needed = self.reference is not None
+        info = {"loss": [], "policy_loss": [], "kl": [], "clipfrac": [], "approx_kl": [], "clipfrac_lower": []}
+        unet_calls = unet_steps = 0
+        start = time.perf_counter()
+        self.unet.train()
+        micro_batches = [
+            perm[i : i + t.batch_size]
+            for _ in range(t.num_inner_epochs)
+            for perm in [torch.randperm(b_local, generator=generator)]
+            for i in range(0, b_local, t.batch_size)
+        ]
+        bad = False
+        for n, rows in enumerate(tqdm(micro_batches, desc="training", leave=False, disable=not acc.is_main_process)):
+            rows = rows.to(samples.latents.device)
+            step_idx, step_mask = self._selected_steps(samples, rows, generator)
+            advantages = samples.advantages[rows].gather(1, step_idx)
+            old_log_probs = samples.log_probs[rows].gather(1, step_idx).float()
+            closes_window = (n + 1) % t.gradient_accumulation_steps == 0 or n + 1 == len(micro_batches)
+            base = old_log_probs
+            if t.policy_loss in SEQUENCE_LOSSES:
+                with torch.no_grad():
+                    base = torch.stack(
+                        [self._step(self.unet_module, samples, rows, step_idx[:, k])[0] for k in range(step_idx.shape[1])], 1
+                    ).float()
+                base = torch.where(step_mask > 0, base, old_log_probs)
+            live = base.clone()
+            kl_mat = torch.zeros_like(old_log_probs)
+            columns = [k for k in range(step_idx.shape[1]) if step_mask[:, k].any()]
+            for j, k in enumerate(columns):
+                with acc.autocast():
+                    log_prob, mean, std = self._step(self.unet, samples, rows, step_idx[:, k])
+                log_prob = torch.where(step_mask[:, k] > 0, log_prob.float(), old_log_probs[:, k])
+                log_probs = base.clone()
+                log_probs[:, k] = log_prob
+                loss, _ = self.policy_loss(old_log_probs, log_probs, advantages, step_mask, self.loss_config)
+                if kl_needed:
+                    with torch.no_grad(), acc.autocast():
+                        ref_log_prob, ref_mean, _ = self._step(self.reference, samples, rows, step_idx[:, k])
+                    if t.kl_type == "gaussian":
+                        kl = gaussian_kl(mean.float(), ref_mean.float(), std.float() if torch.is_tensor(std) else std)
+                    else:
+                        kl = kl_penalty(log_prob, ref_log_prob.float(), t.kl_type)
+                    kl_col = torch.zeros_like(old_log_probs)
+                    kl_col[:, k] = torch.where(step_mask[:, k] > 0, kl, torch.zeros_like(kl))
+                    if t.use_kl_loss:
+                        loss = loss + t.beta * agg_loss(kl_col, step_mask, t.loss_agg_mode)
+                    kl_mat[:, k] = kl_col[:, k].detach()
+                if not torch.isfinite(loss):
+                    bad = True
+                sync = closes_window and j == len(columns) - 1
+                with contextlib.nullcontext() if sync else acc.no_sync(self.unet):
+                    acc.backward(loss / t.gradient_accumulation_steps)
+                live[:, k] = log_prob.detach()
+                unet_calls += 1
+                unet_steps += len(rows)
+            with torch.no_grad():
+                policy_loss, loss_metrics = self.policy_loss(old_log_probs, live, advantages, step_mask, self.loss_config)
+                kl_value = agg_loss(kl_mat, step_mask, t.loss_agg_mode) if kl_needed else torch.zeros(())
+            info["policy_loss"].append(float(policy_loss))
+            info["kl"].append(float(kl_value))
+            info["loss"].append(float(policy_loss) + (t.beta * float(kl_value) if t.use_kl_loss else 0.0))
+            for key in ("clipfrac", "approx_kl", "clipfrac_lower"):
+                if key in loss_metrics:
+                    info[key].append(float(loss_metrics[key]))
+            if closes_window:
+                self._optimizer_step(bad, info)
+                bad = False
+        metrics["time/train"] = time.perf_counter() - start
+        for key, values in info.items():
+            if values and key != "grad_norm":
+                metrics[key] = float(np.mean(values))
+        if info.get("grad_norm"):
+            metrics["grad_norm"] = float(np.mean(info["grad_norm"]))
+        metrics["train/unet_calls"] = unet_calls
+        metrics["train/unet_steps_per_sample"] = unet_steps / (b_local * t.num_inner_epochs)
+        metrics["train/skipped_steps"] = self.skipped_steps
+        metrics["train/global_step"] = self.global_step
+        if self.reference is not None:
+            metrics.update(self.reference.metrics())
+            metrics["ref/kl"] = metrics["kl"]
+
+    def _optimizer_step(self, bad, info):
+        """Clip, step, zero; a step whose loss or gradient is not finite is skipped and counted."""
+        acc = self.accelerator
+        grad_norm = acc.clip_grad_norm_(self.trainable_params, self.config.train.max_grad_norm)
+        flags = acc.gather(torch.tensor([float(bad)], device=acc.device))
+        if flags.sum() > 0 or (grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm))):
+            self.skipped_steps += 1
+            logger.warning("non-finite loss or gradient: optimizer step skipped (%d so far)", self.skipped_steps)
+        else:
+            self.optimizer.step()
+            self.global_step += 1
+            if grad_norm is not None:
+                info.setdefault("grad_norm", []).append(float(grad_norm))
+            if self.reference is not None:
+                self.reference.on_optimizer_step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def update_critic(self, samples, metrics):
+        """Clipped value loss on the critic's steps (endpoints for group_ppo, every valid step for gae)."""
+        config, acc = self.config, self.accelerator
+        start = time.perf_counter()
+        b_local = len(samples.prompts)
+        generator = torch.Generator().manual_seed(config.seed + 7)
+        losses, clipfracs = [], []
+        self.critic.train()
+        for _ in range(config.critic.num_epochs):
+            perm = torch.randperm(b_local, generator=generator)
+            for i in range(0, b_local, config.train.batch_size):
+                rows = perm[i : i + config.train.batch_size].to(samples.latents.device)
+                mask = samples.critic_mask[rows]
+                r, s = mask.nonzero(as_tuple=True)
+                latents = samples.latents[rows][r, s]
+                values = self.critic(latents, samples.timesteps[rows][r, s], samples.prompt_embeds[rows][r].float())
+                loss, clipfrac = compute_value_loss(
+                    values[None], samples.returns[rows][r, s][None], samples.old_values[rows][r, s][None],
+                    torch.ones_like(values)[None], config.critic.cliprange_value,
+                )
+                acc.backward(loss)
+                acc.clip_grad_norm_(self.critic.parameters(), config.critic.max_grad_norm)
+                self.critic_optimizer.step()
+                self.critic_optimizer.zero_grad(set_to_none=True)
+                losses.append(float(loss))
+                clipfracs.append(float(clipfrac))
+        metrics["critic/value_loss"] = float(np.mean(losses))
+        metrics["critic/clipfrac"] = float(np.mean(clipfracs))
+        metrics["time/critic"] = time.perf_counter() - start
+
+    # ------------------------------------------------------------------ logging
+    def log_epoch(self, epoch, samples, metrics):
+        config, acc = self.config, self.accelerator
+        rewards = samples.gathered_rewards
+        metrics.update(
+            epoch=epoch,
+            global_step=self.global_step,
+            num_processes=acc.num_processes,
+            num_samples=int(rewards.numel()),
+            reward_mean=float(rewards.mean()),
+            reward_std=float(rewards.std(unbiased=False)),
+            peak_rss_mb=_peak_rss_mb(),
+        )
+        for name, values in samples.gathered_components.items():
+            metrics[f"reward/{name}"] = float(values.mean())
+        if torch.cuda.is_available():
+            metrics["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
+        log_images = config.log_images_every and epoch % config.log_images_every == 0
+        images = acc.gather(samples.images.float().contiguous()) if log_images else None
+        prompt_ids = acc.gather(samples.prompt_ids.to(acc.device)) if log_images else None
+        if acc.is_main_process:
+            if log_images:
+                from ddpo_group.grids import save_epoch_samples
+
+                mask = acc.gather(samples.mask.to(acc.device).float())
+                adv = (samples.gathered_advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+                metrics["samples/grid"] = os.path.relpath(
+                    save_epoch_samples(
+                        self.run_dir, epoch, images.cpu(), [self.prompts[int(i)].prompt for i in prompt_ids.tolist()],
+                        rewards.cpu().numpy(), adv.cpu().numpy(), config.sample.group_size,
+                    ),
+                    self.run_dir,
+                )
+            with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if config.log_with != "none":
+            acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=epoch)
+
+    def _dump_debug(self, epoch, samples):
+        acc = self.accelerator
+        path = os.path.join(self.run_dir, "debug", f"epoch_{epoch:04d}_rank{acc.process_index}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _write_json_atomic(
+            path,
+            {
+                "rank": acc.process_index,
+                "rewards": samples.rewards.tolist(),
+                "prompt_ids": samples.prompt_ids.tolist(),
+                "mask": samples.mask.tolist(),
+                "advantages": samples.advantages.tolist(),
+            },
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, epoch):
+        """accelerator.save_state (every process) into a temporary directory, then an atomic rename."""
+        config, acc = self.config, self.accelerator
+        root = os.path.join(self.run_dir, "checkpoints")
+        final = os.path.join(root, f"checkpoint_{epoch}")
+        tmp = os.path.join(root, f".tmp_checkpoint_{epoch}")
+        if acc.is_main_process:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        acc.wait_for_everyone()
+        acc.save_state(tmp)
+        if acc.is_main_process:
+            state = {
+                "epoch": epoch,
+                "global_step": self.global_step,
+                "skipped_steps": self.skipped_steps,
+                "trackers": {name: tracker.state_dict() for name, tracker in self.trackers.items()},
+                "threshold": self.threshold.state_dict(),
+            }
+            if self.reference is not None:
+                ref_state = self.reference.state_dict()
+                if ref_state["params"]:
+                    from safetensors.torch import save_file
+
+                    save_file(ref_state["params"], os.path.join(tmp, "reference.safetensors"))
+                state["reference"] = {k: v for k, v in ref_state.items() if k != "params"}
+            _write_json_atomic(os.path.join(tmp, TRAINER_STATE), state)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune_checkpoints(root)
+            logger.info("checkpoint written: %s", final)
+        acc.wait_for_everyone()
+        return final
+
+    def _prune_checkpoints(self, root):
+        limit = self.config.num_checkpoint_limit
+        if not limit:
+            return
+        names = sorted((n for n in os.listdir(root) if CHECKPOINT_RE.match(n)), key=lambda n: int(CHECKPOINT_RE.match(n)[1]))
+        for name in names[:-limit]:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+    def _load_checkpoint(self):
+        checkpoint, state = self._resume_checkpoint, self._resume_state
+        try:
+            self.accelerator.load_state(checkpoint)
+        except Exception as err:
+            raise CheckpointError(
+                f"could not load checkpoint {checkpoint}: {err}; delete it or point config.resume_from at an "
+                "earlier checkpoint_N (was it written with the same use_lora / model settings?)"
+            ) from err
+        self.first_epoch = int(state["epoch"])
+        self.global_step = int(state["global_step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        for name, tracker_state in state.get("trackers", {}).items():
+            if name in self.trackers:
+                self.trackers[name].load_state_dict(tracker_state)
+        self.threshold.load_state_dict(state["threshold"])
+        if self.reference is not None and "reference" in state:
+            ref_state = dict(state["reference"])
+            path = os.path.join(checkpoint, "reference.safetensors")
+            if os.path.exists(path):
+                from safetensors.torch import load_file
+
+                ref_state["params"] = load_file(path)
+            self.reference.load_state_dict(ref_state)
+        if self.accelerator.is_main_process:
+            _truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.first_epoch)
+        logger.info("resumed from %s at epoch %d", checkpoint, self.first_epoch)
+
+    def _save_model_hook(self, models, weights, output_dir):
+        if self.accelerator.is_main_process:
+            for model in models:
+                module = self.accelerator.unwrap_model(model)
+                if module is self.unet_module:
+                    save_unet(module, output_dir, self.config.use_lora)
+                elif module is self.critic_module:
+                    from safetensors.torch import save_file
+
+                    save_file(module.state_dict(), os.path.join(output_dir, "critic.safetensors"))
+        while weights:
+            weights.pop()
+
+    def _load_model_hook(self, models, input_dir):
+        while models:
+            module = self.accelerator.unwrap_model(models.pop())
+            if module is self.unet_module:
+                load_unet(module, input_dir, self.config.use_lora)
+            elif module is self.critic_module:
+                from safetensors.torch import load_file
+
+                module.load_state_dict(load_file(os.path.join(input_dir, "critic.safetensors")))
+
+
+def save_unet(unet, output_dir, use_lora):
+    """LoRA: diffusers format (`pipe.load_lora_weights(output_dir/'lora')`); full fine-tuning: unet/."""
+    if use_lora:
+        from diffusers import StableDiffusionPipeline
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft import get_peft_model_state_dict
+
+        StableDiffusionPipeline.save_lora_weights(
+            os.path.join(output_dir, "lora"),
+            unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(unet)),
+            safe_serialization=True,
+        )
+    else:
+        unet.save_pretrained(os.path.join(output_dir, "unet"), safe_serialization=True)
+
+
+def load_unet(unet, input_dir, use_lora):
+    if use_lora:
+        from diffusers import StableDiffusionPipeline
+        from diffusers.utils import convert_unet_state_dict_to_peft
+        from peft import set_peft_model_state_dict
+
+        state, _ = StableDiffusionPipeline.lora_state_dict(os.path.join(input_dir, "lora"))
+        unet_state = {k.removeprefix("unet."): v for k, v in state.items() if k.startswith("unet.")}
+        result = set_peft_model_state_dict(unet, convert_unet_state_dict_to_peft(unet_state), adapter_name="default")
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"LoRA weights in {input_dir} do not fit the model: {result.unexpected_keys[:3]}")
+    else:
+        from diffusers import UNet2DConditionModel
+        from safetensors.torch import load_file
+
+        path = os.path.join(input_dir, "unet")
+        loaded = UNet2DConditionModel.from_pretrained(path, local_files_only=True)
+        unet.load_state_dict(loaded.state_dict())
+        del loaded, load_file
+
+
+def _truncate_metrics(path, first_epoch):
+    """On resume, drop metrics rows of epochs that the resumed run will redo."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line).get("epoch", -1) < first_epoch]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(rows)
+    os.replace(tmp, path)
+
+
+def _group_stats(rewards, prompt_ids):
+    """Within-group reward statistics of the gathered batch (prompt groups of the GRPO key)."""
+    stds, sizes = [], []
+    for pid in torch.unique(prompt_ids):
+        group = rewards[prompt_ids == pid]
+        sizes.append(group.numel())
+        stds.append(float(group.std(unbiased=False)))
+    return {
+        "prompt_group/num_prompts": len(sizes),
+        "prompt_group/mean_size": float(np.mean(sizes)),
+        "prompt_group/mean_reward_std": float(np.mean(stds)),
+        "prompt_group/zero_std_fraction": float(np.mean([s == 0.0 for s in stds])),
+    }
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+    return out
+
+
+def train(config):
+    """Build a Trainer from the config and run it; returns the run directory."""
+    return Trainer(config).run()
