@@ -512,6 +512,7 @@ class Trainer:
             samples.negative_prompt_embeds[rows] if cfg else None,
             config.sample.guidance_scale if cfg else 1.0,
             config.sample.eta,
+            num_inference_steps=config.sample.num_steps,
         )
 
     def train_epoch(self, samples, epoch, metrics):

@@ -1,0 +1,158 @@
+"""The DDIM scheduler step as a Gaussian policy: sample x_{t+1} and return its log-probability.
+
+A denoising step of DDIM with eta > 0 (Song et al., 2020, eq. 12 and 16) is the Gaussian
+
+    x_{t+1} ~ N(mu_theta(x_t, t, c), sigma_t^2 I),
+    sigma_t = eta * sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)),
+
+where a_t = alphas_cumprod[t] and a_prev = alphas_cumprod[t - T_train // T] (or the
+scheduler's final_alpha_cumprod when that index is negative). The mean is diffusers'
+``DDIMScheduler.step`` without its noise term:
+
+    x0_hat = predicted original sample (from epsilon, v or x0 prediction, clipped or
+             thresholded as the scheduler config says)
+    eps_hat = predicted noise
+    mu = sqrt(a_prev) * x0_hat + sqrt(1 - a_prev - sigma_t^2) * eps_hat
+
+This is ddpo-pytorch's ``ddim_step_with_logprob``, extended to per-sample timesteps,
+all prediction types and clip_sample / thresholding. Pure math: no I/O, no trainer.
+"""
+
+import math
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+
+
+def _left_broadcast(values, shape):
+    """Reshape a (B,) tensor to (B, 1, ..., 1) with len(shape) dims, then expand to shape."""
+    return values.reshape(values.shape + (1,) * (len(shape) - values.ndim)).expand(shape)
+
+
+def _scheduler_alphas(scheduler, timestep, batch_size, device, dtype):
+    """alpha_prod_t, alpha_prod_t_prev (B,) of diffusers' DDIM for a scalar or (B,) timestep."""
+    if scheduler.num_inference_steps is None:
+        raise ValueError(
+            "scheduler.num_inference_steps is None: call scheduler.set_timesteps(num_inference_steps) "
+            "before ddim_step_with_logprob"
+        )
+    timestep = torch.as_tensor(timestep, device="cpu").long()
+    if timestep.ndim == 0:
+        timestep = timestep.expand(batch_size)
+    elif timestep.shape != (batch_size,):
+        raise ValueError(f"timestep must be a scalar or have shape (B,) = ({batch_size},), got {tuple(timestep.shape)}")
+    prev_timestep = timestep - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
+    alphas_cumprod = scheduler.alphas_cumprod.cpu()
+    alpha_prod_t = alphas_cumprod.gather(0, timestep)
+    alpha_prod_t_prev = torch.where(
+        prev_timestep >= 0,
+        alphas_cumprod.gather(0, prev_timestep.clamp(min=0)),
+        torch.as_tensor(scheduler.final_alpha_cumprod, dtype=alphas_cumprod.dtype),
+    )
+    return alpha_prod_t.to(device=device, dtype=dtype), alpha_prod_t_prev.to(device=device, dtype=dtype)
+
+
+def gaussian_log_prob(value, mean, std):
+    """Log-density of N(mean, std^2) at value, averaged over all non-batch dims.
+
+    log N(x; mu, s) = -(x - mu)^2 / (2 s^2) - log s - log sqrt(2 pi), then mean over
+    dims 1..n-1 (ddpo-pytorch's convention), shape (B,). ``value`` is treated as data
+    (detached); gradients flow through ``mean``. Samples whose std is 0 have no density:
+    their log-prob is 0 (they are masked out of training, see ``Trajectories.mask``).
+    """
+    std = std.expand_as(mean)
+    has_density = std > 0
+    safe_std = torch.where(has_density, std, torch.ones_like(std))
+    log_prob = (
+        -((value.detach() - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - math.log(math.sqrt(2 * math.pi))
+    )
+    log_prob = torch.where(has_density, log_prob, torch.zeros_like(log_prob))
+    return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+
+
+def ddim_step_with_logprob(
+    scheduler,
+    model_output,
+    timestep,
+    sample,
+    eta=1.0,
+    prev_sample=None,
+    generator=None,
+    variance_noise=None,
+):
+    """One DDIM step x_t -> x_{t+1} (diffusers' "prev sample") with its Gaussian log-probability.
+
+    Args:
+        scheduler: a diffusers ``DDIMScheduler`` after ``set_timesteps``.
+        model_output: (B, C, H, W) UNet output (after classifier-free guidance).
+        timestep: scalar int / 0-dim tensor, or a (B,) tensor of scheduler timesteps.
+        sample: (B, C, H, W) current latents x_t.
+        eta: DDIM noise weight (0 = deterministic DDIM, 1 = DDPM-like).
+        prev_sample: optional (B, C, H, W) x_{t+1} to score instead of drawing one.
+        generator: torch.Generator (or list of B) for the noise, drawn as diffusers does
+            (``randn_tensor(model_output.shape, generator)``, only when eta > 0), so the
+            same generator gives the same sample as ``DDIMScheduler.step``.
+        variance_noise: optional (B, C, H, W) standard normal noise to use instead of drawing.
+
+    Formula (see the module docstring): x_{t+1} = mu + sigma_t * z with z ~ N(0, I), and
+    log_prob = mean over non-batch dims of log N(x_{t+1}; mu, sigma_t^2); 0 where sigma_t = 0.
+
+    Returns:
+        prev_sample (B, C, H, W), log_prob (B,), prev_sample_mean (B, C, H, W),
+        std_dev_t (B, 1, 1, 1). All in ``sample``'s dtype.
+    """
+    prediction_type = scheduler.config.prediction_type
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"scheduler.config.prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+    if eta < 0:
+        raise ValueError(f"eta must be >= 0, got {eta}")
+    if prev_sample is not None and (generator is not None or variance_noise is not None):
+        raise ValueError("pass prev_sample (to score it) or generator / variance_noise (to draw one), not both")
+
+    dtype = sample.dtype
+    model_output = model_output.to(dtype)
+    batch_size = sample.shape[0]
+    alpha_prod_t, alpha_prod_t_prev = _scheduler_alphas(scheduler, timestep, batch_size, sample.device, dtype)
+    alpha_prod_t = _left_broadcast(alpha_prod_t, sample.shape)
+    alpha_prod_t_prev = _left_broadcast(alpha_prod_t_prev, sample.shape)
+    beta_prod_t = 1 - alpha_prod_t
+
+    if prediction_type == "epsilon":
+        pred_original_sample = (sample - beta_prod_t ** (0.5) * model_output) / alpha_prod_t ** (0.5)
+        pred_epsilon = model_output
+    elif prediction_type == "sample":
+        pred_original_sample = model_output
+        pred_epsilon = (sample - alpha_prod_t ** (0.5) * pred_original_sample) / beta_prod_t ** (0.5)
+    else:
+        pred_original_sample = (alpha_prod_t**0.5) * sample - (beta_prod_t**0.5) * model_output
+        pred_epsilon = (alpha_prod_t**0.5) * model_output + (beta_prod_t**0.5) * sample
+
+    if scheduler.config.thresholding:
+        pred_original_sample = scheduler._threshold_sample(pred_original_sample)
+    elif scheduler.config.clip_sample:
+        clip_range = scheduler.config.clip_sample_range
+        pred_original_sample = pred_original_sample.clamp(-clip_range, clip_range)
+
+    beta_prod_t_prev = 1 - alpha_prod_t_prev
+    variance = (beta_prod_t_prev / beta_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
+    std_dev_t = eta * variance ** (0.5)
+
+    pred_sample_direction = (1 - alpha_prod_t_prev - std_dev_t**2) ** (0.5) * pred_epsilon
+    prev_sample_mean = alpha_prod_t_prev ** (0.5) * pred_original_sample + pred_sample_direction
+
+    if prev_sample is None:
+        if eta > 0:
+            if variance_noise is None:
+                variance_noise = randn_tensor(
+                    model_output.shape, generator=generator, device=model_output.device, dtype=model_output.dtype
+                )
+            prev_sample = prev_sample_mean + std_dev_t * variance_noise.to(dtype)
+        else:
+            prev_sample = prev_sample_mean
+    prev_sample = prev_sample.to(dtype)
+
+    log_prob = gaussian_log_prob(prev_sample, prev_sample_mean, std_dev_t)
+    std_dev_t = std_dev_t[(slice(None),) + (slice(0, 1),) * (sample.ndim - 1)]
+    return prev_sample, log_prob, prev_sample_mean, std_dev_t

@@ -1,0 +1,70 @@
+"""LoRA on the UNet's attention projections through peft, and the base model as reference.
+
+A LoRA layer computes W x + (alpha / r) * B A x with A (r, d_in) drawn Gaussian and
+B (d_out, r) = 0 at creation (diffusers' training examples use ``init_lora_weights="gaussian"``),
+so a freshly added adapter leaves the UNet's output unchanged. With adapters disabled the
+UNet is the base model: the reference policy of DESIGN §6 at no extra memory.
+"""
+
+from contextlib import contextmanager
+
+from peft import LoraConfig
+
+DEFAULT_TARGET_MODULES = ("to_k", "to_q", "to_v", "to_out.0")
+
+
+def _unwrap(model):
+    """The module itself, or the one inside a DDP / compiled wrapper."""
+    while hasattr(model, "module") and not hasattr(model, "peft_config"):
+        model = model.module
+    return getattr(model, "_orig_mod", model)
+
+
+def add_lora(unet, rank, alpha=None, target_modules=DEFAULT_TARGET_MODULES, adapter_name="default"):
+    """Freeze ``unet`` and add a trainable LoRA adapter of rank ``rank`` on ``target_modules``.
+
+    alpha: LoRA alpha (scale alpha / rank); None means alpha = rank (scale 1).
+    Returns the list of trainable LoRA parameters.
+    """
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be a positive int, got {rank!r}")
+    unet = _unwrap(unet)
+    unet.requires_grad_(False)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=rank if alpha is None else alpha,
+        init_lora_weights="gaussian",
+        target_modules=list(target_modules),
+    )
+    unet.add_adapter(config, adapter_name=adapter_name)
+    return lora_parameters(unet)
+
+
+def lora_parameters(unet):
+    """The LoRA parameters of ``unet`` (names containing "lora_"), in module order."""
+    return [param for name, param in _unwrap(unet).named_parameters() if "lora_" in name]
+
+
+def has_lora(unet):
+    """True when ``unet`` carries at least one peft adapter."""
+    return bool(getattr(_unwrap(unet), "_hf_peft_config_loaded", False))
+
+
+@contextmanager
+def disabled_adapters(unet):
+    """Run the base model: adapters off inside the block, back on after (requires_grad flags restored).
+
+    A UNet without adapters is left as it is (it already is the base model).
+    """
+    unet = _unwrap(unet)
+    if not has_lora(unet):
+        yield unet
+        return
+    requires_grad = {name: param.requires_grad for name, param in unet.named_parameters()}
+    unet.disable_adapters()
+    try:
+        yield unet
+    finally:
+        unet.enable_adapters()
+        for name, param in unet.named_parameters():
+            param.requires_grad_(requires_grad[name])

@@ -1,0 +1,364 @@
+"""Denoising trajectories as token sequences: sampling and re-scoring with a diffusers pipeline.
+
+A trajectory of T DDIM steps is a sequence of T "tokens"; token t is the transition
+x_t -> x_{t+1} (t = 0 is the noisiest) with log-probability log pi(x_{t+1} | x_t, c)
+from ``ddim_step_with_logprob``. Sampling (``sample_trajectories``) and re-scoring
+(``trajectory_log_probs``, ``step_log_prob``) run the same function on the same batch
+composition, so re-scoring with unchanged weights reproduces the sampled log-probs
+exactly (the PPO ratio is exactly 1).
+
+Works with any ``StableDiffusionPipeline`` (SD 1.x / 2.x, or the tiny one) whose scheduler
+is a ``DDIMScheduler``. Classifier-free guidance follows the pipeline:
+eps = eps_uncond + w * (eps_cond - eps_uncond) when w > 1, from one UNet call on the
+concatenated [uncond, cond] batch.
+"""
+
+from dataclasses import dataclass, fields
+
+import torch
+from tqdm.auto import tqdm
+
+from ddpo_group.diffusion.ddim import ddim_step_with_logprob
+
+
+@dataclass
+class Trajectories:
+    """A batch of B denoising trajectories of T steps.
+
+    images (B, 3, H, W) float in [0, 1]; latents (B, T+1, C, h, w): x_0 (noise) ... x_T;
+    log_probs (B, T); timesteps (B, T) int64; prompt_embeds (B, L, D);
+    negative_prompt_embeds (B, L, D) or None (no guidance); mask (B, T) float, 0 where
+    std_dev_t == 0; prompts list of B str; prompt_ids (B,) int64 (the GRPO group key).
+    """
+
+    images: torch.Tensor
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    timesteps: torch.Tensor
+    prompt_embeds: torch.Tensor
+    negative_prompt_embeds: torch.Tensor | None
+    mask: torch.Tensor
+    prompts: list
+    prompt_ids: torch.Tensor
+
+    def __len__(self):
+        return self.latents.shape[0]
+
+    def index(self, idx):
+        """The trajectories selected by ``idx`` (int, slice, list or tensor of indices / bool mask on dim 0)."""
+        if isinstance(idx, int):
+            idx = [idx]
+        if isinstance(idx, slice):
+            prompts = self.prompts[idx]
+        else:
+            positions = torch.arange(len(self))[torch.as_tensor(idx).cpu()]
+            prompts = [self.prompts[i] for i in positions.tolist()]
+            idx = positions
+        values = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name == "prompts":
+                values[field.name] = prompts
+            elif value is None:
+                values[field.name] = None
+            else:
+                values[field.name] = value[idx.to(value.device) if torch.is_tensor(idx) else idx]
+        return Trajectories(**values)
+
+    def to(self, device):
+        """A copy with every tensor on ``device``."""
+        values = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            values[field.name] = value.to(device) if torch.is_tensor(value) else value
+        return Trajectories(**values)
+
+    @classmethod
+    def cat(cls, batches):
+        """Concatenate several Trajectories along the batch dim (prompt_ids are kept as they are)."""
+        values = {}
+        for field in fields(cls):
+            parts = [getattr(batch, field.name) for batch in batches]
+            if field.name == "prompts":
+                values[field.name] = [prompt for part in parts for prompt in part]
+            elif parts[0] is None:
+                values[field.name] = None
+            else:
+                values[field.name] = torch.cat(parts)
+        return cls(**values)
+
+
+def default_prompt_ids(prompts):
+    """(B,) int64: for each prompt, the batch index of the first appearance of the same prompt."""
+    first_index = {}
+    return torch.tensor([first_index.setdefault(prompt, i) for i, prompt in enumerate(prompts)], dtype=torch.int64)
+
+
+def _predict_noise(unet, latents, timesteps, prompt_embeds, negative_prompt_embeds, guidance_scale):
+    """UNet prediction with classifier-free guidance: (B, C, h, w).
+
+    When guidance_scale > 1: one call on cat([x, x]) with cat([uncond, cond]) embeddings,
+    then eps_uncond + guidance_scale * (eps_cond - eps_uncond) (the pipeline's expression).
+    """
+    if guidance_scale > 1.0:
+        if negative_prompt_embeds is None:
+            raise ValueError("guidance_scale > 1 needs negative_prompt_embeds (the unconditional embeddings)")
+        model_input = torch.cat([latents, latents])
+        noise_pred = unet(
+            model_input,
+            torch.cat([timesteps, timesteps]),
+            encoder_hidden_states=torch.cat([negative_prompt_embeds, prompt_embeds]),
+            return_dict=False,
+        )[0]
+        noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+        return noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+    return unet(latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False)[0]
+
+
+def _denoise_step(
+    unet,
+    scheduler,
+    latents_t,
+    timesteps_t,
+    prompt_embeds,
+    negative_prompt_embeds,
+    guidance_scale,
+    eta,
+    latents_next=None,
+    generator=None,
+):
+    """The one step function shared by sampling and re-scoring: returns ddim_step_with_logprob's 4-tuple."""
+    timesteps_t = torch.as_tensor(timesteps_t, device=latents_t.device)
+    if timesteps_t.ndim == 0:
+        timesteps_t = timesteps_t.expand(latents_t.shape[0])
+    model_input = scheduler.scale_model_input(latents_t, timesteps_t)
+    noise_pred = _predict_noise(unet, model_input, timesteps_t, prompt_embeds, negative_prompt_embeds, guidance_scale)
+    return ddim_step_with_logprob(
+        scheduler, noise_pred, timesteps_t, latents_t, eta=eta, prev_sample=latents_next, generator=generator
+    )
+
+
+def step_log_prob(
+    unet,
+    scheduler,
+    latents_t,
+    latents_next,
+    timesteps_t,
+    prompt_embeds,
+    negative_prompt_embeds,
+    guidance_scale,
+    eta,
+    num_inference_steps=None,
+):
+    """Log-probability of the stored step x_t -> x_{t+1} under the current UNet, with autograd.
+
+    Args: latents_t, latents_next (B, C, h, w); timesteps_t (B,) (or a scalar);
+    prompt_embeds, negative_prompt_embeds (B, L, D) (negative ones unused when
+    guidance_scale <= 1). The DDIM step size is 1000 // T with T the scheduler's
+    ``num_inference_steps``: pass ``num_inference_steps`` = T of the sampling run (the
+    scheduler is reset to it when it differs), or keep the scheduler as sampling left it.
+
+    Returns: log_prob (B,) = mean over (C, h, w) of log N(x_{t+1}; mu_theta(x_t, t, c), sigma_t^2),
+    prev_sample_mean mu_theta (B, C, h, w), std_dev_t sigma_t (B, 1, 1, 1).
+    """
+    if num_inference_steps is not None and scheduler.num_inference_steps != num_inference_steps:
+        scheduler.set_timesteps(num_inference_steps, device=latents_t.device)
+    _, log_prob, prev_sample_mean, std_dev_t = _denoise_step(
+        unet,
+        scheduler,
+        latents_t,
+        timesteps_t,
+        prompt_embeds,
+        negative_prompt_embeds,
+        guidance_scale,
+        eta,
+        latents_next=latents_next,
+    )
+    return log_prob, prev_sample_mean, std_dev_t
+
+
+def _encode_prompts(pipeline, prompts, negative_prompt, do_cfg, device):
+    prompt_embeds, negative_prompt_embeds = pipeline.encode_prompt(
+        prompts,
+        device,
+        1,
+        do_cfg,
+        negative_prompt=[negative_prompt] * len(prompts) if do_cfg else None,
+    )
+    return prompt_embeds, (negative_prompt_embeds if do_cfg else None)
+
+
+@torch.no_grad()
+def sample_trajectories(
+    pipeline,
+    prompts,
+    num_inference_steps,
+    guidance_scale,
+    eta,
+    generator=None,
+    prompt_ids=None,
+    negative_prompt="",
+    unet=None,
+    show_progress=False,
+):
+    """Sample B = len(prompts) trajectories x_0 -> x_T with their per-step log-probabilities.
+
+    Steps, in the pipeline's order (so eta = 0 reproduces ``pipeline(prompts, ...)``):
+    encode prompts (``pipeline.encode_prompt``, negative prompt for CFG); draw x_0 with
+    ``pipeline.prepare_latents`` and ``generator``; for each scheduler timestep t_k,
+    x_{k+1}, log_prob_k = ddim_step_with_logprob(eps_cfg(x_k, t_k), ...) (noise from
+    ``generator``); images = clamp(vae.decode(x_T / scaling_factor) / 2 + 0.5, 0, 1).
+
+    Args:
+        pipeline: a diffusers StableDiffusionPipeline with a DDIMScheduler.
+        prompts: list of B strings (a str is one prompt).
+        num_inference_steps: T.
+        guidance_scale: CFG weight w (no CFG, no negative embeddings when w <= 1).
+        eta: DDIM eta (> 0 for a stochastic policy; 0 gives mask 0 everywhere).
+        generator: torch.Generator (or list of B) for the initial noise and the step noise.
+        prompt_ids: optional (B,) group keys; default ``default_prompt_ids(prompts)``.
+        negative_prompt: the unconditional prompt for CFG.
+        unet: optional module used instead of ``pipeline.unet`` (e.g. DDP-wrapped).
+        show_progress: tqdm bar over the steps.
+
+    Returns: Trajectories (see its docstring), no autograd graph.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts must hold at least one prompt")
+    if prompt_ids is None:
+        prompt_ids = default_prompt_ids(prompts)
+    prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
+    if prompt_ids.shape != (len(prompts),):
+        raise ValueError(f"prompt_ids must have shape (B,) = ({len(prompts)},), got {tuple(prompt_ids.shape)}")
+    unet = pipeline.unet if unet is None else unet
+    scheduler = pipeline.scheduler
+    device = pipeline._execution_device
+    batch_size = len(prompts)
+    do_cfg = guidance_scale > 1.0
+
+    prompt_embeds, negative_prompt_embeds = _encode_prompts(pipeline, prompts, negative_prompt, do_cfg, device)
+
+    scheduler.set_timesteps(num_inference_steps, device=device)
+    timesteps = scheduler.timesteps
+    height = pipeline.unet.config.sample_size * pipeline.vae_scale_factor
+    width = height
+    latents = pipeline.prepare_latents(
+        batch_size, pipeline.unet.config.in_channels, height, width, prompt_embeds.dtype, device, generator
+    )
+
+    all_latents = [latents]
+    all_log_probs = []
+    all_stds = []
+    for t in tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False):
+        latents, log_prob, _, std_dev_t = _denoise_step(
+            unet,
+            scheduler,
+            latents,
+            t.expand(batch_size),
+            prompt_embeds,
+            negative_prompt_embeds,
+            guidance_scale,
+            eta,
+            generator=generator,
+        )
+        all_latents.append(latents)
+        all_log_probs.append(log_prob)
+        all_stds.append(std_dev_t.reshape(batch_size))
+
+    images = pipeline.vae.decode(latents / pipeline.vae.config.scaling_factor, return_dict=False)[0]
+    images = (images / 2 + 0.5).clamp(0, 1)
+
+    return Trajectories(
+        images=images,
+        latents=torch.stack(all_latents, dim=1),
+        log_probs=torch.stack(all_log_probs, dim=1),
+        timesteps=timesteps.to(torch.int64).unsqueeze(0).repeat(batch_size, 1),
+        prompt_embeds=prompt_embeds,
+        negative_prompt_embeds=negative_prompt_embeds,
+        mask=(torch.stack(all_stds, dim=1) > 0).to(torch.float32),
+        prompts=prompts,
+        prompt_ids=prompt_ids,
+    )
+
+
+def trajectory_log_probs(
+    pipeline,
+    trajectories,
+    guidance_scale,
+    eta,
+    step_indices=None,
+    return_means=False,
+    unet=None,
+    micro_batch_size=None,
+):
+    """Re-score stored steps with the current weights: log pi_theta(x_{k+1} | x_k, c) for k in step_indices.
+
+    One UNet call per (step, micro-batch); never B * T samples at once. With the default
+    ``micro_batch_size=None`` each call holds the whole batch of B, as in sampling, so with
+    unchanged weights the result equals ``trajectories.log_probs`` exactly.
+    Autograd follows the caller's grad mode.
+
+    Args:
+        step_indices: None (all T steps), a (K,) list / tensor of step indices shared by the
+            batch, or a (B, K) tensor of per-trajectory step indices.
+        return_means: also return the means mu_theta (B, K, C, h, w) and std_dev_t (B, K, 1, 1, 1).
+        unet: optional module used instead of ``pipeline.unet``.
+        micro_batch_size: trajectories per UNet call (None: all B).
+
+    Returns: log_probs (B, K) [, means, stds].
+    """
+    unet = pipeline.unet if unet is None else unet
+    scheduler = pipeline.scheduler
+    batch_size, num_steps = trajectories.timesteps.shape
+    if step_indices is None:
+        step_indices = torch.arange(num_steps)
+    step_indices = torch.as_tensor(step_indices, dtype=torch.int64, device=trajectories.latents.device)
+    if step_indices.ndim == 1:
+        step_indices = step_indices.unsqueeze(0).expand(batch_size, -1)
+    if step_indices.ndim != 2 or step_indices.shape[0] != batch_size:
+        raise ValueError(
+            f"step_indices must have shape (K,) or (B, K) with B = {batch_size}, got {tuple(step_indices.shape)}"
+        )
+    if step_indices.shape[1] == 0:
+        raise ValueError("step_indices must select at least one step")
+    if step_indices.min() < 0 or step_indices.max() >= num_steps:
+        raise ValueError(f"step_indices must lie in [0, T) = [0, {num_steps})")
+    micro_batch_size = batch_size if micro_batch_size is None else micro_batch_size
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+
+    rows = torch.arange(batch_size, device=step_indices.device)
+    log_probs, means, stds = [], [], []
+    for k in range(step_indices.shape[1]):
+        step = step_indices[:, k]
+        step_log_probs, step_means, step_stds = [], [], []
+        for start in range(0, batch_size, micro_batch_size):
+            sel = rows[start : start + micro_batch_size]
+            negative = trajectories.negative_prompt_embeds
+            log_prob, mean, std = step_log_prob(
+                unet,
+                scheduler,
+                trajectories.latents[sel, step[sel]],
+                trajectories.latents[sel, step[sel] + 1],
+                trajectories.timesteps[sel, step[sel]],
+                trajectories.prompt_embeds[sel],
+                None if negative is None else negative[sel],
+                guidance_scale,
+                eta,
+                num_inference_steps=num_steps,
+            )
+            step_log_probs.append(log_prob)
+            if return_means:
+                step_means.append(mean)
+                step_stds.append(std)
+        log_probs.append(torch.cat(step_log_probs))
+        if return_means:
+            means.append(torch.cat(step_means))
+            stds.append(torch.cat(step_stds))
+    log_probs_out = torch.stack(log_probs, dim=1)
+    if return_means:
+        return log_probs_out, torch.stack(means, dim=1), torch.stack(stds, dim=1)
+    return log_probs_out
