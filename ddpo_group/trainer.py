@@ -669,11 +669,11 @@ class Trainer:
         log_images = config.log_images_every and epoch % config.log_images_every == 0
         images = acc.gather(samples.images.float().contiguous()) if log_images else None
         prompt_ids = acc.gather(samples.prompt_ids.to(acc.device)) if log_images else None
+        mask = acc.gather(samples.mask.to(acc.device).float()) if log_images else None
         if acc.is_main_process:
             if log_images:
                 from ddpo_group.grids import save_epoch_samples
 
-                mask = acc.gather(samples.mask.to(acc.device).float())
                 adv = (samples.gathered_advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
                 metrics["samples/grid"] = os.path.relpath(
                     save_epoch_samples(
