@@ -337,6 +337,7 @@ class Trainer:
                 epoch = config.num_epochs
             self.save_checkpoint(epoch)
         finally:
+            self._restore_signal_handlers()
             self.reward_runner.shutdown()
             acc.end_training()
         return self.run_dir
@@ -349,9 +350,14 @@ class Trainer:
             self.stop_requested = True
             logger.warning("signal %d: finishing the current phase, then writing a final checkpoint", signum)
 
+        self._previous_handlers = {}
         with contextlib.suppress(ValueError):  # not in the main thread
-            signal.signal(signal.SIGINT, request_stop)
-            signal.signal(signal.SIGTERM, request_stop)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous_handlers[signum] = signal.signal(signum, request_stop)
+
+    def _restore_signal_handlers(self):
+        for signum, handler in getattr(self, "_previous_handlers", {}).items():
+            signal.signal(signum, handler)
 
     def _should_stop(self):
         """True on every process as soon as one process was asked to stop."""
@@ -642,7 +648,7 @@ class Trainer:
                 acc.clip_grad_norm_(self.critic.parameters(), config.critic.max_grad_norm)
                 self.critic_optimizer.step()
                 self.critic_optimizer.zero_grad(set_to_none=True)
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
                 clipfracs.append(float(clipfrac))
         metrics["critic/value_loss"] = float(np.mean(losses))
         metrics["critic/clipfrac"] = float(np.mean(clipfracs))
@@ -716,6 +722,7 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
         acc.save_state(tmp)
+        acc.wait_for_everyone()  # every rank's files are in tmp before it is renamed
         if acc.is_main_process:
             state = {
                 "epoch": epoch,

@@ -1,0 +1,100 @@
+"""Shared fixtures of the trainer tests: configs of cheap runs, run-directory readers, and a
+plain-numpy GRPO advantage written from DESIGN section 3 (independent of ddpo_group.algos)."""
+
+import json
+import os
+import socket
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+
+
+def make_config(tmp_path, variant="test", run_name="r", **overrides):
+    """config/grpo.py:<variant> writing to tmp_path/run_name; overrides use dotted keys as
+    keyword names with "__" for ".", e.g. sample__num_steps=2."""
+    config_dir = os.path.join(ROOT, "config")
+    if config_dir not in sys.path:
+        sys.path.insert(0, config_dir)
+    import grpo
+
+    config = grpo.get_config(variant)
+    config.logdir = str(tmp_path)
+    config.run_name = run_name
+    for dotted, value in overrides.items():
+        *parents, field = dotted.split("__")
+        node = config
+        for part in parents:
+            node = node[part]
+        node[field] = value
+    return config
+
+
+def cheap(**overrides):
+    """Overrides that make a run of the test variant cheap: two steps, no reference model, one epoch."""
+    base = dict(
+        num_epochs=1,
+        sample__num_steps=2,
+        train__use_reference_model=False,
+        train__use_kl_loss=False,
+        train__beta=0.0,
+        log_images_every=0,
+    )
+    base.update(overrides)
+    return base
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_dump(run_dir, epoch=0, rank=0):
+    return read_json(os.path.join(run_dir, "debug", f"epoch_{epoch:04d}_rank{rank}.json"))
+
+
+def grpo_advantages_numpy(rewards, prompt_ids, mask, clip, eps=1e-6):
+    """A[i, t] = clip((R_i - mean_g) / (std_g + eps)) * mask[i, t] over groups g of equal prompt id,
+    population std; a group of one uses mean 0 and std 1 (DESIGN section 3). Plain loops."""
+    rewards = [float(r) for r in rewards]
+    prompt_ids = [int(p) for p in prompt_ids]
+    mask = np.asarray(mask, dtype=np.float64)
+    out = np.zeros_like(mask)
+    for i, (reward, pid) in enumerate(zip(rewards, prompt_ids)):
+        group = [r for r, p in zip(rewards, prompt_ids) if p == pid]
+        if len(group) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean = sum(group) / len(group)
+            std = (sum((r - mean) ** 2 for r in group) / len(group)) ** 0.5
+        value = (reward - mean) / (std + eps)
+        value = min(max(value, -clip), clip)
+        out[i] = value * mask[i]
+    return out
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra):
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        WANDB_MODE="offline",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    env.update(extra)
+    return env

@@ -1,0 +1,113 @@
+"""Config validation: a config that cannot run stops before any model loads, naming the field."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from ddpo_group import trainer as trainer_module
+from ddpo_group.config_check import ConfigError, check_config
+from helpers import PYTHON, ROOT, make_config, subprocess_env
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any model load fails the test: config errors must come first."""
+
+    def load_pipeline(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was validated")
+
+    monkeypatch.setattr(trainer_module, "load_pipeline", load_pipeline)
+
+
+def _assert_rejected(tmp_path, config, field):
+    with pytest.raises(ConfigError) as info:
+        trainer_module.Trainer(config)
+    assert field in str(info.value)
+    assert not (tmp_path / "r").exists(), "the run directory was created before the config was validated"
+    return str(info.value)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+VARIANTS = ["sd15", "ddpo", "group_ppo", "tiny", "tiny_ddpo", "tiny_group_ppo", "tiny_gae", "test"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_shipped_variant_passes_the_check(tmp_path, variant):
+    check_config(make_config(tmp_path, variant))
+
+
+def test_test_variant_passes_on_cpu(tmp_path):
+    check_config(make_config(tmp_path), num_processes=1, has_gpu=False)
+
+
+def test_unknown_field_is_named(tmp_path, no_model_loading):
+    config = make_config(tmp_path)
+    with config.unlocked():
+        config.train.foo = 1
+    message = _assert_rejected(tmp_path, config, "train.foo")
+    assert "config/base.py" in message
+
+
+def test_group_size_not_dividing_the_batch(tmp_path, no_model_loading):
+    config = make_config(tmp_path, sample__batch_size=4, sample__group_size=3)
+    _assert_rejected(tmp_path, config, "sample.group_size")
+
+
+def test_group_size_checked_against_all_processes():
+    # 3 processes x 4 = 12 trajectories: group_size 3 divides it although it does not divide 4
+    config = make_config("unused", sample__batch_size=4, sample__group_size=3)
+    check_config(config, num_processes=3)
+    with pytest.raises(ConfigError, match="sample.group_size"):
+        check_config(config, num_processes=2)
+
+
+def test_kl_loss_without_reference_model(tmp_path, no_model_loading):
+    config = make_config(tmp_path, train__use_kl_loss=True, train__use_reference_model=False)
+    _assert_rejected(tmp_path, config, "train.use_reference_model")
+
+
+def test_endpoints_selection_needs_group_ppo(tmp_path, no_model_loading):
+    config = make_config(tmp_path, train__timestep_selection="endpoints", algorithm__adv_estimator="grpo")
+    message = _assert_rejected(tmp_path, config, "train.timestep_selection")
+    assert "group_ppo" in message
+
+
+def test_eta_zero(tmp_path, no_model_loading):
+    config = make_config(tmp_path, sample__eta=0.0)
+    _assert_rejected(tmp_path, config, "sample.eta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is valid with a GPU")
+def test_fp16_on_cpu(tmp_path, no_model_loading):
+    config = make_config(tmp_path, mixed_precision="fp16")
+    message = _assert_rejected(tmp_path, config, "mixed_precision")
+    assert "--config.mixed_precision=no" in message
+
+
+def test_unknown_adv_estimator_lists_the_choices(tmp_path, no_model_loading):
+    config = make_config(tmp_path, algorithm__adv_estimator="ppo2")
+    message = _assert_rejected(tmp_path, config, "algorithm.adv_estimator")
+    for name in ("ddpo", "grpo", "gae", "group_ppo"):
+        assert name in message
+
+
+def test_train_batch_size_must_divide_the_epoch(tmp_path, no_model_loading):
+    config = make_config(tmp_path, sample__batch_size=4, sample__num_batches_per_epoch=1, train__batch_size=3)
+    _assert_rejected(tmp_path, config, "train.batch_size")
+
+
+def test_unknown_variant_on_the_command_line(tmp_path):
+    result = subprocess.run(
+        [PYTHON, os.path.join(ROOT, "scripts", "train.py"), "--config", "config/grpo.py:nope",
+         f"--config.logdir={tmp_path}"],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "'nope'" in result.stderr
+    assert "tiny" in result.stderr and "test" in result.stderr  # the variants to choose from
+    assert not any(tmp_path.iterdir())

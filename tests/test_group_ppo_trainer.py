@@ -1,0 +1,125 @@
+"""Group-PPO in the trainer (DESIGN section 4): the training pass runs the UNet at the K shared
+endpoints instead of the T steps, logs the grouping metrics, trains the critic and checkpoints
+the adaptive threshold.
+
+With T = 4 steps, max_group_size = 2 and a variance threshold far below any reachable
+r_grpo / r_ppo ratio, Algorithm 2 closes segments by length only: [0, 1], [2, 3], so the
+endpoints are steps 1 and 3 (K = 2) for every trajectory.
+"""
+
+import math
+import os
+import types
+
+import pytest
+import torch
+
+from ddpo_group.trainer import Trainer
+from helpers import cheap, make_config, read_json, read_metrics
+
+pytestmark = pytest.mark.slow
+
+T, K, MICRO_BATCHES = 4, 2, 2  # 4 trajectories / train.batch_size 2
+THRESHOLD, MIN_THRESHOLD, THRESHOLD_LR, TARGET = 2e-9, 1e-9, 0.01, 0.75
+
+
+def run_group_ppo(tmp_path, actor_tokens):
+    config = make_config(
+        tmp_path,
+        **cheap(
+            sample__num_steps=T,
+            reward_fn="jpeg_compressibility",
+            algorithm__adv_estimator="group_ppo",
+            train__timestep_selection="endpoints" if actor_tokens == "endpoints" else "all",
+            group_ppo__actor_tokens=actor_tokens,
+            group_ppo__max_group_size=2,
+            group_ppo__variance_threshold=THRESHOLD,
+            group_ppo__min_threshold=MIN_THRESHOLD,
+            group_ppo__threshold_lr=THRESHOLD_LR,
+            group_ppo__target_compression=TARGET,
+        ),
+    )
+    trainer = Trainer(config)
+    record = types.SimpleNamespace(in_train=False, grad_calls=[], samples=None)
+
+    def count_calls(module, args, kwargs, output):
+        if record.in_train and torch.is_grad_enabled():
+            timesteps = args[1] if len(args) > 1 else kwargs["timestep"]
+            record.grad_calls.append(sorted(set(torch.as_tensor(timesteps).flatten().tolist())))
+
+    handle = trainer.unet_module.register_forward_hook(count_calls, with_kwargs=True)
+    train_epoch = trainer.train_epoch
+
+    def recording_train_epoch(samples, epoch, metrics):
+        record.samples = samples
+        record.in_train = True
+        try:
+            return train_epoch(samples, epoch, metrics)
+        finally:
+            record.in_train = False
+
+    trainer.train_epoch = recording_train_epoch
+    try:
+        trainer.run()
+    finally:
+        handle.remove()
+    record.run_dir = trainer.run_dir
+    record.metrics = read_metrics(trainer.run_dir)[0]
+    return record
+
+
+@pytest.fixture(scope="module")
+def endpoints_run(tmp_path_factory):
+    return run_group_ppo(tmp_path_factory.mktemp("endpoints"), "endpoints")
+
+
+@pytest.fixture(scope="module")
+def all_steps_run(tmp_path_factory):
+    return run_group_ppo(tmp_path_factory.mktemp("all"), "all")
+
+
+def test_endpoints_are_the_length_limited_segment_ends(endpoints_run):
+    endpoint_mask = endpoints_run.samples.endpoint_mask
+    expected = torch.zeros(4, T, dtype=torch.bool)
+    expected[:, [1, 3]] = True
+    assert torch.equal(endpoint_mask.bool().cpu(), expected)
+
+
+def test_training_pass_runs_the_unet_at_the_endpoints_only(endpoints_run):
+    samples = endpoints_run.samples
+    columns = samples.endpoint_mask.any(dim=0).nonzero().flatten().tolist()
+    assert len(columns) == K < T
+    assert len(endpoints_run.grad_calls) == K * MICRO_BATCHES
+    # each call is one endpoint step of the whole micro-batch (same scheduler timestep for every row)
+    endpoint_timesteps = [[int(samples.timesteps[0, k])] for k in columns]
+    assert endpoints_run.grad_calls == endpoint_timesteps * MICRO_BATCHES
+
+
+def test_actor_tokens_all_trains_every_step(all_steps_run):
+    samples = all_steps_run.samples
+    assert len(all_steps_run.grad_calls) == T * MICRO_BATCHES
+    assert all_steps_run.grad_calls == [[int(t)] for t in samples.timesteps[0]] * MICRO_BATCHES
+
+
+def test_grouping_metrics_are_logged(endpoints_run):
+    row = endpoints_run.metrics
+    # N = 4 x 4 valid steps, 4 x 2 endpoints, 4 trajectories
+    assert row["group/compression_ratio"] == pytest.approx(1 - 8 / 16)
+    assert row["group/num_endpoints"] == pytest.approx(2.0)
+    assert row["group/mean_segment_len"] == pytest.approx(2.0)
+    assert row["group/efficiency_gain"] == pytest.approx(2.0)
+    assert row["group/threshold"] == pytest.approx(THRESHOLD)  # the threshold this batch was grouped with
+
+
+def test_critic_value_loss_is_logged(endpoints_run, all_steps_run):
+    for run in (endpoints_run, all_steps_run):
+        assert math.isfinite(run.metrics["critic/value_loss"])
+        assert run.metrics["critic/value_loss"] >= 0
+
+
+def test_adaptive_threshold_state_is_checkpointed(endpoints_run):
+    state = read_json(os.path.join(endpoints_run.run_dir, "checkpoints", "checkpoint_1", "trainer_state.json"))
+    compression = 1 - 8 / 16
+    expected = max(THRESHOLD * math.exp(THRESHOLD_LR * (compression - TARGET)), MIN_THRESHOLD)
+    assert state["threshold"]["threshold"] == pytest.approx(expected, rel=1e-12)
+    assert state["threshold"]["num_updates"] == 1
