@@ -1,0 +1,720 @@
+"""Speed, memory and reward-per-second of the RL methods, trained one after another from one seed.
+
+    python benchmarks/bench_training.py --quick                  # CPU, shapes world, under 10 minutes
+    python benchmarks/bench_training.py --quick --threads 1      # the same on a CPU shared with other jobs
+    python benchmarks/bench_training.py                          # the full run quoted in benchmarks/README.md
+    python benchmarks/bench_training.py --model tiny --quick     # random-weight tiny model (no shipped weights needed)
+    python benchmarks/bench_training.py --profile group_ppo_endpoints   # where one epoch's time goes
+    python benchmarks/bench_training.py --model stable-diffusion-v1-5/stable-diffusion-v1-5 --device cuda
+
+Every method is a named variant of config/grpo.py with its method fields changed; the sampling
+work (model, prompts, reward, sample.*, train.batch_size, gradient accumulation, learning rate,
+seed) is copied from one common variant, so every method samples the same trajectories at epoch 0
+and differs only in how it trains. Each method runs in this process through
+`ddpo_group.trainer.Trainer(config).run()` into results_dir/runs/<mode>/<method>/, and its
+metrics.jsonl is read back to build the tables.
+
+Definitions (also written into the JSON file):
+
+    epoch seconds        wall clock from the start of an epoch's sampling to the end of its critic
+                         update (sample + reward + advantages + train + critic; logging excluded)
+    wall seconds         cumulative epoch seconds at the end of an epoch; total = at the last epoch
+    initial reward       reward_mean of epoch 0 (sampled before any update; equal for all methods)
+    final reward         mean of reward_mean over the last min(3, E) epochs
+    reward per second    (final reward - initial reward) / total wall seconds
+    smoothed reward      at epoch i, the mean of reward_mean over epochs max(0, i - 2) .. i
+    time to reach R      wall seconds at the end of the first epoch whose smoothed reward >= R
+                         (None: never); R = the ddpo run's final reward
+    train speedup        ddpo's mean time/train divided by the method's mean time/train
+    UNet calls           train/unet_calls: batched UNet forward+backward calls of the training pass
+    UNet steps           train/unet_steps_per_sample x num_samples x num_inner_epochs: forward+backward
+                         passes in trajectory-step units (one trajectory, one denoising step); the
+                         reference model's extra no-grad forward (grpo_kl) is not counted
+"""
+
+import argparse
+import cProfile
+import datetime
+import gc
+import io
+import json
+import math
+import os
+import platform
+import pstats
+import shutil
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "config"))
+
+import grpo  # noqa: E402  config/grpo.py
+import torch  # noqa: E402
+
+from ddpo_group import trainer as trainer_module  # noqa: E402
+from ddpo_group.trainer import Trainer  # noqa: E402
+
+FINAL_WINDOW = 3
+TRAIN_SPEEDUP_TARGET = 4.0
+TIME_TO_REACH_TARGET = 0.4
+QUICK_EPOCHS = 6
+FULL_EPOCHS = 30
+TINY_MODELS = ("tiny", "tiny-shapes")
+
+# method -> (description, variant for the tiny models, variant for Stable Diffusion, method fields)
+METHODS = {
+    "ddpo": (
+        "ddpo-pytorch: PPO on all timesteps, per-prompt stat tracking",
+        "tiny_ddpo", "ddpo", {},
+    ),
+    "ddpo_fraction": (
+        "ddpo with timestep_fraction 0.5 (a random half of the steps per trajectory)",
+        "tiny_ddpo", "ddpo", {"train.timestep_selection": "fraction", "train.timestep_fraction": 0.5},
+    ),
+    "grpo_kl": (
+        "GRPO advantages + reference KL (gaussian), all timesteps",
+        "tiny", "sd15", {},
+    ),
+    "group_ppo_endpoints": (
+        "Group-PPO: critic + GAE + timestep grouping, actor trained on segment endpoints",
+        "tiny_group_ppo", "group_ppo", {"group_ppo.actor_tokens": "endpoints", "train.timestep_selection": "endpoints"},
+    ),
+    "group_ppo_all": (
+        "Group-PPO advantages, actor trained on every valid step with the segment advantage",
+        "tiny_group_ppo", "group_ppo", {"group_ppo.actor_tokens": "all", "train.timestep_selection": "all"},
+    ),
+}
+# The variant whose sampling work every method copies.
+COMMON_VARIANT = {"tiny": "tiny", "sd": "sd15"}
+SHARED_FIELDS = (
+    "seed", "pretrained.model", "pretrained.revision", "mixed_precision", "use_lora", "lora_rank", "lora_alpha",
+    "prompt_fn", "prompt_fn_kwargs", "reward_fn", "reward_weights", "reward_aggregation", "reward_workers",
+    "sample", "train.batch_size", "train.gradient_accumulation_steps", "train.learning_rate",
+    "train.num_inner_epochs", "train.cfg",
+)
+DEFINITIONS = {
+    "epoch_seconds": "wall clock from the start of an epoch's sampling to the end of its critic update "
+    "(sample + reward + advantages + train + critic; logging and checkpoints excluded)",
+    "wall_seconds": "cumulative epoch seconds at the end of an epoch; total_wall_seconds = at the last epoch",
+    "initial_reward": "reward_mean of epoch 0 (sampled before any update)",
+    "final_reward": f"mean of reward_mean over the last min({FINAL_WINDOW}, num_epochs) epochs",
+    "reward_per_second": "(final_reward - initial_reward) / total_wall_seconds",
+    "smoothed_reward": f"at epoch i, mean of reward_mean over epochs max(0, i - {FINAL_WINDOW - 1}) .. i",
+    "time_to_reach_ddpo_final": "wall_seconds at the end of the first epoch whose smoothed_reward >= the ddpo "
+    "run's final_reward (null: never reached)",
+    "train_speedup_vs_ddpo": "ddpo's mean time/train / the method's mean time/train (equal sampling work)",
+    "unet_calls": "train/unet_calls: batched UNet forward+backward calls of the training pass per epoch",
+    "unet_steps": "train/unet_steps_per_sample x num_samples x num_inner_epochs: forward+backward passes per epoch "
+    "in trajectory-step units; grpo_kl's extra no-grad reference forward per step is not counted",
+    "peak_rss_mb": "peak resident set size of the process during the method's run (VmHWM, reset before each run)",
+}
+
+
+# ---------------------------------------------------------------- configs
+def _set(config, dotted, value):
+    *parents, leaf = dotted.split(".")
+    node = config
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+
+
+def _get(config, dotted):
+    node = config
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def model_family(model):
+    return "tiny" if model in TINY_MODELS else "sd"
+
+
+def build_method_config(method, model, num_epochs, run_dir, reward_fn=None, sample_overrides=None):
+    """The method's config: its variant, the common variant's sampling work, the method's fields.
+
+    sample_overrides: {"num_steps": int, "batch_size": int, "num_batches_per_epoch": int, ...} applied
+    to every method alike (sample.*); train.batch_size shrinks to divide the epoch's trajectories.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}")
+    _, tiny_variant, sd_variant, fields = METHODS[method]
+    family = model_family(model)
+    config = grpo.get_config(tiny_variant if family == "tiny" else sd_variant)
+    common = grpo.get_config(COMMON_VARIANT[family])
+    common.pretrained.model = model
+    if reward_fn:
+        common.reward_fn = reward_fn
+        common.reward_weights = {}
+    for key, value in (sample_overrides or {}).items():
+        if value is not None:
+            common.sample[key] = value
+    per_epoch = common.sample.batch_size * common.sample.num_batches_per_epoch
+    if per_epoch % common.train.batch_size:
+        common.train.batch_size = math.gcd(per_epoch, common.train.batch_size)
+    if common.sample.batch_size % common.sample.group_size:
+        common.sample.group_size = math.gcd(common.sample.batch_size, common.sample.group_size)
+    for field in SHARED_FIELDS:
+        value = _get(common, field)
+        _set(config, field, value.to_dict() if hasattr(value, "to_dict") else value)
+    for field, value in fields.items():
+        _set(config, field, value)
+    config.num_epochs = num_epochs
+    config.logdir = os.path.dirname(run_dir)
+    config.run_name = os.path.basename(run_dir)
+    config.log_images_every = 0
+    config.save_freq = 0
+    config.log_with = "none"
+    config.resume_from = ""
+    return config
+
+
+# ---------------------------------------------------------------- running
+def _vm_hwm_mb():
+    """Peak RSS of this process in MiB (VmHWM, which `reset_peak_rss` resets); ru_maxrss elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _vm_rss_mb():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float("nan")
+
+
+def reset_peak_memory():
+    """Reset the process's peak RSS (Linux: write 5 to /proc/self/clear_refs) and CUDA's peak counter.
+
+    Returns True when the RSS peak could be reset (otherwise later runs inherit earlier peaks).
+    """
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class TimedTrainer(Trainer):
+    """Trainer that adds bench/epoch_seconds and bench/wall_seconds to each metrics row.
+
+    profile_epoch: an epoch to run under `profiler` (an object with enable() / disable(), or None).
+    """
+
+    def __init__(self, config, profile_epoch=None, profiler=None):
+        super().__init__(config)
+        self.bench_wall = 0.0
+        self.profile_epoch, self.profiler = profile_epoch, profiler
+
+    def sample_epoch(self, epoch, metrics):
+        if self.profiler is not None and epoch == self.profile_epoch:
+            self.profiler.enable()
+        self.bench_epoch_start = time.perf_counter()
+        return super().sample_epoch(epoch, metrics)
+
+    def log_epoch(self, epoch, samples, metrics):
+        seconds = time.perf_counter() - self.bench_epoch_start
+        if self.profiler is not None and epoch == self.profile_epoch:
+            self.profiler.disable()
+        self.bench_wall += seconds
+        metrics["bench/epoch_seconds"] = seconds
+        metrics["bench/wall_seconds"] = self.bench_wall
+        super().log_epoch(epoch, samples, metrics)
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_method(config, profile_epoch=None, profiler=None):
+    """Train one method from scratch into config.logdir/config.run_name; returns (rows, rss_at_start_mb)."""
+    run_dir = os.path.join(config.logdir, config.run_name)
+    if os.path.isdir(run_dir):
+        shutil.rmtree(run_dir)  # metrics.jsonl appends: a stale run would mix into this one
+    reset_peak_memory()
+    rss_at_start = _vm_rss_mb()
+    trainer = TimedTrainer(config, profile_epoch=profile_epoch, profiler=profiler)
+    trainer.run()
+    del trainer
+    gc.collect()
+    return read_metrics(run_dir), rss_at_start
+
+
+# ---------------------------------------------------------------- derived numbers
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def epoch_seconds(row):
+    """The row's bench/epoch_seconds, or the sum of its phase times for rows written without it."""
+    if "bench/epoch_seconds" in row:
+        return row["bench/epoch_seconds"]
+    return sum(row.get(k, 0.0) for k in ("time/sample", "time/reward", "time/advantages", "time/train", "time/critic"))
+
+
+def wall_seconds(rows):
+    """Cumulative epoch seconds at the end of each epoch."""
+    total, out = 0.0, []
+    for row in rows:
+        total += epoch_seconds(row)
+        out.append(total)
+    return out
+
+
+def smoothed_rewards(rows, window=FINAL_WINDOW):
+    """At epoch i, the mean reward_mean over epochs max(0, i - window + 1) .. i."""
+    rewards = [row["reward_mean"] for row in rows]
+    windows = [rewards[max(0, i - window + 1) : i + 1] for i in range(len(rewards))]
+    return [sum(w) / len(w) for w in windows]
+
+
+def final_reward(rows, window=FINAL_WINDOW):
+    tail = [row["reward_mean"] for row in rows[-window:]]
+    return sum(tail) / len(tail)
+
+
+def time_to_reach(rows, target, window=FINAL_WINDOW):
+    """Wall seconds at the end of the first epoch whose smoothed reward >= target; None if never."""
+    for smoothed, wall in zip(smoothed_rewards(rows, window), wall_seconds(rows)):
+        if smoothed >= target:
+            return wall
+    return None
+
+
+def summarize(rows, config):
+    """Per-method summary numbers (see DEFINITIONS) from its per-epoch metrics rows."""
+    if not rows:
+        raise ValueError("a run with no metrics rows cannot be summarized; did the run stop before its first epoch?")
+    rewards = [row["reward_mean"] for row in rows]
+    walls = wall_seconds(rows)
+    inner = config["train"]["num_inner_epochs"]
+    total = walls[-1]
+    initial, final = rewards[0], final_reward(rows)
+    summary = {
+        "num_epochs": len(rows),
+        "num_samples_per_epoch": rows[0].get("num_samples"),
+        "sample_seconds": _mean([row.get("time/sample") for row in rows]),
+        "reward_seconds": _mean([row.get("time/reward") for row in rows]),
+        "advantages_seconds": _mean([row.get("time/advantages") for row in rows]),
+        "train_seconds": _mean([row.get("time/train") for row in rows]),
+        "critic_seconds": _mean([row.get("time/critic", 0.0) for row in rows]),
+        "epoch_seconds": _mean([epoch_seconds(row) for row in rows]),
+        "total_wall_seconds": total,
+        "unet_calls": _mean([row.get("train/unet_calls") for row in rows]),
+        "unet_steps_per_sample": _mean([row.get("train/unet_steps_per_sample") for row in rows]),
+        "unet_steps": _mean(
+            [row["train/unet_steps_per_sample"] * row["num_samples"] * inner for row in rows if "train/unet_steps_per_sample" in row]
+        ),
+        "peak_rss_mb": max(row.get("peak_rss_mb", 0.0) for row in rows),
+        "peak_gpu_mb": max((row["peak_gpu_mb"] for row in rows if "peak_gpu_mb" in row), default=None),
+        "reward_first": rewards[0],
+        "reward_last": rewards[-1],
+        "reward_best": max(rewards),
+        "initial_reward": initial,
+        "final_reward": final,
+        "reward_per_second": (final - initial) / total if total > 0 else None,
+    }
+    summary["other_seconds"] = summary["epoch_seconds"] - sum(
+        summary[k] or 0.0 for k in ("sample_seconds", "reward_seconds", "train_seconds")
+    )
+    return summary
+
+
+def add_comparisons(methods, baseline="ddpo"):
+    """Adds train_speedup_vs_ddpo, time_to_reach_ddpo_final and its fraction of ddpo's wall to each summary."""
+    if baseline not in methods:
+        for entry in methods.values():
+            entry["summary"].update(train_speedup_vs_ddpo=None, time_to_reach_ddpo_final=None, time_to_reach_fraction=None)
+        return
+    base = methods[baseline]["summary"]
+    target = base["final_reward"]
+    for entry in methods.values():
+        s = entry["summary"]
+        s["train_speedup_vs_ddpo"] = base["train_seconds"] / s["train_seconds"] if s["train_seconds"] else None
+        reach = time_to_reach(entry["rows"], target)
+        s["time_to_reach_ddpo_final"] = reach
+        s["time_to_reach_fraction"] = reach / base["total_wall_seconds"] if reach is not None else None
+
+
+def evaluate_targets(methods):
+    """The issue's two targets for group_ppo_endpoints against ddpo: measured value, bound, met."""
+    have = "ddpo" in methods and "group_ppo_endpoints" in methods
+    gp = methods["group_ppo_endpoints"]["summary"] if have else {}
+    speedup = gp.get("train_speedup_vs_ddpo")
+    fraction = gp.get("time_to_reach_fraction")
+    reach_met = (fraction <= TIME_TO_REACH_TARGET) if (have and fraction is not None) else (False if have else None)
+    reach_note = None
+    if have and methods["ddpo"]["summary"]["final_reward"] <= methods["ddpo"]["summary"]["initial_reward"]:
+        # ddpo's final is then at or below the shared epoch-0 reward: every method "reaches" it at once
+        reach_met = None
+        reach_note = "ddpo's final reward is not above the initial reward, so reaching it says nothing"
+    return {
+        "train_speedup": {
+            "description": "group_ppo_endpoints' training pass at least 4x faster than ddpo's at equal sampling work",
+            "bound": TRAIN_SPEEDUP_TARGET,
+            "measured": speedup,
+            "met": (speedup >= TRAIN_SPEEDUP_TARGET) if speedup is not None else None,
+        },
+        "time_to_ddpo_final": {
+            "description": "group_ppo_endpoints reaches ddpo's final reward in at most 40% of ddpo's wall-clock time",
+            "bound": TIME_TO_REACH_TARGET,
+            "measured": fraction,
+            "met": reach_met,
+            "note": reach_note,
+        },
+    }
+
+
+def machine_info(device):
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch_version": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+        "device": device,
+    }
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus_available"] = len(os.sched_getaffinity(0))
+    if hasattr(os, "getloadavg"):
+        info["load_average_at_start"] = list(os.getloadavg())
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def build_results(mode, settings, machine, runs):
+    """runs: {method: {"config": dict, "rows": [...], "rss_at_start_mb": float}} -> the JSON document."""
+    methods = {}
+    for name, run in runs.items():
+        methods[name] = {
+            "description": METHODS[name][0] if name in METHODS else "",
+            "config": run["config"],
+            "rss_at_start_mb": run.get("rss_at_start_mb"),
+            "rows": run["rows"],
+            "summary": summarize(run["rows"], run["config"]),
+        }
+    add_comparisons(methods)
+    return {
+        "mode": mode,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": settings.get("command"),
+        "machine": machine,
+        "settings": settings,
+        "definitions": DEFINITIONS,
+        "methods": methods,
+        "targets": evaluate_targets(methods),
+    }
+
+
+# ---------------------------------------------------------------- rendering
+def _fmt(value, spec=".2f"):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def render_markdown(results):
+    """Markdown: a header, the time/compute table, the reward table, the targets, where the time goes."""
+    machine, settings, methods = results["machine"], results["settings"], results["methods"]
+    gpu = any(m["summary"]["peak_gpu_mb"] is not None for m in methods.values())
+    lines = [
+        f"# Training benchmark ({results['mode']})",
+        "",
+        f"Model `{settings['model']}` on {machine['device']}"
+        + (f" ({machine['gpu']})" if machine.get("gpu") else "")
+        + f"; {machine['cpu_count']} CPUs, torch {machine['torch_version']} ({machine['torch_num_threads']} threads); "
+        f"{settings['num_epochs']} epochs per method, seed {settings['seed']}, {settings['samples_per_epoch']} "
+        f"trajectories x {settings['num_steps']} steps per epoch (group size {settings['group_size']}), "
+        f"created {results['created']}.",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        "## Time and compute per epoch (means over epochs)",
+        "",
+        "| method | sample s | reward s | train s | other s | epoch s | train speedup vs ddpo "
+        "| UNet fwd+bwd calls | UNet fwd+bwd trajectory-steps | peak RSS MB |" + (" peak GPU MB |" if gpu else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if gpu else ""),
+    ]
+    for name, m in methods.items():
+        s = m["summary"]
+        row = (
+            f"| {name} | {_fmt(s['sample_seconds'])} | {_fmt(s['reward_seconds'])} | {_fmt(s['train_seconds'])} "
+            f"| {_fmt(s['other_seconds'])} | {_fmt(s['epoch_seconds'])} | {_fmt(s['train_speedup_vs_ddpo'])}x "
+            f"| {_fmt(s['unet_calls'], '.0f')} | {_fmt(s['unet_steps'], '.0f')} | {_fmt(s['peak_rss_mb'], '.0f')} |"
+        )
+        if gpu:
+            row += f" {_fmt(s['peak_gpu_mb'], '.0f')} |"
+        lines.append(row)
+    lines += [
+        "",
+        "`other` = advantages + critic update + gathers. UNet fwd+bwd calls are batched calls (one micro-batch at "
+        "one step); trajectory-steps count one trajectory at one denoising step.",
+        "",
+        "## Reward",
+        "",
+        f"Final = mean of the last {FINAL_WINDOW} epochs; reward/s = (final - initial) / total wall seconds; "
+        f"time to reach = wall seconds until the {FINAL_WINDOW}-epoch trailing mean first reaches ddpo's final reward.",
+        "",
+        "| method | first | last | best | final | total wall s | reward gained / s | time to ddpo's final s "
+        "| fraction of ddpo's wall |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, m in methods.items():
+        s = m["summary"]
+        lines.append(
+            f"| {name} | {_fmt(s['reward_first'], '.4f')} | {_fmt(s['reward_last'], '.4f')} "
+            f"| {_fmt(s['reward_best'], '.4f')} | {_fmt(s['final_reward'], '.4f')} | {_fmt(s['total_wall_seconds'], '.1f')} "
+            f"| {_fmt(s['reward_per_second'], '.3e')} | {_fmt(s['time_to_reach_ddpo_final'], '.1f')} "
+            f"| {_fmt(s['time_to_reach_fraction'], '.2f')} |"
+        )
+    lines += ["", "## Targets", ""]
+    for target in results["targets"].values():
+        unknown = "not meaningful" if target.get("note") else "not measured"
+        met = {True: "met", False: "not met", None: unknown}[target["met"]]
+        note = f" ({target['note']})" if target.get("note") else ""
+        lines.append(
+            f"- {target['description']}: measured {_fmt(target['measured'])} (bound {target['bound']}): **{met}**{note}"
+        )
+    lines += [
+        "", "## Where the time goes (share of epoch seconds)", "",
+        "| method | sample | reward | advantages | train | critic | rest |", "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, m in methods.items():
+        s = m["summary"]
+        parts = [s["sample_seconds"], s["reward_seconds"], s["advantages_seconds"], s["train_seconds"], s["critic_seconds"]]
+        parts = [p or 0.0 for p in parts]
+        shares = [p / s["epoch_seconds"] for p in parts] + [1.0 - sum(parts) / s["epoch_seconds"]]
+        lines.append(f"| {name} | " + " | ".join(f"{100 * x:.0f}%" for x in shares) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(results, output_dir):
+    os.makedirs(output_dir, exist_ok=True)
+    stem = os.path.join(output_dir, f"bench_{results['mode']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=1, default=float)
+    markdown = render_markdown(results)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown)
+    return stem + ".json", stem + ".md", markdown
+
+
+# ---------------------------------------------------------------- profiling
+class TorchProfiler:
+    """torch.profiler behind the enable() / disable() interface of cProfile.Profile."""
+
+    def __init__(self):
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profile = torch.profiler.profile(activities=activities, record_shapes=False)
+
+    def enable(self):
+        self.profile.__enter__()
+
+    def disable(self):
+        self.profile.__exit__(None, None, None)
+
+    def report(self, top):
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        return self.profile.key_averages().table(sort_by=sort, row_limit=top)
+
+
+def profile_method(method, args, output_dir):
+    """Run 2 epochs of `method`, profile the second (warm) one; print the phase split and the top functions."""
+    run_dir = os.path.join(output_dir, "runs", "profile", method)
+    config = build_method_config(method, args.model, 2, run_dir, args.reward, _sample_overrides(args))
+    profiler = TorchProfiler() if args.profiler == "torch" else cProfile.Profile()
+    rows, _ = run_method(config, profile_epoch=1, profiler=profiler)
+    row = rows[1]
+    total = epoch_seconds(row)
+    lines = [f"profile of {method}, epoch 1 ({args.profiler}): {total:.2f} s", "", "phase       seconds  share"]
+    for phase in ("sample", "reward", "advantages", "train", "critic"):
+        value = row.get(f"time/{phase}", 0.0)
+        lines.append(f"{phase:<11} {value:7.3f}  {100 * value / total:4.0f}%")
+    rest = total - sum(row.get(f"time/{p}", 0.0) for p in ("sample", "reward", "advantages", "train", "critic"))
+    lines.append(f"{'rest':<11} {rest:7.3f}  {100 * rest / total:4.0f}%")
+    lines += ["", f"UNet calls in training: {row.get('train/unet_calls')}, steps per sample: "
+              f"{row.get('train/unet_steps_per_sample')}", ""]
+    if args.profiler == "torch":
+        lines.append(profiler.report(args.top))
+    else:
+        for sort in ("tottime", "cumulative"):
+            stream = io.StringIO()
+            pstats.Stats(profiler, stream=stream).sort_stats(sort).print_stats(args.top)
+            text = stream.getvalue()
+            lines += [f"top {args.top} functions by {sort}:", text[text.find("   ncalls"):]]
+    report = "\n".join(lines)
+    path = os.path.join(output_dir, f"profile_{method}.txt")
+    with open(path, "w") as f:
+        f.write(report + "\n")
+    print(report)
+    print(f"written: {path}")
+    return report
+
+
+# ---------------------------------------------------------------- main
+def _sample_overrides(args):
+    return {"num_steps": args.num_steps, "batch_size": args.sample_batch_size, "num_batches_per_epoch": args.num_batches}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Train every RL method from one seed with equal sampling work; write a markdown table and JSON."
+    )
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_EPOCHS} epochs per method (CI-style check)")
+    parser.add_argument("--epochs", type=int, default=None, help=f"epochs per method (default {FULL_EPOCHS}, "
+                        f"--quick {QUICK_EPOCHS})")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--model", default="tiny-shapes", help="'tiny-shapes' (shipped shapes-world model), 'tiny' "
+                        "(random weights), a local diffusers directory or a hub id (Stable Diffusion configs)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--reward", default=None, help="reward_fn for every method (default: the common variant's)")
+    parser.add_argument("--num-steps", type=int, default=None, help="sample.num_steps for every method")
+    parser.add_argument("--sample-batch-size", type=int, default=None, help="sample.batch_size for every method")
+    parser.add_argument("--num-batches", type=int, default=None, help="sample.num_batches_per_epoch for every method")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own "
+                        "choice); on a CPU shared with other jobs, 1 avoids OpenMP oversubscription")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up run")
+    parser.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "benchmarks", "results"),
+                        help="where bench_<quick|full>.json/.md and runs/ go (default benchmarks/results)")
+    parser.add_argument("--from-json", metavar="PATH", default=None, help="rebuild the summaries, targets and "
+                        "markdown of a bench_<mode>.json from its per-epoch rows, without training")
+    parser.add_argument("--profile", metavar="METHOD", default=None, help="profile one epoch of METHOD instead")
+    parser.add_argument("--profiler", default="cprofile", choices=("cprofile", "torch"))
+    parser.add_argument("--top", type=int, default=25, help="profile entries to print")
+    args = parser.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods + ([args.profile] if args.profile else []) if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    if args.epochs is None:
+        args.epochs = QUICK_EPOCHS if args.quick else FULL_EPOCHS
+    if args.epochs < 1:
+        parser.error("--epochs must be >= 1")
+    return args
+
+
+def _select_device(device):
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read when CUDA first initialises; the trainer then picks the CPU
+        return "cpu"
+    available = torch.cuda.is_available()
+    if device == "cuda" and not available:
+        raise SystemExit("--device cuda: no CUDA device is visible to torch")
+    return "cuda" if available else "cpu"
+
+
+def _check_model(model):
+    if model == "tiny-shapes":
+        from ddpo_group.diffusion.loading import TINY_SHAPES_DIR
+
+        if not (TINY_SHAPES_DIR / "model_index.json").is_file():
+            raise SystemExit(
+                f"--model tiny-shapes: the shipped model is missing from {TINY_SHAPES_DIR}; create it with "
+                "`python scripts/pretrain_tiny.py` or benchmark the random-weight model with --model tiny"
+            )
+
+
+def rebuild(path, output_dir):
+    """Re-derive a results file from its stored per-epoch rows (after a change of definitions)."""
+    with open(path) as f:
+        old = json.load(f)
+    runs = {name: {"config": m["config"], "rows": m["rows"], "rss_at_start_mb": m.get("rss_at_start_mb")}
+            for name, m in old["methods"].items()}
+    results = build_results(old["mode"], old["settings"], old["machine"], runs)
+    results["created"] = old["created"]
+    json_path, md_path, markdown = write_results(results, output_dir)
+    print(markdown)
+    print(f"[bench] written: {json_path}, {md_path}")
+    return results
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.from_json:
+        return rebuild(args.from_json, os.path.abspath(args.output_dir))
+    device = _select_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _check_model(args.model)
+    output_dir = os.path.abspath(args.output_dir)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    original_peak_rss = trainer_module._peak_rss_mb
+    trainer_module._peak_rss_mb = _vm_hwm_mb  # peak since reset_peak_memory(), not since the process started
+    try:
+        if args.profile:
+            return profile_method(args.profile, args, output_dir)
+        return run_benchmark(args, argv, device, output_dir)
+    finally:
+        trainer_module._peak_rss_mb = original_peak_rss
+
+
+def run_benchmark(args, argv, device, output_dir):
+    """Train every method of args.methods, write bench_<mode>.json / .md, print the markdown."""
+    mode = "quick" if args.quick else "full"
+    runs_root = os.path.join(output_dir, "runs", mode)
+    machine = machine_info(device)
+    configs = {
+        m: build_method_config(m, args.model, args.epochs, os.path.join(runs_root, m), args.reward, _sample_overrides(args))
+        for m in args.methods
+    }
+    first = configs[args.methods[0]]
+    settings = {
+        "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": args.model,
+        "num_epochs": args.epochs,
+        "methods": args.methods,
+        "seed": first.seed,
+        "num_steps": first.sample.num_steps,
+        "samples_per_epoch": first.sample.batch_size * first.sample.num_batches_per_epoch,
+        "group_size": first.sample.group_size,
+        "train_batch_size": first.train.batch_size,
+        "final_window": FINAL_WINDOW,
+        "warmup": not args.no_warmup,
+    }
+    if not args.no_warmup:
+        # First calls pay for lazy imports, thread pools and kernel selection: an untimed 1-epoch, 2-step run.
+        warm = build_method_config(args.methods[0], args.model, 1, os.path.join(runs_root, "_warmup"), args.reward,
+                                   {**_sample_overrides(args), "num_steps": 2, "num_batches_per_epoch": 1})
+        print(f"[bench] warm-up: {args.methods[0]}, 1 epoch of 2 steps", flush=True)
+        run_method(warm)
+    runs = {}
+    for i, method in enumerate(args.methods):
+        print(f"[bench] {i + 1}/{len(args.methods)} {method}: {METHODS[method][0]}; {args.epochs} epochs", flush=True)
+        start = time.perf_counter()
+        rows, rss_at_start = run_method(configs[method])
+        runs[method] = {"config": configs[method].to_dict(), "rows": rows, "rss_at_start_mb": rss_at_start}
+        print(f"[bench] {method} done in {time.perf_counter() - start:.1f} s, reward {rows[0]['reward_mean']:.4f} -> "
+              f"{rows[-1]['reward_mean']:.4f}", flush=True)
+    results = build_results(mode, settings, machine, runs)
+    json_path, md_path, markdown = write_results(results, output_dir)
+    print(markdown)
+    print(f"[bench] written: {json_path}, {md_path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

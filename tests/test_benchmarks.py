@@ -1,0 +1,209 @@
+"""benchmarks/bench_training.py: the JSON / markdown it writes and the numbers it derives.
+
+One real run (two methods, 1 epoch, 2 denoising steps, 8 trajectories, the random "tiny" model)
+feeds the structure tests; the derived numbers are recomputed here by hand from the per-epoch
+rows. Timings are never asserted.
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METHODS = ["ddpo", "group_ppo_endpoints"]
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_training", os.path.join(REPO_ROOT, "benchmarks", "bench_training.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    bench.main([
+        "--model", "tiny", "--quick", "--epochs", "1", "--num-steps", "2", "--sample-batch-size", "8",
+        "--num-batches", "1", "--methods", ",".join(METHODS), "--no-warmup", "--output-dir", str(out),
+    ])
+    with open(out / "bench_quick.json") as f:
+        results = json.load(f)
+    markdown = (out / "bench_quick.md").read_text()
+    return results, markdown, out
+
+
+def test_json_names_machine_settings_and_every_method(run):
+    results, _, _ = run
+    assert results["mode"] == "quick"
+    assert results["machine"]["cpu_count"] == os.cpu_count()
+    assert results["machine"]["torch_version"]
+    assert results["settings"]["model"] == "tiny"
+    assert results["settings"]["num_epochs"] == 1
+    assert results["settings"]["final_window"] == 3
+    assert list(results["methods"]) == METHODS
+    for key in ("final_reward", "reward_per_second", "time_to_reach_ddpo_final", "unet_steps"):
+        assert key in results["definitions"]
+
+
+def test_per_epoch_rows_are_the_runs_metrics(run):
+    results, _, _ = run
+    for name in METHODS:
+        rows = results["methods"][name]["rows"]
+        assert [row["epoch"] for row in rows] == [0]
+        for key in ("reward_mean", "time/sample", "time/reward", "time/train", "train/unet_calls",
+                    "train/unet_steps_per_sample", "peak_rss_mb", "bench/epoch_seconds", "bench/wall_seconds"):
+            assert key in rows[0], (name, key)
+        assert rows[0]["num_samples"] == 8
+
+
+def test_methods_share_the_sampling_work_and_differ_in_training(run):
+    results, _, _ = run
+    ddpo, gp = (results["methods"][m]["config"] for m in METHODS)
+    assert ddpo["sample"] == gp["sample"]
+    assert ddpo["sample"]["num_steps"] == 2 and ddpo["sample"]["batch_size"] == 8
+    assert ddpo["seed"] == gp["seed"]
+    assert ddpo["train"]["batch_size"] == gp["train"]["batch_size"]
+    assert ddpo["algorithm"]["adv_estimator"] == "ddpo" and ddpo["train"]["timestep_selection"] == "all"
+    assert gp["algorithm"]["adv_estimator"] == "group_ppo" and gp["group_ppo"]["actor_tokens"] == "endpoints"
+
+
+def test_same_seed_gives_the_same_epoch_zero_samples(run):
+    results, _, _ = run
+    first = [results["methods"][m]["rows"][0]["reward_mean"] for m in METHODS]
+    assert first[0] == first[1]
+
+
+def test_derived_numbers_match_a_hand_computation_from_the_rows(run):
+    results, _, _ = run
+    ddpo_rows = results["methods"]["ddpo"]["rows"]
+    ddpo_final = sum(r["reward_mean"] for r in ddpo_rows[-3:]) / len(ddpo_rows[-3:])
+    ddpo_train = sum(r["time/train"] for r in ddpo_rows) / len(ddpo_rows)
+    ddpo_wall = sum(r["bench/epoch_seconds"] for r in ddpo_rows)
+    for name in METHODS:
+        rows = results["methods"][name]["rows"]
+        s = results["methods"][name]["summary"]
+        wall = sum(r["bench/epoch_seconds"] for r in rows)
+        final = sum(r["reward_mean"] for r in rows[-3:]) / len(rows[-3:])
+        assert s["total_wall_seconds"] == pytest.approx(wall)
+        assert s["final_reward"] == pytest.approx(final)
+        assert s["reward_per_second"] == pytest.approx((final - rows[0]["reward_mean"]) / wall)
+        assert s["train_speedup_vs_ddpo"] == pytest.approx(ddpo_train / (sum(r["time/train"] for r in rows) / len(rows)))
+        # one epoch: the trailing mean at epoch 0 is epoch 0's reward, equal for both methods (same samples)
+        reach = rows[0]["bench/epoch_seconds"] if rows[0]["reward_mean"] >= ddpo_final else None
+        assert s["time_to_reach_ddpo_final"] == pytest.approx(reach)
+        assert s["time_to_reach_fraction"] == pytest.approx(reach / ddpo_wall)
+        assert s["unet_calls"] == rows[0]["train/unet_calls"]
+        assert s["unet_steps"] == pytest.approx(rows[0]["train/unet_steps_per_sample"] * 8)
+    # ddpo trains both steps of all 8 trajectories; Group-PPO only the endpoint steps
+    assert results["methods"]["ddpo"]["summary"]["unet_steps"] == 16
+
+
+def test_markdown_has_both_tables_one_row_per_method_and_the_targets(run):
+    results, markdown, _ = run
+    assert markdown.startswith("# Training benchmark (quick)")
+    assert "| method | sample s | reward s | train s | other s | epoch s | train speedup vs ddpo" in markdown
+    assert "| method | first | last | best | final | total wall s | reward gained / s" in markdown
+    for name in METHODS:
+        assert sum(line.startswith(f"| {name} |") for line in markdown.splitlines()) == 3
+    assert "## Targets" in markdown
+    assert markdown.count("(bound ") == 2
+    s = results["methods"]["ddpo"]["summary"]
+    assert f"| ddpo | {s['reward_first']:.4f} | {s['reward_last']:.4f} |" in markdown
+
+
+def _rows(rewards, seconds, train_seconds):
+    rows, wall = [], 0.0
+    for epoch, (reward, sec, train) in enumerate(zip(rewards, seconds, train_seconds)):
+        wall += sec
+        rows.append({
+            "epoch": epoch, "reward_mean": reward, "bench/epoch_seconds": sec, "bench/wall_seconds": wall,
+            "time/sample": 0.5, "time/reward": 0.0, "time/advantages": 0.0, "time/train": train,
+            "train/unet_calls": 4, "train/unet_steps_per_sample": 2.0, "num_samples": 8, "peak_rss_mb": 100.0,
+        })
+    return rows
+
+
+def _hand_results():
+    config = {"train": {"num_inner_epochs": 1}}
+    runs = {
+        # final = (0.4 + 0.3 + 0.5) / 3 = 0.4, total wall 12 s
+        "ddpo": {"config": config, "rows": _rows([0.1, 0.2, 0.4, 0.3, 0.5], [2, 2, 3, 3, 2], [1.0] * 5)},
+        # trailing means 0.1, 0.3, 0.4333...: reaches 0.4 at the end of epoch 2, after 1 + 1 + 1 = 3 s
+        "group_ppo_endpoints": {"config": config, "rows": _rows([0.1, 0.5, 0.7, 0.2, 0.2], [1, 1, 1, 1, 1], [0.2] * 5)},
+        # trailing means 0.25, 0.25, 0.25: never reaches 0.4
+        "grpo_kl": {"config": config, "rows": _rows([0.25, 0.25, 0.25], [4, 4, 4], [2.0] * 3)},
+    }
+    settings = {"command": "test", "model": "tiny", "num_epochs": 5, "seed": 0, "samples_per_epoch": 8, "num_steps": 2,
+                "group_size": 8}
+    machine = {"device": "cpu", "cpu_count": 2, "torch_version": "x", "torch_num_threads": 1}
+    return bench.build_results("quick", settings, machine, runs)
+
+
+def test_summary_of_hand_written_rows():
+    s = _hand_results()["methods"]["ddpo"]["summary"]
+    assert s["reward_first"] == 0.1 and s["reward_last"] == 0.5 and s["reward_best"] == 0.5
+    assert s["final_reward"] == pytest.approx(0.4)
+    assert s["total_wall_seconds"] == pytest.approx(12.0)
+    assert s["reward_per_second"] == pytest.approx((0.4 - 0.1) / 12.0)
+    assert s["epoch_seconds"] == pytest.approx(12.0 / 5)
+    assert s["other_seconds"] == pytest.approx(12.0 / 5 - 0.5 - 0.0 - 1.0)
+    assert s["unet_steps"] == pytest.approx(16.0)
+
+
+def test_time_to_reach_uses_the_trailing_three_epoch_mean():
+    methods = _hand_results()["methods"]
+    assert methods["group_ppo_endpoints"]["summary"]["time_to_reach_ddpo_final"] == pytest.approx(3.0)
+    assert methods["group_ppo_endpoints"]["summary"]["time_to_reach_fraction"] == pytest.approx(3.0 / 12.0)
+    # ddpo's trailing means are 0.1, 0.15, 0.2333, 0.3, 0.4: it reaches its own final at its last epoch
+    assert methods["ddpo"]["summary"]["time_to_reach_ddpo_final"] == pytest.approx(12.0)
+    assert methods["grpo_kl"]["summary"]["time_to_reach_ddpo_final"] is None
+
+
+def test_targets_compare_group_ppo_endpoints_with_ddpo():
+    results = _hand_results()
+    assert results["methods"]["group_ppo_endpoints"]["summary"]["train_speedup_vs_ddpo"] == pytest.approx(5.0)
+    speed, reach = results["targets"]["train_speedup"], results["targets"]["time_to_ddpo_final"]
+    assert speed["measured"] == pytest.approx(5.0) and speed["met"] is True
+    assert reach["measured"] == pytest.approx(0.25) and reach["met"] is True
+    markdown = bench.render_markdown(results)
+    assert "| grpo_kl | 0.2500 | 0.2500 | 0.2500 | 0.2500 | 12.0 | 0.000e+00 | - | - |" in markdown
+
+
+def test_without_ddpo_the_comparisons_and_targets_are_not_measured():
+    results = _hand_results()
+    runs = {"grpo_kl": {"config": results["methods"]["grpo_kl"]["config"], "rows": results["methods"]["grpo_kl"]["rows"]}}
+    alone = bench.build_results("quick", results["settings"], results["machine"], runs)
+    assert alone["methods"]["grpo_kl"]["summary"]["train_speedup_vs_ddpo"] is None
+    assert alone["targets"]["train_speedup"]["met"] is None
+    assert alone["targets"]["time_to_ddpo_final"]["met"] is None
+    assert "**not measured**" in bench.render_markdown(alone)
+
+
+def test_unknown_method_is_rejected_with_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--methods", "ddpo,ppo2"])
+    err = capsys.readouterr().err
+    assert "ppo2" in err and "group_ppo_endpoints" in err
+
+
+def test_time_to_reach_target_is_not_meaningful_when_ddpo_did_not_improve():
+    results = _hand_results()
+    runs = {name: {"config": m["config"], "rows": m["rows"]} for name, m in results["methods"].items()}
+    for row in runs["ddpo"]["rows"]:
+        row["reward_mean"] = 0.5 - row["reward_mean"]  # 0.4, 0.3, 0.1, 0.2, 0.0: final 0.1 < initial 0.4
+    flat = bench.build_results("quick", results["settings"], results["machine"], runs)
+    assert flat["targets"]["time_to_ddpo_final"]["met"] is None
+    assert "not meaningful" in bench.render_markdown(flat)
+
+
+def test_from_json_rebuilds_the_same_tables_without_training(run, tmp_path):
+    results, markdown, out = run
+    rebuilt = bench.main(["--from-json", str(out / "bench_quick.json"), "--output-dir", str(tmp_path)])
+    assert rebuilt["methods"]["ddpo"]["summary"] == results["methods"]["ddpo"]["summary"]
+    assert (tmp_path / "bench_quick.md").read_text() == markdown
