@@ -27,7 +27,7 @@ def get_config():
     config.num_epochs = 100
     # Save a checkpoint every this many epochs (0: only at the end and on interruption).
     config.save_freq = 20
-    # Keep at most this many checkpoints (oldest deleted first; 0 or None: keep all).
+    # Keep at most this many checkpoints (oldest deleted first; 0: keep all).
     config.num_checkpoint_limit = 5
     # Mixed precision: "no" (float32, the CPU default), "fp16" or "bf16" (GPU only).
     config.mixed_precision = "no"
@@ -123,7 +123,7 @@ def get_config():
     # alpha 1.0 is a hard sync; freq 0 never updates (the reference stays the initial policy).
     train.reference_model_mixup_alpha = 1.0
     train.reference_update_freq = 0
-    # Trajectories per UNet call when re-scoring without gradients (values, reference); 0: train.batch_size.
+    # (trajectory, step) pairs per critic call when computing values without gradients; 0: all at once.
     train.eval_micro_batch_size = 0
 
     ###### Algorithm ######
@@ -139,8 +139,8 @@ def get_config():
 
     ###### Per-prompt stat tracking (adv_estimator "ddpo") ######
     config.per_prompt_stat_tracking = tracking = ml_collections.ConfigDict()
-    # Rewards kept per prompt (None: unbounded).
-    tracking.buffer_size = ml_collections.FieldReference(16, field_type=int)
+    # Rewards kept per prompt (0: unbounded).
+    tracking.buffer_size = 16
     # Below this many rewards for a prompt, the whole batch's mean / std are used.
     tracking.min_count = 16
 

@@ -10,11 +10,13 @@
     test            the random-weight tiny pipeline, a few seconds; for tests and smoke checks
 """
 
+import importlib.util
 import os
-import sys
 
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))
-import base  # noqa: E402
+# config/base.py, loaded by path so that no other module named "base" can shadow it.
+_spec = importlib.util.spec_from_file_location("ddpo_group_config_base", os.path.join(os.path.dirname(__file__), "base.py"))
+base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(base)
 
 
 def sd15():

@@ -7,28 +7,32 @@ import sys
 from typing import Sequence
 
 
-def train_main(argv: Sequence[str] | None = None) -> None:
+def train_main() -> None:
     """ddpo-group-train / scripts/train.py: `--config config/grpo.py[:VARIANT] [--config.FIELD=VALUE ...]`.
 
-    The default config is config/grpo.py:tiny of the checkout this package lives in.
+    The default config is config/grpo.py:tiny of the checkout this package lives in. A config or
+    checkpoint error is printed as one line naming the field or path, without a traceback.
     """
     import os
 
     from absl import app, flags
     from ml_collections import config_flags
 
-    from ddpo_group.config_check import base_config_path
+    from ddpo_group.config_check import ConfigError, base_config_path
 
     default = os.path.join(os.path.dirname(base_config_path()), "grpo.py:tiny")
     if "config" not in flags.FLAGS:
         config_flags.DEFINE_config_file("config", default, "Training configuration (FILE[:VARIANT]).")
 
     def main(_):
-        from ddpo_group.trainer import train
+        from ddpo_group.trainer import CheckpointError, train
 
-        train(flags.FLAGS.config)
+        try:
+            train(flags.FLAGS.config)
+        except (ConfigError, CheckpointError) as err:
+            sys.exit(f"ddpo-group-train: error: {err}")
 
-    app.run(main, argv=list(argv) if argv is not None else None)
+    app.run(main)
 
 
 def inspect_main(argv: Sequence[str] | None = None) -> int:

@@ -92,6 +92,7 @@ def check_config(config, num_processes=1, has_gpu=None):
             value = value[part]
         _positive(value, field)
     _positive(config.save_freq, "save_freq", allow_zero=True)
+    _positive(config.num_checkpoint_limit, "num_checkpoint_limit", allow_zero=True)
     _positive(config.log_images_every, "log_images_every", allow_zero=True)
     if sample.eta <= 0:
         raise ConfigError(
@@ -129,6 +130,22 @@ def check_config(config, num_processes=1, has_gpu=None):
         raise ConfigError(
             f"config.train.timestep_fraction={train.timestep_fraction} has no effect unless "
             "train.timestep_selection='fraction'; set both"
+        )
+    if algo.adv_estimator == "group_ppo":
+        expected = "endpoints" if config.group_ppo.actor_tokens == "endpoints" else "all"
+        if train.timestep_selection != expected:
+            raise ConfigError(
+                f"config.train.timestep_selection={train.timestep_selection!r} contradicts "
+                f"config.group_ppo.actor_tokens={config.group_ppo.actor_tokens!r}; set "
+                f"train.timestep_selection={expected!r} (actor_tokens 'endpoints' trains endpoints, 'all' every step)"
+            )
+    tracking = config.per_prompt_stat_tracking
+    _positive(tracking.buffer_size, "per_prompt_stat_tracking.buffer_size", allow_zero=True)
+    _positive(tracking.min_count, "per_prompt_stat_tracking.min_count", allow_zero=True)
+    if tracking.buffer_size and tracking.min_count > tracking.buffer_size:
+        raise ConfigError(
+            f"config.per_prompt_stat_tracking.min_count={tracking.min_count} exceeds buffer_size="
+            f"{tracking.buffer_size}: the buffer could never be used; lower min_count or raise buffer_size (0: unbounded)"
         )
     if train.use_kl_loss and not train.use_reference_model:
         raise ConfigError("config.train.use_kl_loss=True needs config.train.use_reference_model=True")

@@ -6,12 +6,14 @@ alpha = 1 is a hard sync, update_freq = 0 never updates (pi_ref stays the initia
 The reference starts equal to the initial policy. With LoRA and no mixup it is the base
 model with the adapters disabled, which costs no memory; otherwise it is a frozen copy of
 the trainable parameters only, swapped in with `torch.func.functional_call` (the frozen
-weights are shared with the policy).
+weights are shared with the policy). With LoRA the mixup acts on the adapter factors A and
+B; the low-rank update B A of the reference is then not exactly the mix of the two updates
+(it is bilinear in the factors), as in every LoRA-based mixup.
 """
 
-from contextlib import contextmanager
-
 import torch
+
+from ddpo_group.diffusion.lora import disabled_adapters
 
 
 class ReferencePolicy:
@@ -37,7 +39,7 @@ class ReferencePolicy:
     @torch.no_grad()
     def __call__(self, *args, **kwargs):
         if self.uses_disabled_adapters:
-            with adapters_disabled(self.unet):
+            with disabled_adapters(self.unet):
                 return self.unet(*args, **kwargs)
         return torch.func.functional_call(self.unet, self.params, args, kwargs, strict=False)
 
@@ -75,7 +77,14 @@ class ReferencePolicy:
         self.num_syncs = int(state["num_syncs"])
         self.steps_since_sync = int(state["steps_since_sync"])
         params = state.get("params", {})
-        if self.params and set(params) != set(self.params):
+        if bool(params) != bool(self.params):
+            raise ValueError(
+                "the checkpoint's reference model does not match the config: it was written with "
+                f"{'a copied' if params else 'an adapter-free'} reference, this run uses "
+                f"{'a copied' if self.params else 'an adapter-free'} one; resume with the same use_lora and "
+                "train.reference_update_freq (0 with LoRA: adapters disabled; > 0: a copy)"
+            )
+        if set(params) != set(self.params):
             missing = sorted(set(self.params) - set(params))[:3]
             raise ValueError(
                 f"reference checkpoint does not match the model: missing parameters such as {missing}; "
@@ -83,13 +92,3 @@ class ReferencePolicy:
             )
         for name, value in params.items():
             self.params[name].copy_(value)
-
-
-@contextmanager
-def adapters_disabled(unet):
-    """Run the peft-adapted UNet as its base model inside the block."""
-    unet.disable_adapters()
-    try:
-        yield unet
-    finally:
-        unet.enable_adapters()

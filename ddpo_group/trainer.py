@@ -47,6 +47,7 @@ from ddpo_group.algos import grouping
 from ddpo_group.algos.losses import agg_loss, compute_value_loss, gaussian_kl, get_policy_loss, kl_penalty
 from ddpo_group.config_check import CRITIC_ESTIMATORS, check_config
 from ddpo_group.diffusion.loading import load_pipeline
+from ddpo_group.diffusion.lora import add_lora
 from ddpo_group.diffusion.sampling import Trajectories, sample_trajectories, step_log_prob
 from ddpo_group.prompts import load_prompts
 from ddpo_group.reference import ReferencePolicy
@@ -155,7 +156,8 @@ class Trainer:
 
     def __init__(self, config):
         self.config = config
-        check_config(config, has_gpu=torch.cuda.is_available())
+        # Checked before anything is created; the launcher's WORLD_SIZE is the number of processes.
+        check_config(config, num_processes=int(os.environ.get("WORLD_SIZE", 1)), has_gpu=torch.cuda.is_available())
         self._resume_checkpoint, self._resume_state = (None, None)
         if config.resume_from:
             self._resume_checkpoint, self._resume_state = find_checkpoint(config.resume_from)
@@ -165,7 +167,6 @@ class Trainer:
             self.run_dir = os.path.abspath(os.path.join(config.logdir, run_name))
         self.accelerator = make_accelerator(config, self.run_dir)
         acc = self.accelerator
-        check_config(config, num_processes=acc.num_processes, has_gpu=torch.cuda.is_available())
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
         if acc.is_main_process:
             os.makedirs(self.run_dir, exist_ok=True)
@@ -211,21 +212,9 @@ class Trainer:
         pipe.text_encoder.to(acc.device, dtype=inference_dtype)
         unet = pipe.unet
         if config.use_lora:
-            from peft import LoraConfig
-
-            unet.requires_grad_(False)
             unet.to(acc.device, dtype=inference_dtype)
-            unet.add_adapter(
-                LoraConfig(
-                    r=config.lora_rank,
-                    lora_alpha=config.lora_alpha or config.lora_rank,
-                    init_lora_weights="gaussian",
-                    target_modules=["to_k", "to_q", "to_v", "to_out.0"],
-                )
-            )
-            for param in unet.parameters():
-                if param.requires_grad:
-                    param.data = param.data.float()
+            for param in add_lora(unet, config.lora_rank, alpha=config.lora_alpha or None):
+                param.data = param.data.float()  # adapters train in float32 under mixed precision
         else:
             unet.requires_grad_(True)
             unet.to(acc.device, dtype=torch.float32)
@@ -250,11 +239,6 @@ class Trainer:
             weight_decay=t.adam_weight_decay,
             eps=t.adam_epsilon,
         )
-        self.reference = None
-        if t.use_reference_model:
-            self.reference = ReferencePolicy(
-                unet, config.use_lora, t.reference_model_mixup_alpha, t.reference_update_freq
-            )
         self.critic = self.critic_module = self.critic_optimizer = None
         acc.register_save_state_pre_hook(self._save_model_hook)
         acc.register_load_state_pre_hook(self._load_model_hook)
@@ -273,6 +257,12 @@ class Trainer:
         else:
             self.unet, self.optimizer = acc.prepare(unet, optimizer)
         pipe.unet = self.unet_module
+        # Built after prepare(): DDP has broadcast rank 0's initial weights, so every rank holds the same pi_ref.
+        self.reference = None
+        if t.use_reference_model:
+            self.reference = ReferencePolicy(
+                self.unet_module, config.use_lora, t.reference_model_mixup_alpha, t.reference_update_freq
+            )
         self.loss_config = LossConfig(
             clip_ratio=t.clip_range,
             clip_ratio_low=t.clip_ratio_low if t.clip_ratio_low is not None else t.clip_range,
@@ -286,10 +276,14 @@ class Trainer:
         config = self.config
         names = self._reward_names()
         tracking = config.per_prompt_stat_tracking
-        self.trackers = {
-            name: PerPromptStatTracker(tracking.buffer_size, tracking.min_count, config.algorithm.norm_adv_by_std)
-            for name in names
-        }
+        self.trackers = {}
+        if config.algorithm.adv_estimator == "ddpo":
+            self.trackers = {
+                name: PerPromptStatTracker(
+                    tracking.buffer_size or None, tracking.min_count, config.algorithm.norm_adv_by_std
+                )
+                for name in names
+            }
         self.threshold = grouping.AdaptiveThreshold.from_config(config.group_ppo)
 
     def _reward_names(self):
@@ -314,6 +308,10 @@ class Trainer:
             config.algorithm.adv_estimator,
         )
         epoch = self.first_epoch
+        if self.first_epoch >= config.num_epochs:
+            logger.warning("nothing to do: the run already has %d of num_epochs=%d epochs", self.first_epoch, config.num_epochs)
+            self.reward_runner.shutdown()
+            return self.run_dir
         try:
             bar = tqdm(range(self.first_epoch, config.num_epochs), desc="epoch", disable=not acc.is_main_process)
             for epoch in bar:
@@ -328,7 +326,7 @@ class Trainer:
                     self._dump_debug(epoch, samples)
                 self.train_epoch(samples, epoch, metrics)
                 if self.critic is not None:
-                    self.update_critic(samples, metrics)
+                    self.update_critic(samples, epoch, metrics)
                 self.log_epoch(epoch, samples, metrics)
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}")
                 if config.save_freq and (epoch + 1) % config.save_freq == 0 and epoch + 1 < config.num_epochs:
@@ -489,8 +487,6 @@ class Trainer:
         mask = samples.mask[rows].float()
         b, T = mask.shape
         selection = config.train.timestep_selection
-        if config.algorithm.adv_estimator == "group_ppo":
-            selection = "endpoints" if config.group_ppo.actor_tokens == "endpoints" else "all"
         if selection == "all":
             idx = torch.arange(T).expand(b, T)
         elif selection == "fraction":
@@ -526,7 +522,6 @@ class Trainer:
         t = config.train
         b_local = len(samples.prompts)
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch * 101 + acc.process_index)
-        kl_needed = self.reference is not None
         info = {"loss": [], "policy_loss": [], "kl": [], "clipfrac": [], "approx_kl": [], "clipfrac_lower": []}
         unet_calls = unet_steps = 0
         start = time.perf_counter()
@@ -543,7 +538,9 @@ class Trainer:
             step_idx, step_mask = self._selected_steps(samples, rows, generator)
             advantages = samples.advantages[rows].gather(1, step_idx)
             old_log_probs = samples.log_probs[rows].gather(1, step_idx).float()
-            closes_window = (n + 1) % t.gradient_accumulation_steps == 0 or n + 1 == len(micro_batches)
+            window_start = n - n % t.gradient_accumulation_steps
+            window_len = min(t.gradient_accumulation_steps, len(micro_batches) - window_start)
+            closes_window = n + 1 == window_start + window_len
             base = old_log_probs
             if t.policy_loss in SEQUENCE_LOSSES:
                 with torch.no_grad():
@@ -553,37 +550,24 @@ class Trainer:
                 base = torch.where(step_mask > 0, base, old_log_probs)
             live = base.clone()
             kl_mat = torch.zeros_like(old_log_probs)
-            columns = [k for k in range(step_idx.shape[1]) if step_mask[:, k].any()]
-            for j, k in enumerate(columns):
-                with acc.autocast():
-                    log_prob, mean, std = self._step(self.unet, samples, rows, step_idx[:, k])
-                log_prob = torch.where(step_mask[:, k] > 0, log_prob.float(), old_log_probs[:, k])
-                log_probs = base.clone()
-                log_probs[:, k] = log_prob
-                loss, _ = self.policy_loss(old_log_probs, log_probs, advantages, step_mask, self.loss_config)
-                if kl_needed:
-                    with torch.no_grad(), acc.autocast():
-                        ref_log_prob, ref_mean, _ = self._step(self.reference, samples, rows, step_idx[:, k])
-                    if t.kl_type == "gaussian":
-                        kl = gaussian_kl(mean.float(), ref_mean.float(), std.float() if torch.is_tensor(std) else std)
-                    else:
-                        kl = kl_penalty(log_prob, ref_log_prob.float(), t.kl_type)
-                    kl_col = torch.zeros_like(old_log_probs)
-                    kl_col[:, k] = torch.where(step_mask[:, k] > 0, kl, torch.zeros_like(kl))
-                    if t.use_kl_loss:
-                        loss = loss + t.beta * agg_loss(kl_col, step_mask, t.loss_agg_mode)
-                    kl_mat[:, k] = kl_col[:, k].detach()
-                if not torch.isfinite(loss):
-                    bad = True
-                sync = closes_window and j == len(columns) - 1
+            num_columns = step_idx.shape[1]
+            for k in range(num_columns):
+                # DDP all-reduces on the last backward of the window only; forward and backward both run
+                # inside no_sync, and every rank runs the same number of columns.
+                sync = closes_window and k == num_columns - 1
                 with contextlib.nullcontext() if sync else acc.no_sync(self.unet):
-                    acc.backward(loss / t.gradient_accumulation_steps)
-                live[:, k] = log_prob.detach()
+                    log_prob, kl, finite = self._train_column(
+                        samples, rows, step_idx, step_mask, k, base, old_log_probs, advantages, window_len
+                    )
+                bad = bad or not finite
+                live[:, k] = log_prob
+                if kl is not None:
+                    kl_mat[:, k] = kl
                 unet_calls += 1
                 unet_steps += len(rows)
             with torch.no_grad():
                 policy_loss, loss_metrics = self.policy_loss(old_log_probs, live, advantages, step_mask, self.loss_config)
-                kl_value = agg_loss(kl_mat, step_mask, t.loss_agg_mode) if kl_needed else torch.zeros(())
+                kl_value = agg_loss(kl_mat, step_mask, t.loss_agg_mode) if self.reference is not None else torch.zeros(())
             info["policy_loss"].append(float(policy_loss))
             info["kl"].append(float(kl_value))
             info["loss"].append(float(policy_loss) + (t.beta * float(kl_value) if t.use_kl_loss else 0.0))
@@ -607,16 +591,55 @@ class Trainer:
             metrics.update(self.reference.metrics())
             metrics["ref/kl"] = metrics["kl"]
 
+    def _train_column(self, samples, rows, step_idx, step_mask, k, base, old_log_probs, advantages, window_len):
+        """Forward and backward of step column k of a micro-batch.
+
+        Returns its detached log-prob (b,), KL to the reference (b,) or None, and whether the loss was finite.
+
+        The loss is the micro-batch's whole loss with column k live and the other columns detached
+        (`base`), scaled by 1 / window_len (micro-batches in this accumulation window).
+        """
+        t, acc = self.config.train, self.accelerator
+        valid = step_mask[:, k] > 0
+        with acc.autocast():
+            log_prob, mean, std = self._step(self.unet, samples, rows, step_idx[:, k])
+        log_prob = torch.where(valid, log_prob.float(), old_log_probs[:, k])
+        log_probs = base.clone()
+        log_probs[:, k] = log_prob
+        loss, _ = self.policy_loss(old_log_probs, log_probs, advantages, step_mask, self.loss_config)
+        kl = None
+        if self.reference is not None:
+            with torch.no_grad(), acc.autocast():
+                ref_log_prob, ref_mean, _ = self._step(self.reference, samples, rows, step_idx[:, k])
+            if t.kl_type == "gaussian":
+                kl = gaussian_kl(mean.float(), ref_mean.float(), std.float())
+            else:
+                kl = kl_penalty(log_prob, ref_log_prob.float(), t.kl_type)
+            kl = torch.where(valid, kl, torch.zeros_like(kl))
+            if t.use_kl_loss:
+                kl_mat = torch.zeros_like(old_log_probs)
+                kl_mat[:, k] = kl
+                loss = loss + t.beta * agg_loss(kl_mat, step_mask, t.loss_agg_mode)
+            kl = kl.detach()
+        acc.backward(loss / window_len)
+        return log_prob.detach(), kl, bool(torch.isfinite(loss))
+
     def _optimizer_step(self, bad, info):
         """Clip, step, zero; a step whose loss or gradient is not finite is skipped and counted."""
         acc = self.accelerator
         grad_norm = acc.clip_grad_norm_(self.trainable_params, self.config.train.max_grad_norm)
         flags = acc.gather(torch.tensor([float(bad)], device=acc.device))
-        if flags.sum() > 0 or (grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm))):
+        skip = bool(flags.sum() > 0) or (grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)))
+        if acc.scaler is not None:
+            # fp16: the GradScaler skips a non-finite step itself and lowers its scale; it must see every step.
+            self.optimizer.step()
+            skip = skip or acc.optimizer_step_was_skipped
+        elif not skip:
+            self.optimizer.step()
+        if skip:
             self.skipped_steps += 1
             logger.warning("non-finite loss or gradient: optimizer step skipped (%d so far)", self.skipped_steps)
         else:
-            self.optimizer.step()
             self.global_step += 1
             if grad_norm is not None:
                 info.setdefault("grad_norm", []).append(float(grad_norm))
@@ -624,12 +647,12 @@ class Trainer:
                 self.reference.on_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def update_critic(self, samples, metrics):
+    def update_critic(self, samples, epoch, metrics):
         """Clipped value loss on the critic's steps (endpoints for group_ppo, every valid step for gae)."""
         config, acc = self.config, self.accelerator
         start = time.perf_counter()
         b_local = len(samples.prompts)
-        generator = torch.Generator().manual_seed(config.seed + 7)
+        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch * 101 + acc.process_index + 7)
         losses, clipfracs = [], []
         self.critic.train()
         for _ in range(config.critic.num_epochs):
@@ -835,13 +858,9 @@ def load_unet(unet, input_dir, use_lora):
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"LoRA weights in {input_dir} do not fit the model: {result.unexpected_keys[:3]}")
     else:
-        from diffusers import UNet2DConditionModel
         from safetensors.torch import load_file
 
-        path = os.path.join(input_dir, "unet")
-        loaded = UNet2DConditionModel.from_pretrained(path, local_files_only=True)
-        unet.load_state_dict(loaded.state_dict())
-        del loaded, load_file
+        unet.load_state_dict(load_file(os.path.join(input_dir, "unet", "diffusion_pytorch_model.safetensors")))
 
 
 def _truncate_metrics(path, first_epoch):
