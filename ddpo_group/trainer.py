@@ -727,6 +727,7 @@ class Trainer:
             {
                 "rank": acc.process_index,
                 "rewards": samples.rewards.tolist(),
+                "components": {name: values.tolist() for name, values in samples.components.items()},
                 "prompt_ids": samples.prompt_ids.tolist(),
                 "mask": samples.mask.tolist(),
                 "advantages": samples.advantages.tolist(),

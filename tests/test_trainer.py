@@ -409,3 +409,27 @@ def test_per_step_backward_equals_the_whole_loss_gradient(tmp_path, monkeypatch,
     got = torch.cat([captured[name].flatten() for name, p in unet.named_parameters() if p.requires_grad])
     assert expected.norm() > 0
     assert (got - expected).norm() / expected.norm() < 1e-4
+
+
+# several rewards, each normalised in its group before the weighted sum (MixGRPO)
+def test_normalize_then_sum_adds_per_reward_group_advantages(tmp_path):
+    weights = {"jpeg_compressibility": 1.0, "jpeg_incompressibility": 0.5}
+    config = make_config(
+        tmp_path, **cheap(
+            debug_dump=True, sample__batch_size=6, sample__group_size=3, train__batch_size=3,
+            train__adv_clip_max=100.0, reward_aggregation="normalize_then_sum",
+        )
+    )
+    config.reward_weights = weights
+    run_dir = train(config)
+    dump = read_dump(run_dir)
+    mask = np.asarray(dump["mask"])
+    expected = sum(
+        weight * grpo_advantages_numpy(dump["components"][name], dump["prompt_ids"], mask, clip=1e9)
+        for name, weight in weights.items()
+    )
+    np.testing.assert_allclose(np.asarray(dump["advantages"]), expected, atol=2e-4)
+    # the weighted sum of rewards (logged as reward_mean) is not what was normalised
+    row = read_metrics(run_dir)[0]
+    total = [c + 0.5 * i for c, i in zip(dump["components"]["jpeg_compressibility"], dump["components"]["jpeg_incompressibility"])]
+    assert row["reward_mean"] == pytest.approx(sum(total) / len(total), rel=1e-5)
