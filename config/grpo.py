@@ -4,6 +4,7 @@
     ddpo            ddpo-pytorch's algorithm and defaults on SD 1.5: PPO on all steps, per-prompt stat tracking
     group_ppo       Group-PPO on SD 1.5: critic, GAE, timestep grouping, actor trained on endpoints only
     tiny            GRPO on the shipped offline shapes-world model, CPU, minutes (the README's main run)
+    tiny_one_prompt GRPO on a single prompt the shapes-world model gets wrong: a visible rise in 2 minutes
     tiny_ddpo       the DDPO baseline on the shapes-world model
     tiny_group_ppo  Group-PPO on the shapes-world model
     tiny_gae        PPO with a critic and GAE over timesteps on the shapes-world model
@@ -111,6 +112,19 @@ def tiny():
     return config
 
 
+def tiny_one_prompt():
+    """GRPO on one prompt the pretrained model gets wrong (it draws circles and triangles): a fast,
+    visible rise of the reward, to see the machinery learn in two minutes."""
+    config = tiny()
+    config.prompt_fn = "shapes_one_hard.txt"
+    config.num_epochs = 12
+    config.sample.group_size = 8
+    config.train.learning_rate = 1e-4
+    config.train.clip_range = 1e-2
+    config.log_images_every = 1
+    return config
+
+
 def tiny_ddpo():
     config = _tiny_common(base.get_config())
     config.algorithm.adv_estimator = "ddpo"
@@ -158,6 +172,7 @@ VARIANTS = {
     "ddpo": ddpo,
     "group_ppo": group_ppo,
     "tiny": tiny,
+    "tiny_one_prompt": tiny_one_prompt,
     "tiny_ddpo": tiny_ddpo,
     "tiny_group_ppo": tiny_group_ppo,
     "tiny_gae": tiny_gae,
