@@ -9,15 +9,6 @@ from diffusers import DDIMScheduler
 from ddpo_group.diffusion.ddim import ddim_step_with_logprob
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # 2 shared cores: one intra-op thread avoids oversubscription; restored after the module.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def make_scheduler(num_inference_steps=10, **overrides):
     config = {
         "num_train_timesteps": 1000,

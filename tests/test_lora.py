@@ -11,15 +11,6 @@ PROMPTS = ["a red circle", "a cat"]
 STEPS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # 2 shared cores: one intra-op thread avoids oversubscription; restored after the module.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture()
 def base():
     pipeline = build_tiny_pipeline(seed=0)

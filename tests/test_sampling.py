@@ -17,15 +17,6 @@ PROMPTS = ["a red circle", "a blue square", "a red circle"]
 STEPS = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # 2 shared cores: one intra-op thread avoids oversubscription; restored after the module.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def pipeline():
     return build_tiny_pipeline(seed=0)

@@ -17,15 +17,6 @@ SHAPES_WORDS = [
 ]  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # 2 shared cores: one intra-op thread avoids oversubscription; restored after the module.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def num_params(module):
     return sum(p.numel() for p in module.parameters())
 
