@@ -92,7 +92,7 @@ SHARED_FIELDS = (
     "seed", "pretrained.model", "pretrained.revision", "mixed_precision", "use_lora", "lora_rank", "lora_alpha",
     "prompt_fn", "prompt_fn_kwargs", "reward_fn", "reward_weights", "reward_aggregation", "reward_workers",
     "sample", "train.batch_size", "train.gradient_accumulation_steps", "train.learning_rate",
-    "train.num_inner_epochs", "train.cfg",
+    "train.num_inner_epochs", "train.cfg", "train.clip_range",
 )
 DEFINITIONS = {
     "epoch_seconds": "wall clock from the start of an epoch's sampling to the end of its critic update "
@@ -132,18 +132,19 @@ def model_family(model):
     return "tiny" if model in TINY_MODELS else "sd"
 
 
-def build_method_config(method, model, num_epochs, run_dir, reward_fn=None, sample_overrides=None):
+def build_method_config(method, model, num_epochs, run_dir, reward_fn=None, sample_overrides=None, common_variant=None):
     """The method's config: its variant, the common variant's sampling work, the method's fields.
 
     sample_overrides: {"num_steps": int, "batch_size": int, "num_batches_per_epoch": int, ...} applied
     to every method alike (sample.*); train.batch_size shrinks to divide the epoch's trajectories.
+    common_variant: the config/grpo.py variant the shared work comes from (default: tiny or sd15).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}")
     _, tiny_variant, sd_variant, fields = METHODS[method]
     family = model_family(model)
     config = grpo.get_config(tiny_variant if family == "tiny" else sd_variant)
-    common = grpo.get_config(COMMON_VARIANT[family])
+    common = grpo.get_config(common_variant or COMMON_VARIANT[family])
     common.pretrained.model = model
     if reward_fn:
         common.reward_fn = reward_fn
@@ -545,7 +546,7 @@ class TorchProfiler:
 def profile_method(method, args, output_dir):
     """Run 2 epochs of `method`, profile the second (warm) one; print the phase split and the top functions."""
     run_dir = os.path.join(output_dir, "runs", "profile", method)
-    config = build_method_config(method, args.model, 2, run_dir, args.reward, _sample_overrides(args))
+    config = build_method_config(method, args.model, 2, run_dir, args.reward, _sample_overrides(args), args.common_variant)
     profiler = TorchProfiler() if args.profiler == "torch" else cProfile.Profile()
     rows, _ = run_method(config, profile_epoch=1, profiler=profiler)
     row = rows[1]
@@ -591,6 +592,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="tiny-shapes", help="'tiny-shapes' (shipped shapes-world model), 'tiny' "
                         "(random weights), a local diffusers directory or a hub id (Stable Diffusion configs)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--common-variant", default=None, help="config/grpo.py variant whose sampling work, prompts, "
+                        "reward, learning rate and clip range every method shares (default: tiny, or sd15 for SD); "
+                        "e.g. tiny_one_prompt")
     parser.add_argument("--reward", default=None, help="reward_fn for every method (default: the common variant's)")
     parser.add_argument("--num-steps", type=int, default=None, help="sample.num_steps for every method")
     parser.add_argument("--sample-batch-size", type=int, default=None, help="sample.batch_size for every method")
@@ -678,7 +682,9 @@ def run_benchmark(args, argv, device, output_dir):
     runs_root = os.path.join(output_dir, "runs", mode)
     machine = machine_info(device)
     configs = {
-        m: build_method_config(m, args.model, args.epochs, os.path.join(runs_root, m), args.reward, _sample_overrides(args))
+        m: build_method_config(
+            m, args.model, args.epochs, os.path.join(runs_root, m), args.reward, _sample_overrides(args), args.common_variant
+        )
         for m in args.methods
     }
     first = configs[args.methods[0]]
@@ -694,11 +700,14 @@ def run_benchmark(args, argv, device, output_dir):
         "train_batch_size": first.train.batch_size,
         "final_window": FINAL_WINDOW,
         "warmup": not args.no_warmup,
+        "common_variant": args.common_variant,
+        "prompt_fn": first.prompt_fn,
     }
     if not args.no_warmup:
         # First calls pay for lazy imports, thread pools and kernel selection: an untimed 1-epoch, 2-step run.
         warm = build_method_config(args.methods[0], args.model, 1, os.path.join(runs_root, "_warmup"), args.reward,
-                                   {**_sample_overrides(args), "num_steps": 2, "num_batches_per_epoch": 1})
+                                   {**_sample_overrides(args), "num_steps": 2, "num_batches_per_epoch": 1},
+                                   args.common_variant)
         print(f"[bench] warm-up: {args.methods[0]}, 1 epoch of 2 steps", flush=True)
         run_method(warm)
     runs = {}
