@@ -411,6 +411,13 @@ def _require(value: Any, name: str, estimator: str) -> Any:
     return value
 
 
+def _outcome_rewards(rewards, token_level_rewards, mask):
+    """`rewards`, or the row sums of `token_level_rewards` when `rewards` is None."""
+    if rewards is None and token_level_rewards is not None:
+        return _check_same_shape(token_level_rewards, _check_mask(mask), "token_level_rewards").sum(dim=-1)
+    return rewards
+
+
 @register_adv_est("grpo")
 def grpo_estimator(
     *,
@@ -426,10 +433,8 @@ def grpo_estimator(
 
     Uses `rewards`, or the row sums of `token_level_rewards` when `rewards` is None.
     """
-    if rewards is None and token_level_rewards is not None:
-        rewards = _check_same_shape(token_level_rewards, _check_mask(mask), "token_level_rewards").sum(dim=-1)
     return compute_grpo_advantages(
-        _require(rewards, "rewards", "grpo"),
+        _require(_outcome_rewards(rewards, token_level_rewards, mask), "rewards", "grpo"),
         _require(prompt_ids, "prompt_ids", "grpo"),
         mask,
         norm_by_std=bool(estimator_option("norm_by_std", options, config, True)),
@@ -449,10 +454,8 @@ def rloo_estimator(
     **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Registry adapter of compute_rloo_advantages (no options)."""
-    if rewards is None and token_level_rewards is not None:
-        rewards = _check_same_shape(token_level_rewards, _check_mask(mask), "token_level_rewards").sum(dim=-1)
     return compute_rloo_advantages(
-        _require(rewards, "rewards", "rloo"), _require(prompt_ids, "prompt_ids", "rloo"), mask
+        _require(_outcome_rewards(rewards, token_level_rewards, mask), "rewards", "rloo"), _require(prompt_ids, "prompt_ids", "rloo"), mask
     )
 
 
