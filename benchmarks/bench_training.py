@@ -112,7 +112,6 @@ DEFINITIONS = {
 }
 
 
-# ---------------------------------------------------------------- configs
 def _set(config, dotted, value):
     *parents, leaf = dotted.split(".")
     node = config
@@ -172,7 +171,6 @@ def build_method_config(method, model, num_epochs, run_dir, reward_fn=None, samp
     return config
 
 
-# ---------------------------------------------------------------- running
 def _vm_hwm_mb():
     """Peak RSS of this process in MiB (VmHWM, which `reset_peak_rss` resets); ru_maxrss elsewhere."""
     try:
@@ -261,7 +259,6 @@ def run_method(config, profile_epoch=None, profiler=None):
     return read_metrics(run_dir), rss_at_start
 
 
-# ---------------------------------------------------------------- derived numbers
 def _mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -429,7 +426,6 @@ def build_results(mode, settings, machine, runs):
     }
 
 
-# ---------------------------------------------------------------- rendering
 def _fmt(value, spec=".2f"):
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -522,7 +518,6 @@ def write_results(results, output_dir):
     return stem + ".json", stem + ".md", markdown
 
 
-# ---------------------------------------------------------------- profiling
 class TorchProfiler:
     """torch.profiler behind the enable() / disable() interface of cProfile.Profile."""
 
@@ -576,7 +571,6 @@ def profile_method(method, args, output_dir):
     return report
 
 
-# ---------------------------------------------------------------- main
 def _sample_overrides(args):
     return {"num_steps": args.num_steps, "batch_size": args.sample_batch_size, "num_batches_per_epoch": args.num_batches}
 

@@ -198,7 +198,6 @@ class Trainer:
             self._load_checkpoint()
         self.stop_requested = False
 
-    # ------------------------------------------------------------------ set-up
     def _build_models(self):
         config, acc = self.config, self.accelerator
         self.pipeline = load_pipeline(config.pretrained.model, revision=config.pretrained.revision or None)
@@ -292,9 +291,12 @@ class Trainer:
             return list(self.reward_fn.names)
         return ["reward"]
 
-    # ------------------------------------------------------------------ the loop
     def run(self):
         config, acc = self.config, self.accelerator
+        if self.first_epoch >= config.num_epochs:
+            logger.warning("nothing to do: the run already has %d of num_epochs=%d epochs", self.first_epoch, config.num_epochs)
+            self.reward_runner.shutdown()
+            return self.run_dir
         if config.log_with != "none":
             acc.init_trackers(
                 config.project_name,
@@ -308,10 +310,6 @@ class Trainer:
             config.algorithm.adv_estimator,
         )
         epoch = self.first_epoch
-        if self.first_epoch >= config.num_epochs:
-            logger.warning("nothing to do: the run already has %d of num_epochs=%d epochs", self.first_epoch, config.num_epochs)
-            self.reward_runner.shutdown()
-            return self.run_dir
         try:
             bar = tqdm(range(self.first_epoch, config.num_epochs), desc="epoch", disable=not acc.is_main_process)
             for epoch in bar:
@@ -362,7 +360,6 @@ class Trainer:
         flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.accelerator.device)
         return bool(self.accelerator.gather(flag).sum().item() > 0)
 
-    # ------------------------------------------------------------------ sampling and rewards
     def sample_epoch(self, epoch, metrics):
         config, acc = self.config, self.accelerator
         s = config.sample
@@ -406,7 +403,6 @@ class Trainer:
         samples.components = {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in components.items()}
         return samples
 
-    # ------------------------------------------------------------------ advantages
     def compute_advantages(self, samples, metrics):
         """Advantages (B_local, T) on the gathered batch of all processes; sets samples.advantages."""
         config, acc = self.config, self.accelerator
@@ -480,7 +476,6 @@ class Trainer:
         metrics.update(_group_stats(rewards, prompt_ids))
         metrics["time/advantages"] = time.perf_counter() - start
 
-    # ------------------------------------------------------------------ training
     def _selected_steps(self, samples, rows, generator):
         """Step indices (b, K) and their mask (b, K) for the trajectories `rows`."""
         config = self.config
@@ -677,7 +672,6 @@ class Trainer:
         metrics["critic/clipfrac"] = float(np.mean(clipfracs))
         metrics["time/critic"] = time.perf_counter() - start
 
-    # ------------------------------------------------------------------ logging
     def log_epoch(self, epoch, samples, metrics):
         config, acc = self.config, self.accelerator
         rewards = samples.gathered_rewards
@@ -734,7 +728,6 @@ class Trainer:
             },
         )
 
-    # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, epoch):
         """accelerator.save_state (every process) into a temporary directory, then an atomic rename."""
         config, acc = self.config, self.accelerator
