@@ -41,7 +41,7 @@ def load_pipeline(model, revision=None, torch_dtype=torch.float32, local_files_o
         "tiny"         random tiny pipeline (``build_tiny_pipeline()``), offline;
         "tiny-shapes"  the pretrained shapes-world tiny model shipped in ddpo_group/assets/tiny_shapes;
         a directory    written by ``StableDiffusionPipeline.save_pretrained``;
-        a hub id       e.g. "runwayml/stable-diffusion-v1-5" (``revision`` picks a branch / commit).
+        a hub id       e.g. "stable-diffusion-v1-5/stable-diffusion-v1-5" (the old runwayml id is gone from the hub) (``revision`` picks a branch / commit).
     local_files_only: for hub ids; None means True when HF_HUB_OFFLINE is set.
 
     Raises ValueError naming the model and how to run offline when it cannot be loaded.
