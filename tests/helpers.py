@@ -1,12 +1,14 @@
 """Shared fixtures of the trainer tests: configs of cheap runs, run-directory readers, and a
 plain-numpy GRPO advantage written from DESIGN section 3 (independent of ddpo_group.algos)."""
 
+import io
 import json
 import os
 import socket
 import sys
 
 import numpy as np
+from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
@@ -98,3 +100,13 @@ def subprocess_env(**extra):
     )
     env.update(extra)
     return env
+
+
+def pil_jpeg_kb(pixels):
+    """JPEG size at quality 95 in kB (bytes / 1000) of each (H, W, 3) uint8 image, computed with PIL."""
+    sizes = []
+    for array in pixels:
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, format="JPEG", quality=95)
+        sizes.append(len(buffer.getvalue()) / 1000)
+    return np.array(sizes)

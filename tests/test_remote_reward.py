@@ -14,6 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
+from helpers import pil_jpeg_kb
+
 from ddpo_group.rewards import RewardError, build_reward_fn, get_reward
 from ddpo_group.rewards.remote import RemoteReward, make_server
 
@@ -24,15 +26,6 @@ def images_and_pixels(seed=0, batch=2, size=16):
     rng = np.random.default_rng(seed)
     pixels = rng.integers(0, 256, size=(batch, size, size, 3), dtype=np.uint8)
     return torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255, pixels
-
-
-def pil_jpeg_kb(pixels):
-    sizes = []
-    for array in pixels:
-        buffer = io.BytesIO()
-        Image.fromarray(array).save(buffer, format="JPEG", quality=95)
-        sizes.append(len(buffer.getvalue()) / 1000)
-    return np.array(sizes)
 
 
 class running:

@@ -1,6 +1,5 @@
 """Rewards: built-ins against independent computations, plugin loading, combination, errors."""
 
-import io
 import sys
 import textwrap
 import threading
@@ -8,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+
+from helpers import pil_jpeg_kb
 
 from ddpo_group.rewards import (
     AsyncRewardRunner,
@@ -34,14 +34,6 @@ def quantized_images(batch=3, size=32, seed=0):
     pixels[:, : size // 2] = pixels[:, : size // 2].mean(axis=(1, 2), keepdims=True).astype(np.uint8)
     images = torch.from_numpy(pixels).permute(0, 3, 1, 2).double() / 255
     return images, pixels
-
-def pil_jpeg_kb(pixels):
-    sizes = []
-    for array in pixels:
-        buffer = io.BytesIO()
-        Image.fromarray(array).save(buffer, format="JPEG", quality=95)
-        sizes.append(len(buffer.getvalue()) / 1000)
-    return np.array(sizes)
 
 def test_jpeg_incompressibility_is_jpeg_size_in_kb():
     images, pixels = quantized_images()
