@@ -202,8 +202,6 @@ class Trainer:
         config, acc = self.config, self.accelerator
         self.pipeline = load_pipeline(config.pretrained.model, revision=config.pretrained.revision or None)
         pipe = self.pipeline
-        pipe.set_progress_bar_config(disable=True)
-        pipe.safety_checker = None
         inference_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
         pipe.vae.requires_grad_(False)
         pipe.text_encoder.requires_grad_(False)
