@@ -29,7 +29,8 @@ def get_config():
     config.save_freq = 20
     # Keep at most this many checkpoints (oldest deleted first; 0: keep all).
     config.num_checkpoint_limit = 5
-    # Mixed precision: "no" (float32, the CPU default), "fp16" or "bf16" (GPU only).
+    # Mixed precision of the model calls: "no" (float32, the CPU default), "fp16" (GPU only) or "bf16"
+    # (GPU, or CPU autocast). The step math and log-probs are float32 whatever this says.
     config.mixed_precision = "no"
     # Allow TF32 matmuls on Ampere+ GPUs (ignored on CPU).
     config.allow_tf32 = True
@@ -92,6 +93,13 @@ def get_config():
     train.max_grad_norm = 1.0
     # Passes over the epoch's samples (PPO epochs); samples reshuffled each pass.
     train.num_inner_epochs = 1
+    # Where log pi_old (the PPO ratio's denominator) comes from: "recompute" takes it in the training
+    # layout with the sampling weights, before the epoch's first optimizer step, so the on-policy ratio
+    # is exactly 1 (costs one extra forward of the trained steps of the micro-batches after the first
+    # optimizer step; none when there is one optimizer step per epoch); "sampled" uses the log-probs
+    # stored at sampling (ddpo-pytorch), whose ratio differs from 1 by the rounding of another batch
+    # layout: up to ~1e-4 in fp16 and ~4e-4 in bf16 on a GPU, the size of the clip range.
+    train.old_log_probs = "recompute"
     # Use classifier-free guidance in the training forward pass (as when sampling).
     train.cfg = True
     # Advantages are clipped to [-adv_clip_max, adv_clip_max] (ddpo-pytorch).

@@ -19,6 +19,7 @@ MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LOG_WITH = ("none", "wandb", "tensorboard")
 REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 ACTOR_TOKENS = ("endpoints", "all")
+OLD_LOG_PROBS = ("recompute", "sampled")
 # Sub-configs whose keys are the user's own (kwargs, reward names).
 FREE_FORM_FIELDS = ("prompt_fn_kwargs", "reward_weights", "reward_kwargs")
 
@@ -83,6 +84,7 @@ def check_config(config, num_processes=1, has_gpu=None):
     _choice(config.log_with, LOG_WITH, "log_with")
     _choice(config.reward_aggregation, REWARD_AGGREGATIONS, "reward_aggregation")
     _choice(config.group_ppo.actor_tokens, ACTOR_TOKENS, "group_ppo.actor_tokens")
+    _choice(train.old_log_probs, OLD_LOG_PROBS, "train.old_log_probs")
     for field in ("num_epochs", "sample.num_steps", "sample.batch_size", "sample.num_batches_per_epoch",
                   "sample.group_size", "train.batch_size", "train.gradient_accumulation_steps",
                   "train.num_inner_epochs", "train.learning_rate", "train.max_grad_norm",
@@ -168,9 +170,10 @@ def check_config(config, num_processes=1, has_gpu=None):
     _positive(gp.max_group_size, "group_ppo.max_group_size")
     if not 0.0 <= gp.target_compression < 1.0:
         raise ConfigError(f"config.group_ppo.target_compression={gp.target_compression} must be in [0, 1)")
-    if config.mixed_precision != "no" and has_gpu is False:
+    if config.mixed_precision == "fp16" and has_gpu is False:
         raise ConfigError(
-            f"config.mixed_precision={config.mixed_precision!r} needs a GPU; on CPU use --config.mixed_precision=no"
+            "config.mixed_precision='fp16' needs a GPU; on CPU use --config.mixed_precision=no (float32) "
+            "or --config.mixed_precision=bf16 (CPU autocast)"
         )
     if not config.reward_fn and not config.reward_weights:
         raise ConfigError("no reward: set config.reward_fn or config.reward_weights")

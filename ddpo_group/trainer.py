@@ -8,7 +8,8 @@ One epoch, in the order it happens (each phase one method of `Trainer`):
     gather              rewards, reward components, prompt ids (and critic values) of all processes
     compute_advantages  PerPromptStatTracker ("ddpo") or a registered estimator (grpo, rloo, gae,
                         group_ppo) on the gathered batch; each process keeps its own slice
-    train_epoch         num_inner_epochs passes over shuffled samples; the selected steps of each
+    train_epoch         num_inner_epochs passes over shuffled samples; pi_old recomputed in the training
+                        layout (exact on-policy ratio); the selected steps of each
                         trajectory (all | fraction | endpoints) are re-scored one step at a time with
                         gradients, losses back-propagated per step and accumulated over steps and
                         micro-batches; one clipped optimizer step per gradient_accumulation_steps
@@ -39,6 +40,7 @@ import time
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
@@ -55,14 +57,35 @@ from ddpo_group.stat_tracking import PerPromptStatTracker
 
 logger = logging.getLogger("ddpo_group")
 
-# Losses whose per-step gradient depends on the other steps' current log-probs.
-SEQUENCE_LOSSES = ("gspo", "geo_mean")
 CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the path and the fix."""
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One training micro-batch: trajectories `rows` of the epoch batch and the K steps trained for each.
+
+    rows (b,) int64; step_idx (b, K) step index of each column; step_mask (b, K) 1 where that step
+    has a density; advantages (b, K); old_log_probs (b, K) float32 log pi_old of those steps;
+    layout_noise: max |recomputed - sampled| log-prob when pi_old was recomputed, else None.
+    """
+
+    rows: torch.Tensor
+    step_idx: torch.Tensor
+    step_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_log_probs: torch.Tensor
+    layout_noise: float | None = None
+
+
+def _max_abs_diff(a, b, mask):
+    """max |a - b| over the entries where mask > 0 (0.0 when there are none)."""
+    diff = torch.where(mask > 0, (a.float() - b.float()).abs(), torch.zeros_like(a, dtype=torch.float32))
+    return float(diff.max()) if diff.numel() else 0.0
 
 
 @dataclasses.dataclass
@@ -81,6 +104,9 @@ def make_accelerator(config, run_dir):
     log_with = None if config.log_with == "none" else config.log_with
     if log_with == "wandb" and "WANDB_MODE" not in os.environ and not _network_reachable("api.wandb.ai", 443):
         os.environ["WANDB_MODE"] = "offline"
+    # AcceleratorState is a per-process singleton that refuses another mixed_precision; forget the previous
+    # run's settings (the process group, PartialState, is kept) so that one process can run several trainings.
+    AcceleratorState._reset_state()
     return Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=config.mixed_precision,
@@ -268,6 +294,8 @@ class Trainer:
             loss_agg_mode=t.loss_agg_mode,
         )
         self.policy_loss = get_policy_loss(t.policy_loss)
+        # the registry says whether one step's loss reads the other steps' log-probs (gspo, geo_mean)
+        self.loss_couples_steps = self.policy_loss.couples_steps
 
     def _build_algorithm_state(self):
         config = self.config
@@ -492,75 +520,142 @@ class Trainer:
         return idx, mask.gather(1, idx)
 
     def _step(self, unet, samples, rows, step_index):
-        """log pi(x_{t+1} | x_t, c) for trajectories `rows` at their steps step_index (b,)."""
+        """log pi(x_{t+1} | x_t, c), mean, std for trajectories `rows` at their steps step_index (b,).
+
+        The model runs under the accelerator's autocast (as in sampling); the step math is float32.
+        """
         config = self.config
         cfg = config.train.cfg and config.sample.guidance_scale > 1.0
         latents = samples.latents[rows]
         ar = torch.arange(len(rows), device=latents.device)
-        return step_log_prob(
-            unet,
-            self.pipeline.scheduler,
-            latents[ar, step_index],
-            latents[ar, step_index + 1],
-            samples.timesteps[rows][ar, step_index],
-            samples.prompt_embeds[rows],
-            samples.negative_prompt_embeds[rows] if cfg else None,
-            config.sample.guidance_scale if cfg else 1.0,
-            config.sample.eta,
-            num_inference_steps=config.sample.num_steps,
-        )
+        with self.accelerator.autocast():
+            return step_log_prob(
+                unet,
+                self.pipeline.scheduler,
+                latents[ar, step_index],
+                latents[ar, step_index + 1],
+                samples.timesteps[rows][ar, step_index],
+                samples.prompt_embeds[rows],
+                samples.negative_prompt_embeds[rows] if cfg else None,
+                config.sample.guidance_scale if cfg else 1.0,
+                config.sample.eta,
+                num_inference_steps=config.sample.num_steps,
+            )
 
-    def train_epoch(self, samples, epoch, metrics):
+    def _micro_batches(self, samples, epoch):
+        """The epoch's training plan: num_inner_epochs shuffled passes, each cut into train.batch_size rows.
+
+        Returns a list of MicroBatch (rows, trained steps, advantages and sampled log-probs of those steps).
+        """
         config, acc = self.config, self.accelerator
         t = config.train
         b_local = len(samples.prompts)
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch * 101 + acc.process_index)
+        permutations = [torch.randperm(b_local, generator=generator) for _ in range(t.num_inner_epochs)]
+        plan = []
+        for perm in permutations:
+            for i in range(0, b_local, t.batch_size):
+                rows = perm[i : i + t.batch_size].to(samples.latents.device)
+                step_idx, step_mask = self._selected_steps(samples, rows, generator)
+                plan.append(
+                    MicroBatch(
+                        rows=rows,
+                        step_idx=step_idx,
+                        step_mask=step_mask,
+                        advantages=samples.advantages[rows].gather(1, step_idx),
+                        old_log_probs=samples.log_probs[rows].gather(1, step_idx).float(),
+                    )
+                )
+        return plan
+
+    def _recompute_old_log_probs(self, samples, micro_batches):
+        """log pi_old of each micro-batch's trained steps, recomputed in the training layout.
+
+        Why: a UNet call's result depends on the batch it runs in (rows, their order, batch size:
+        other kernels, other reduction orders). The log-probs stored at sampling come from the
+        sampling batch; the training pass sees other batches, so with unchanged weights its
+        ratio exp(log pi - log pi_old) differs from 1 by rounding noise, measured on an H200 at
+        SD-1.5 size up to 7.8e-5 (fp16) and 4.1e-4 (bf16): the size of PPO's clip range. Computed
+        here with the weights that sampled (before the epoch's first optimizer step), in the same
+        micro-batch, by the same call as the training forward (grad enabled, autocast, train mode;
+        the graph is dropped at once), the ratio is exactly 1 on-policy. Only the trained steps
+        are recomputed (K per trajectory for Group-PPO). Micro-batches before the first optimizer
+        step need no extra pass: their own forward gives pi_old (see train_epoch).
+        """
+        for mb in micro_batches:
+            columns = []
+            for k in range(mb.step_idx.shape[1]):
+                with torch.enable_grad():
+                    log_prob = self._step(self.unet_module, samples, mb.rows, mb.step_idx[:, k])[0]
+                columns.append(log_prob.detach().float())
+            recomputed = torch.stack(columns, 1)
+            mb.layout_noise = _max_abs_diff(recomputed, mb.old_log_probs, mb.step_mask)
+            mb.old_log_probs = torch.where(mb.step_mask > 0, recomputed, mb.old_log_probs)
+
+    def train_epoch(self, samples, epoch, metrics):
+        """num_inner_epochs passes of per-step PPO updates over the epoch's samples.
+
+        pi_old: with train.old_log_probs="recompute" (default), the log-probs of the behaviour
+        policy are taken in the training layout (``_recompute_old_log_probs``): micro-batches of
+        the first accumulation window (no optimizer step has happened yet) use their own forward's
+        value, the later ones a pass made before the first step. The on-policy ratio is then
+        exactly 1 (approx_kl and clipfrac exactly 0 with one optimizer step per epoch).
+        "sampled" uses the log-probs stored at sampling, as ddpo-pytorch does (ratio 1 up to noise).
+        """
+        config, acc = self.config, self.accelerator
+        t = config.train
+        b_local = len(samples.prompts)
         info = {"loss": [], "policy_loss": [], "kl": [], "clipfrac": [], "approx_kl": [], "clipfrac_lower": []}
         unet_calls = unet_steps = 0
         start = time.perf_counter()
         self.unet.train()
-        micro_batches = [
-            perm[i : i + t.batch_size]
-            for _ in range(t.num_inner_epochs)
-            for perm in [torch.randperm(b_local, generator=generator)]
-            for i in range(0, b_local, t.batch_size)
-        ]
+        micro_batches = self._micro_batches(samples, epoch)
+        first_window = min(t.gradient_accumulation_steps, len(micro_batches))
+        recompute = t.old_log_probs == "recompute"
+        if recompute:
+            old_start = time.perf_counter()
+            self._recompute_old_log_probs(samples, micro_batches[first_window:])
+            metrics["time/old_log_probs"] = time.perf_counter() - old_start
+        sequence_loss = self.loss_couples_steps
+        on_policy_ratio = []
         bad = False
-        for n, rows in enumerate(tqdm(micro_batches, desc="training", leave=False, disable=not acc.is_main_process)):
-            rows = rows.to(samples.latents.device)
-            step_idx, step_mask = self._selected_steps(samples, rows, generator)
-            advantages = samples.advantages[rows].gather(1, step_idx)
-            old_log_probs = samples.log_probs[rows].gather(1, step_idx).float()
+        for n, mb in enumerate(tqdm(micro_batches, desc="training", leave=False, disable=not acc.is_main_process)):
+            on_policy = recompute and n < first_window
+            sampled = mb.old_log_probs.clone() if on_policy else None
             window_start = n - n % t.gradient_accumulation_steps
             window_len = min(t.gradient_accumulation_steps, len(micro_batches) - window_start)
             closes_window = n + 1 == window_start + window_len
-            base = old_log_probs
-            if t.policy_loss in SEQUENCE_LOSSES:
+            base = mb.old_log_probs
+            if sequence_loss:
                 with torch.no_grad():
                     base = torch.stack(
-                        [self._step(self.unet_module, samples, rows, step_idx[:, k])[0] for k in range(step_idx.shape[1])], 1
+                        [self._step(self.unet_module, samples, mb.rows, mb.step_idx[:, k])[0] for k in range(mb.step_idx.shape[1])], 1
                     ).float()
-                base = torch.where(step_mask > 0, base, old_log_probs)
+                base = torch.where(mb.step_mask > 0, base, mb.old_log_probs)
+                if on_policy:
+                    mb.old_log_probs = base.clone()
             live = base.clone()
-            kl_mat = torch.zeros_like(old_log_probs)
-            num_columns = step_idx.shape[1]
+            kl_mat = torch.zeros_like(mb.old_log_probs)
+            num_columns = mb.step_idx.shape[1]
             for k in range(num_columns):
                 # DDP all-reduces on the last backward of the window only; forward and backward both run
                 # inside no_sync, and every rank runs the same number of columns.
                 sync = closes_window and k == num_columns - 1
                 with contextlib.nullcontext() if sync else acc.no_sync(self.unet):
-                    log_prob, kl, finite = self._train_column(
-                        samples, rows, step_idx, step_mask, k, base, old_log_probs, advantages, window_len
-                    )
+                    log_prob, kl, finite = self._train_column(samples, mb, k, base, window_len, on_policy)
                 bad = bad or not finite
                 live[:, k] = log_prob
                 if kl is not None:
                     kl_mat[:, k] = kl
                 unet_calls += 1
-                unet_steps += len(rows)
+                unet_steps += len(mb.rows)
+            if n < first_window:
+                on_policy_ratio.append(_max_abs_diff(live, mb.old_log_probs, mb.step_mask))
+            if on_policy:
+                mb.layout_noise = _max_abs_diff(mb.old_log_probs, sampled, mb.step_mask)
             with torch.no_grad():
-                policy_loss, loss_metrics = self.policy_loss(old_log_probs, live, advantages, step_mask, self.loss_config)
-                kl_value = agg_loss(kl_mat, step_mask, t.loss_agg_mode) if self.reference is not None else torch.zeros(())
+                policy_loss, loss_metrics = self.policy_loss(mb.old_log_probs, live, mb.advantages, mb.step_mask, self.loss_config)
+                kl_value = agg_loss(kl_mat, mb.step_mask, t.loss_agg_mode) if self.reference is not None else torch.zeros(())
             info["policy_loss"].append(float(policy_loss))
             info["kl"].append(float(kl_value))
             info["loss"].append(float(policy_loss) + (t.beta * float(kl_value) if t.use_kl_loss else 0.0))
@@ -576,6 +671,12 @@ class Trainer:
                 metrics[key] = float(np.mean(values))
         if info.get("grad_norm"):
             metrics["grad_norm"] = float(np.mean(info["grad_norm"]))
+        # max |log pi_theta - log pi_old| before the first optimizer step: exactly 0 with "recompute"
+        metrics["train/on_policy_max_abs_log_ratio"] = max(on_policy_ratio)
+        noise = [mb.layout_noise for mb in micro_batches if mb.layout_noise is not None]
+        if noise:
+            # what recomputing removed: |log pi_old in the training layout - log pi stored at sampling|
+            metrics["train/layout_noise_max_abs_log_ratio"] = max(noise)
         metrics["train/unet_calls"] = unet_calls
         metrics["train/unet_steps_per_sample"] = unet_steps / (b_local * t.num_inner_epochs)
         metrics["train/skipped_steps"] = self.skipped_steps
@@ -584,37 +685,41 @@ class Trainer:
             metrics.update(self.reference.metrics())
             metrics["ref/kl"] = metrics["kl"]
 
-    def _train_column(self, samples, rows, step_idx, step_mask, k, base, old_log_probs, advantages, window_len):
-        """Forward and backward of step column k of a micro-batch.
+    def _train_column(self, samples, mb, k, base, window_len, on_policy):
+        """Forward and backward of step column k of micro-batch `mb`.
 
         Returns its detached log-prob (b,), KL to the reference (b,) or None, and whether the loss was finite.
 
         The loss is the micro-batch's whole loss with column k live and the other columns detached
-        (`base`), scaled by 1 / window_len (micro-batches in this accumulation window).
+        (`base`), scaled by 1 / window_len (micro-batches in this accumulation window). On-policy
+        (before the epoch's first optimizer step, train.old_log_probs="recompute"), this forward's
+        value is log pi_old of the step in this layout: it is written into mb.old_log_probs and base.
         """
-        t, acc = self.config.train, self.accelerator
-        valid = step_mask[:, k] > 0
-        with acc.autocast():
-            log_prob, mean, std = self._step(self.unet, samples, rows, step_idx[:, k])
-        log_prob = torch.where(valid, log_prob.float(), old_log_probs[:, k])
+        t = self.config.train
+        valid = mb.step_mask[:, k] > 0
+        log_prob, mean, std = self._step(self.unet, samples, mb.rows, mb.step_idx[:, k])
+        log_prob = torch.where(valid, log_prob.float(), mb.old_log_probs[:, k])
+        if on_policy:
+            mb.old_log_probs[:, k] = log_prob.detach()
+            base[:, k] = log_prob.detach()
         log_probs = base.clone()
         log_probs[:, k] = log_prob
-        loss, _ = self.policy_loss(old_log_probs, log_probs, advantages, step_mask, self.loss_config)
+        loss, _ = self.policy_loss(mb.old_log_probs, log_probs, mb.advantages, mb.step_mask, self.loss_config)
         kl = None
         if self.reference is not None:
-            with torch.no_grad(), acc.autocast():
-                ref_log_prob, ref_mean, _ = self._step(self.reference, samples, rows, step_idx[:, k])
+            with torch.no_grad():
+                ref_log_prob, ref_mean, _ = self._step(self.reference, samples, mb.rows, mb.step_idx[:, k])
             if t.kl_type == "gaussian":
                 kl = gaussian_kl(mean.float(), ref_mean.float(), std.float())
             else:
                 kl = kl_penalty(log_prob, ref_log_prob.float(), t.kl_type)
             kl = torch.where(valid, kl, torch.zeros_like(kl))
             if t.use_kl_loss:
-                kl_mat = torch.zeros_like(old_log_probs)
+                kl_mat = torch.zeros_like(mb.old_log_probs)
                 kl_mat[:, k] = kl
-                loss = loss + t.beta * agg_loss(kl_mat, step_mask, t.loss_agg_mode)
+                loss = loss + t.beta * agg_loss(kl_mat, mb.step_mask, t.loss_agg_mode)
             kl = kl.detach()
-        acc.backward(loss / window_len)
+        self.accelerator.backward(loss / window_len)
         return log_prob.detach(), kl, bool(torch.isfinite(loss))
 
     def _optimizer_step(self, bad, info):

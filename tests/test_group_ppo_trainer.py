@@ -23,7 +23,8 @@ T, K, MICRO_BATCHES = 4, 2, 2  # 4 trajectories / train.batch_size 2
 THRESHOLD, MIN_THRESHOLD, THRESHOLD_LR, TARGET = 2e-9, 1e-9, 0.01, 0.75
 
 
-def run_group_ppo(tmp_path, actor_tokens):
+def run_group_ppo(tmp_path, actor_tokens, accumulation=MICRO_BATCHES):
+    # accumulation = MICRO_BATCHES: one optimizer step per epoch, so pi_old needs no extra pass
     config = make_config(
         tmp_path,
         **cheap(
@@ -37,6 +38,7 @@ def run_group_ppo(tmp_path, actor_tokens):
             group_ppo__min_threshold=MIN_THRESHOLD,
             group_ppo__threshold_lr=THRESHOLD_LR,
             group_ppo__target_compression=TARGET,
+            train__gradient_accumulation_steps=accumulation,
         ),
     )
     trainer = Trainer(config)
@@ -93,6 +95,16 @@ def test_training_pass_runs_the_unet_at_the_endpoints_only(endpoints_run):
     # each call is one endpoint step of the whole micro-batch (same scheduler timestep for every row)
     endpoint_timesteps = [[int(samples.timesteps[0, k])] for k in columns]
     assert endpoints_run.grad_calls == endpoint_timesteps * MICRO_BATCHES
+
+
+def test_pi_old_is_recomputed_at_the_endpoints_only(tmp_path):
+    # one optimizer step per micro-batch: the second micro-batch's pi_old is computed before the
+    # first step, by one more UNet call per endpoint (and at no other step)
+    run = run_group_ppo(tmp_path, "endpoints", accumulation=1)
+    columns = run.samples.endpoint_mask.any(dim=0).nonzero().flatten().tolist()
+    endpoint_timesteps = [[int(run.samples.timesteps[0, k])] for k in columns]
+    assert run.grad_calls == endpoint_timesteps * (MICRO_BATCHES + 1)
+    assert run.metrics["train/unet_calls"] == K * MICRO_BATCHES
 
 
 def test_actor_tokens_all_trains_every_step(all_steps_run):

@@ -350,18 +350,19 @@ def _perturb(params, seed, scale):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in params:
-            param.add_(scale * torch.randn(param.shape, generator=generator))
+            param.add_(scale * torch.randn(param.shape, generator=generator).to(param.device))
 
 
+@pytest.mark.parametrize("old_log_probs", ["sampled", "recompute"])
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
-def test_per_step_backward_equals_the_whole_loss_gradient(tmp_path, monkeypatch, policy_loss):
+def test_per_step_backward_equals_the_whole_loss_gradient(tmp_path, monkeypatch, policy_loss, old_log_probs):
     beta, clip = 0.5, 0.5
     config = make_config(
         tmp_path, num_epochs=1, reward_fn="jpeg_compressibility", sample__num_steps=3,
         sample__batch_size=2, sample__group_size=2, train__batch_size=2,  # one micro-batch
         train__policy_loss=policy_loss, train__use_reference_model=True, train__use_kl_loss=True,
         train__beta=beta, train__kl_type="gaussian", train__loss_agg_mode="token-mean",
-        train__clip_range=clip, train__max_grad_norm=1e12,
+        train__clip_range=clip, train__max_grad_norm=1e12, train__old_log_probs=old_log_probs,
     )
     trainer = Trainer(config)
     metrics = {}
@@ -401,7 +402,10 @@ def test_per_step_backward_equals_the_whole_loss_gradient(tmp_path, monkeypatch,
     loss_config = types.SimpleNamespace(
         clip_ratio=clip, clip_ratio_low=clip, clip_ratio_high=clip, clip_ratio_c=3.0, loss_agg_mode="token-mean"
     )
-    loss, _ = get_policy_loss(policy_loss)(samples.log_probs.float(), log_probs, samples.advantages, mask, loss_config)
+    # pi_old: the stored log-probs, or (recompute, one micro-batch before any optimizer step) the
+    # current weights' own log-probs, i.e. an on-policy ratio of 1
+    old = samples.log_probs.float() if old_log_probs == "sampled" else log_probs.detach()
+    loss, _ = get_policy_loss(policy_loss)(old, log_probs, samples.advantages, mask, loss_config)
     loss = loss + beta * agg_loss(kls * mask, mask, "token-mean")
     loss.backward()
 

@@ -190,8 +190,13 @@ def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor | 
     return kl.reshape(batch_size, -1).mean(dim=1)
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Decorator: register `fn(old_log_prob, log_prob, advantages, mask, config) -> (loss, metrics)`."""
+def register_policy_loss(name: str, couples_steps: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: register `fn(old_log_prob, log_prob, advantages, mask, config) -> (loss, metrics)`.
+
+    couples_steps: True when one step's loss depends on the other steps' current log-probs (a
+    sequence-level ratio, as in gspo and geo_mean). The trainer back-propagates one step at a
+    time and must then evaluate every step first; it reads this as `fn.couples_steps`.
+    """
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_policy_loss: name must be a non-empty string, got {name!r}")
 
@@ -202,6 +207,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
                 f"register_policy_loss: policy loss {name!r} is already registered "
                 f"({previous.__module__}.{previous.__qualname__}); choose another name"
             )
+        fn.couples_steps = bool(couples_steps)
         POLICY_LOSS_REGISTRY[name] = fn
         return fn
 
@@ -307,7 +313,7 @@ def compute_policy_loss_vanilla(
     return loss, metrics
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", couples_steps=True)
 def compute_policy_loss_gspo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -351,7 +357,7 @@ def compute_policy_loss_gspo(
     return loss, metrics
 
 
-@register_policy_loss("geo_mean")
+@register_policy_loss("geo_mean", couples_steps=True)
 def compute_policy_loss_geo_mean(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

@@ -16,6 +16,11 @@ scheduler's final_alpha_cumprod when that index is negative). The mean is diffus
 
 This is ddpo-pytorch's ``ddim_step_with_logprob``, extended to per-sample timesteps,
 all prediction types and clip_sample / thresholding. Pure math: no I/O, no trainer.
+
+Precision (DESIGN section 10): the schedule terms, the mean, the std and the log-density are
+computed in float32, or in the input's dtype when that is wider (float64), whatever dtype the
+UNet ran in. In bfloat16, 1 - alpha_t / alpha_prev rounds to 0 for close timesteps (sigma = 0:
+a step without density) and (x - mu)^2 / (2 sigma^2) loses every digit that PPO's ratio needs.
 """
 
 import math
@@ -29,6 +34,11 @@ PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 def _left_broadcast(values, shape):
     """Reshape a (B,) tensor to (B, 1, ..., 1) with len(shape) dims, then expand to shape."""
     return values.reshape(values.shape + (1,) * (len(shape) - values.ndim)).expand(shape)
+
+
+def step_dtype(dtype):
+    """The dtype of the step math for inputs of ``dtype``: float32, or ``dtype`` when it is wider."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _scheduler_alphas(scheduler, timestep, batch_size, device, dtype):
@@ -101,7 +111,8 @@ def ddim_step_with_logprob(
 
     Returns:
         prev_sample (B, C, H, W), log_prob (B,), prev_sample_mean (B, C, H, W),
-        std_dev_t (B, 1, 1, 1). All in ``sample``'s dtype.
+        std_dev_t (B, 1, 1, 1). All in float32, or in ``sample``'s dtype when it is wider
+        (float64); ``model_output``, ``sample`` and ``prev_sample`` may be float16 / bfloat16.
     """
     prediction_type = scheduler.config.prediction_type
     if prediction_type not in PREDICTION_TYPES:
@@ -111,7 +122,8 @@ def ddim_step_with_logprob(
     if prev_sample is not None and (generator is not None or variance_noise is not None):
         raise ValueError("pass prev_sample (to score it) or generator / variance_noise (to draw one), not both")
 
-    dtype = sample.dtype
+    dtype = step_dtype(sample.dtype)
+    sample = sample.to(dtype)
     model_output = model_output.to(dtype)
     batch_size = sample.shape[0]
     alpha_prod_t, alpha_prod_t_prev = _scheduler_alphas(scheduler, timestep, batch_size, sample.device, dtype)
@@ -146,7 +158,7 @@ def ddim_step_with_logprob(
         if eta > 0:
             if variance_noise is None:
                 variance_noise = randn_tensor(
-                    model_output.shape, generator=generator, device=model_output.device, dtype=model_output.dtype
+                    model_output.shape, generator=generator, device=model_output.device, dtype=dtype
                 )
             prev_sample = prev_sample_mean + std_dev_t * variance_noise.to(dtype)
         else:

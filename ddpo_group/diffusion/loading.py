@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-from ddpo_group.diffusion.tiny import build_tiny_pipeline
+from ddpo_group.diffusion.tiny import build_sd15_random_pipeline, build_tiny_pipeline
 
 TINY_SHAPES_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_shapes"
 
@@ -40,6 +40,8 @@ def load_pipeline(model, revision=None, torch_dtype=torch.float32, local_files_o
     model:
         "tiny"         random tiny pipeline (``build_tiny_pipeline()``), offline;
         "tiny-shapes"  the pretrained shapes-world tiny model shipped in ddpo_group/assets/tiny_shapes;
+        "random-sd15"  SD 1.5's architecture with random weights (``build_sd15_random_pipeline``), offline:
+                       for speed and memory checks on GPUs (benchmarks/gpu_check.py);
         a directory    written by ``StableDiffusionPipeline.save_pretrained``;
         a hub id       e.g. "stable-diffusion-v1-5/stable-diffusion-v1-5" (the old runwayml id is gone from the hub) (``revision`` picks a branch / commit).
     local_files_only: for hub ids; None means True when HF_HUB_OFFLINE is set.
@@ -47,10 +49,14 @@ def load_pipeline(model, revision=None, torch_dtype=torch.float32, local_files_o
     Raises ValueError naming the model and how to run offline when it cannot be loaded.
     """
     if not isinstance(model, str | os.PathLike) or not str(model):
-        raise ValueError(f"model must be 'tiny', 'tiny-shapes', a local directory or a hub id, got {model!r}")
+        raise ValueError(
+            f"model must be 'tiny', 'tiny-shapes', 'random-sd15', a local directory or a hub id, got {model!r}"
+        )
     model = str(model)
     if model == "tiny":
         return _finish(build_tiny_pipeline(), torch_dtype)
+    if model == "random-sd15":
+        return _finish(build_sd15_random_pipeline(), torch_dtype)
     if model == "tiny-shapes":
         if not (TINY_SHAPES_DIR / "model_index.json").is_file():
             raise ValueError(

@@ -11,6 +11,10 @@ Works with any ``StableDiffusionPipeline`` (SD 1.x / 2.x, or the tiny one) whose
 is a ``DDIMScheduler``. Classifier-free guidance follows the pipeline:
 eps = eps_uncond + w * (eps_cond - eps_uncond) when w > 1, from one UNet call on the
 concatenated [uncond, cond] batch.
+
+Precision: the UNet runs in its own dtype (fp16 / bf16 weights, or autocast); its inputs are
+cast to it. Everything else is float32: the latents of a trajectory, the guidance combination,
+the DDIM step and its log-density (``ddim_step_with_logprob``), the stored ``log_probs``.
 """
 
 from dataclasses import dataclass, fields
@@ -94,25 +98,41 @@ def default_prompt_ids(prompts):
     return torch.tensor([first_index.setdefault(prompt, i) for i, prompt in enumerate(prompts)], dtype=torch.int64)
 
 
+def model_dtype(module):
+    """The dtype a model's inputs are cast to: that of its first floating-point parameter.
+
+    Works through DDP / ``torch.compile`` wrappers and for the reference policy (its ``unet``);
+    float32 when the module has no parameters.
+    """
+    module = getattr(module, "module", module)
+    module = getattr(module, "unet", module) if not isinstance(module, torch.nn.Module) else module
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
+
+
 def _predict_noise(unet, latents, timesteps, prompt_embeds, negative_prompt_embeds, guidance_scale):
-    """UNet prediction with classifier-free guidance: (B, C, h, w).
+    """UNet prediction with classifier-free guidance: (B, C, h, w) float32.
 
     When guidance_scale > 1: one call on cat([x, x]) with cat([uncond, cond]) embeddings,
-    then eps_uncond + guidance_scale * (eps_cond - eps_uncond) (the pipeline's expression).
+    then eps_uncond + guidance_scale * (eps_cond - eps_uncond) (the pipeline's expression),
+    computed in float32. The UNet's inputs are cast to its dtype.
     """
+    dtype = model_dtype(unet)
     if guidance_scale > 1.0:
         if negative_prompt_embeds is None:
             raise ValueError("guidance_scale > 1 needs negative_prompt_embeds (the unconditional embeddings)")
-        model_input = torch.cat([latents, latents])
+        model_input = torch.cat([latents, latents]).to(dtype)
         noise_pred = unet(
             model_input,
             torch.cat([timesteps, timesteps]),
-            encoder_hidden_states=torch.cat([negative_prompt_embeds, prompt_embeds]),
+            encoder_hidden_states=torch.cat([negative_prompt_embeds, prompt_embeds]).to(dtype),
             return_dict=False,
         )[0]
-        noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+        noise_pred_uncond, noise_pred_text = noise_pred.float().chunk(2)
         return noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
-    return unet(latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False)[0]
+    return unet(latents.to(dtype), timesteps, encoder_hidden_states=prompt_embeds.to(dtype), return_dict=False)[0].float()
 
 
 def _denoise_step(
@@ -245,8 +265,9 @@ def sample_trajectories(
     timesteps = scheduler.timesteps
     height = pipeline.unet.config.sample_size * pipeline.vae_scale_factor
     width = height
+    # float32 latents whatever the model dtype: the trajectory is the policy's data (module docstring)
     latents = pipeline.prepare_latents(
-        batch_size, pipeline.unet.config.in_channels, height, width, prompt_embeds.dtype, device, generator
+        batch_size, pipeline.unet.config.in_channels, height, width, torch.float32, device, generator
     )
 
     all_latents = [latents]
@@ -268,8 +289,9 @@ def sample_trajectories(
         all_log_probs.append(log_prob)
         all_stds.append(std_dev_t.reshape(batch_size))
 
-    images = pipeline.vae.decode(latents / pipeline.vae.config.scaling_factor, return_dict=False)[0]
-    images = (images / 2 + 0.5).clamp(0, 1)
+    vae = pipeline.vae
+    images = vae.decode((latents / vae.config.scaling_factor).to(vae.dtype), return_dict=False)[0]
+    images = (images.float() / 2 + 0.5).clamp(0, 1)
 
     return Trajectories(
         images=images,

@@ -89,8 +89,8 @@ def tiny_tokenizer_vocab(words=TOKENIZER_WORDS):
     return vocab, merges
 
 
-def build_tiny_tokenizer(words=TOKENIZER_WORDS):
-    """CLIPTokenizer built in memory (no file I/O), model_max_length 16."""
+def build_tiny_tokenizer(words=TOKENIZER_WORDS, model_max_length=MODEL_MAX_LENGTH):
+    """CLIPTokenizer built in memory (no file I/O), model_max_length 16 by default."""
     vocab, merges = tiny_tokenizer_vocab(words)
     return CLIPTokenizer(
         vocab=vocab,
@@ -99,7 +99,7 @@ def build_tiny_tokenizer(words=TOKENIZER_WORDS):
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
-        model_max_length=MODEL_MAX_LENGTH,
+        model_max_length=model_max_length,
     )
 
 
@@ -174,6 +174,78 @@ def build_tiny_pipeline(seed=0):
         unet = UNet2DConditionModel(**configs["unet"])
         vae = AutoencoderKL(**configs["vae"])
         text_encoder = CLIPTextModel(CLIPTextConfig(**configs["text_encoder"]))
+    pipeline = StableDiffusionPipeline(
+        vae=vae.eval(),
+        text_encoder=text_encoder.eval(),
+        tokenizer=tokenizer,
+        unet=unet.eval(),
+        scheduler=DDIMScheduler(**configs["scheduler"]),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def sd15_component_configs(vocab_size):
+    """Stable Diffusion 1.5's architecture (512x512, UNet 859.5M parameters, CLIP ViT-L/14 text encoder
+    of 123M), as in its published config files; the scheduler is the tiny one's (SD's schedule)."""
+    return {
+        "unet": {
+            "sample_size": 64,
+            "in_channels": 4,
+            "out_channels": 4,
+            "layers_per_block": 2,
+            "block_out_channels": (320, 640, 1280, 1280),
+            "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            "cross_attention_dim": 768,
+            "attention_head_dim": 8,
+            "norm_num_groups": 32,
+        },
+        "vae": {
+            "in_channels": 3,
+            "out_channels": 3,
+            "down_block_types": ("DownEncoderBlock2D",) * 4,
+            "up_block_types": ("UpDecoderBlock2D",) * 4,
+            "block_out_channels": (128, 256, 512, 512),
+            "latent_channels": 4,
+            "layers_per_block": 2,
+            "norm_num_groups": 32,
+            "sample_size": 512,
+            "scaling_factor": 0.18215,
+        },
+        "text_encoder": {
+            "vocab_size": vocab_size,
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "max_position_embeddings": 77,
+            "hidden_act": "quick_gelu",
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 1,
+        },
+        "scheduler": tiny_component_configs(vocab_size)["scheduler"],
+    }
+
+
+def build_sd15_random_pipeline(seed=0, device="cpu", dtype=torch.float32):
+    """A StableDiffusionPipeline of SD 1.5's architecture with random weights, built from configs (no hub).
+
+    For speed and memory measurements on GPUs (``benchmarks/gpu_check.py``): images mean nothing.
+    The tokenizer is the tiny in-memory one with SD's 77-token context. Weights are created on
+    ``device`` in ``dtype``.
+    """
+    tokenizer = build_tiny_tokenizer(model_max_length=77)
+    configs = sd15_component_configs(vocab_size=len(tokenizer))
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(**configs["unet"]).to(dtype)
+        vae = AutoencoderKL(**configs["vae"]).to(dtype)
+        text_encoder = CLIPTextModel(CLIPTextConfig(**configs["text_encoder"])).to(dtype)
     pipeline = StableDiffusionPipeline(
         vae=vae.eval(),
         text_encoder=text_encoder.eval(),

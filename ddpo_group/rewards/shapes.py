@@ -86,7 +86,8 @@ def _check_images(images) -> torch.Tensor:
         raise ValueError(f"images must have shape (B, 3, H, W), got {tuple(images.shape)}")
     if not images.is_floating_point():
         raise ValueError(f"images must be float in [0, 1], got dtype {images.dtype}")
-    return images.detach().to(torch.float64).clamp(0.0, 1.0)
+    # the scores are numpy / CPU work: images may arrive on any device and in any float dtype
+    return images.detach().to("cpu", torch.float64).clamp(0.0, 1.0)
 
 
 def foreground_weight(images: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
@@ -171,7 +172,7 @@ def shape_scores(images, specs: list[ShapeSpec]) -> tuple[torch.Tensor, list[dic
     background = _rgb(BACKGROUNDS, [s.background for s in specs], images)
     weight = foreground_weight(images, background)
     scores, all_ious = [], []
-    for w, spec in zip(weight.numpy(), specs):
+    for w, spec in zip(weight.cpu().numpy(), specs):
         ious = template_ious(w)
         other = max(iou for shape, iou in ious.items() if shape != spec.shape)
         scores.append(min(1.0, max(0.0, 0.5 + (ious[spec.shape] - other) / SHAPE_MARGIN)))
@@ -183,10 +184,10 @@ def alignment_components(images, prompts, metadata=None) -> dict[str, np.ndarray
     """All four component scores, each np.float64 (B,)."""
     images, specs = _checked_specs(images, prompts, metadata)
     return {
-        "color": color_scores(images, specs).numpy(),
-        "area": area_scores(images, specs).numpy(),
-        "background": background_scores(images, specs).numpy(),
-        "shape": shape_scores(images, specs)[0].numpy(),
+        "color": color_scores(images, specs).cpu().numpy(),
+        "area": area_scores(images, specs).cpu().numpy(),
+        "background": background_scores(images, specs).cpu().numpy(),
+        "shape": shape_scores(images, specs)[0].cpu().numpy(),
     }
 
 
@@ -202,21 +203,21 @@ def _checked_specs(images, prompts, metadata) -> tuple[torch.Tensor, list[ShapeS
 def shapes_color(images, prompts, metadata=None):
     """Foreground colour match (module docstring); (B,3,H,W) [0,1] -> (np.float64 (B,), {})."""
     images, specs = _checked_specs(images, prompts, metadata)
-    return color_scores(images, specs).numpy(), {}
+    return color_scores(images, specs).cpu().numpy(), {}
 
 
 @register_reward("shapes_area")
 def shapes_area(images, prompts, metadata=None):
     """Foreground area in the size's range; (B,3,H,W) [0,1] -> (np.float64 (B,), {"area_fraction"})."""
     images, specs = _checked_specs(images, prompts, metadata)
-    return area_scores(images, specs).numpy(), {"area_fraction": area_fractions(images, specs).numpy()}
+    return area_scores(images, specs).cpu().numpy(), {"area_fraction": area_fractions(images, specs).cpu().numpy()}
 
 
 @register_reward("shapes_background")
 def shapes_background(images, prompts, metadata=None):
     """Border ring matches the background colour; (B,3,H,W) [0,1] -> (np.float64 (B,), {})."""
     images, specs = _checked_specs(images, prompts, metadata)
-    return background_scores(images, specs).numpy(), {}
+    return background_scores(images, specs).cpu().numpy(), {}
 
 
 @register_reward("shapes_shape")
@@ -224,7 +225,7 @@ def shapes_shape(images, prompts, metadata=None):
     """Template-IoU shape match; (B,3,H,W) [0,1] -> (np.float64 (B,), {"iou_circle", "iou_square", "iou_triangle"})."""
     images, specs = _checked_specs(images, prompts, metadata)
     scores, ious = shape_scores(images, specs)
-    return scores.numpy(), {f"iou_{shape}": np.array([iou[shape] for iou in ious]) for shape in SHAPES}
+    return scores.cpu().numpy(), {f"iou_{shape}": np.array([iou[shape] for iou in ious]) for shape in SHAPES}
 
 
 @register_reward("shapes_alignment")
