@@ -79,11 +79,11 @@ METHODS = {
     ),
     "group_ppo_endpoints": (
         "Group-PPO: critic + GAE + timestep grouping, actor trained on segment endpoints",
-        "tiny_group_ppo", "group_ppo", {"group_ppo.actor_tokens": "endpoints", "train.timestep_selection": "endpoints"},
+        "tiny_group_ppo", "group_ppo", {"train.timestep_selection": "endpoints"},
     ),
     "group_ppo_all": (
         "Group-PPO advantages, actor trained on every valid step with the segment advantage",
-        "tiny_group_ppo", "group_ppo", {"group_ppo.actor_tokens": "all", "train.timestep_selection": "all"},
+        "tiny_group_ppo", "group_ppo", {"train.timestep_selection": "all"},
     ),
 }
 # The variant whose sampling work every method copies.

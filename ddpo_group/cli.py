@@ -7,22 +7,84 @@ import sys
 from typing import Sequence
 
 
-def train_main() -> None:
-    """ddpo-group-train / scripts/train.py: `--config config/grpo.py[:VARIANT] [--config.FIELD=VALUE ...]`.
+def _variant_lines() -> list[str]:
+    """'  NAME  description' for each built-in variant, from ddpo_group/config/grpo.py's docstring."""
+    from ddpo_group.config import grpo
 
-    The default config is config/grpo.py:tiny of the checkout this package lives in. A config or
-    checkpoint error is printed as one line naming the field or path, without a traceback.
+    described = {}
+    for line in (grpo.__doc__ or "").splitlines():
+        name, _, text = line.strip().partition(" ")
+        if name in grpo.VARIANTS:
+            described[name] = text.strip()
+    return [f"  {name:<16} {described.get(name, '')}" for name in grpo.VARIANTS]
+
+
+def train_help() -> str:
+    import os
+
+    from ddpo_group.config import grpo
+
+    config_dir = os.path.dirname(os.path.abspath(grpo.__file__))
+    return "\n".join(
+        [
+            "usage: ddpo-group-train [--config CONFIG] [--config.FIELD=VALUE ...]",
+            "       accelerate launch [--multi_gpu --num_processes N] scripts/train.py [same arguments]",
+            "",
+            "Fine-tune a text-to-image diffusion model with RL (GRPO, DDPO, RLOO, GAE, Group-PPO), one epoch at",
+            "a time: sample, reward, advantages, train. Writes LOGDIR/RUN_NAME/ (metrics.jsonl, samples/, checkpoints/).",
+            "",
+            "  --config CONFIG        a built-in variant NAME, or FILE.py[:ARG] whose get_config(ARG) returns an",
+            "                         ml_collections.ConfigDict (default: tiny, the offline shapes-world run)",
+            "  --config.FIELD=VALUE   override one field, e.g. --config.train.beta=0.01 --config.num_epochs=10",
+            "",
+            f"built-in variants (defined in {os.path.join(config_dir, 'grpo.py')}):",
+            *_variant_lines(),
+            "",
+            f"every field, its default and what it does: {os.path.join(config_dir, 'base.py')}",
+            "resume a run: --config.resume_from=LOGDIR/RUN_NAME",
+        ]
+    )
+
+
+def _resolve_config_argument(argv: list[str]) -> list[str]:
+    """`--config NAME` / `--config=NAME` with a built-in variant NAME -> the package's grpo.py:NAME."""
+    import os
+
+    from ddpo_group.config import grpo
+
+    path = os.path.abspath(grpo.__file__)
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--config" and i + 1 < len(out) and out[i + 1] in grpo.VARIANTS:
+            out[i + 1] = f"{path}:{out[i + 1]}"
+        elif arg.startswith("--config=") and arg.partition("=")[2] in grpo.VARIANTS:
+            out[i] = f"--config={path}:{arg.partition('=')[2]}"
+    return out
+
+
+def train_main(argv: Sequence[str] | None = None) -> None:
+    """ddpo-group-train / scripts/train.py: `--config NAME | FILE.py[:VARIANT] [--config.FIELD=VALUE ...]`.
+
+    The default config is the built-in variant "tiny" (ddpo_group/config/grpo.py), so an installed
+    package trains from any directory. A config or checkpoint error is printed as one line naming
+    the field or path, without a traceback.
     """
     import os
+
+    argv = list(sys.argv if argv is None else argv)
+    if any(arg in ("-h", "--help", "-help", "--helpfull", "--helpshort") for arg in argv[1:]):
+        print(train_help())
+        sys.exit(0)
 
     from absl import app, flags
     from ml_collections import config_flags
 
-    from ddpo_group.config_check import ConfigError, base_config_path
+    from ddpo_group.config import grpo
+    from ddpo_group.config_check import ConfigError
 
-    default = os.path.join(os.path.dirname(base_config_path()), "grpo.py:tiny")
+    default = f"{os.path.abspath(grpo.__file__)}:tiny"
     if "config" not in flags.FLAGS:
-        config_flags.DEFINE_config_file("config", default, "Training configuration (FILE[:VARIANT]).")
+        config_flags.DEFINE_config_file("config", default, "Training configuration: NAME or FILE.py[:VARIANT].")
 
     def main(_):
         from ddpo_group.trainer import CheckpointError, train
@@ -32,7 +94,7 @@ def train_main() -> None:
         except (ConfigError, CheckpointError) as err:
             sys.exit(f"ddpo-group-train: error: {err}")
 
-    app.run(main)
+    app.run(main, argv=_resolve_config_argument(argv))
 
 
 def inspect_main(argv: Sequence[str] | None = None) -> int:

@@ -1,46 +1,42 @@
 """Validation of a run configuration, before any model loads.
 
 Every error names the config field and says what would fix it. The defaults themselves
-live in config/base.py only; `load_base_config()` reads that file.
-"""
+live in ddpo_group/config/base.py only; `load_base_config()` returns them.
 
-import importlib.util
-import os
+Names that a registry defines (advantage estimators, policy losses, loss aggregation modes, KL
+types, reward aggregations) are checked against that registry, so a name registered by a plugin
+(`config.plugins`) is accepted like a built-in one; an estimator's needs are its registered properties.
+"""
 
 import ml_collections
 
-ADV_ESTIMATORS = ("ddpo", "grpo", "rloo", "gae", "group_ppo")
-CRITIC_ESTIMATORS = ("gae", "group_ppo")
+from ddpo_group.algos.advantages import get_adv_estimator, registered_adv_estimators
+from ddpo_group.algos.losses import AGG_MODES, KL_TYPES, registered_policy_losses
+from ddpo_group.plugins import PluginError, import_plugins
+from ddpo_group.rewards.combine import REWARD_AGGREGATIONS
+
 TIMESTEP_SELECTIONS = ("all", "fraction", "endpoints")
-KL_TYPES = ("gaussian", "k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("vanilla", "gspo", "geo_mean")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LOG_WITH = ("none", "wandb", "tensorboard")
-REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-ACTOR_TOKENS = ("endpoints", "all")
 OLD_LOG_PROBS = ("recompute", "sampled")
 # Sub-configs whose keys are the user's own (kwargs, reward names).
 FREE_FORM_FIELDS = ("prompt_fn_kwargs", "reward_weights", "reward_kwargs")
+# Fields that were renamed or merged: what to set instead.
+RENAMED_FIELDS = {
+    "group_ppo.actor_tokens": "train.timestep_selection ('endpoints': the actor trains at the segment endpoints, "
+    "'all': at every valid step with the segment advantage)",
+}
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the field."""
 
 
-def base_config_path():
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", "base.py")
-
-
 def load_base_config():
-    """config/base.py's get_config(): every field with its default."""
-    path = base_config_path()
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"config/base.py not found at {path}; run from a checkout of ddpo-group")
-    spec = importlib.util.spec_from_file_location("ddpo_group_config_base", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    """ddpo_group/config/base.py's get_config(): every field with its default."""
+    from ddpo_group.config.base import get_config
+
+    return get_config()
 
 
 def _unknown_fields(config, reference, prefix=""):
@@ -68,22 +64,31 @@ def _positive(value, field, allow_zero=False):
 
 
 def check_config(config, num_processes=1, has_gpu=None):
-    """Raise ConfigError naming the field for a config that cannot run; returns the config."""
+    """Raise ConfigError naming the field for a config that cannot run; returns the config.
+
+    The modules of `config.plugins` are imported first, so that what they register is known.
+    """
+    try:
+        import_plugins(config.get("plugins", ""))
+    except PluginError as err:
+        raise ConfigError(str(err)) from err
     unknown = _unknown_fields(config, load_base_config())
+    renamed = [name for name in unknown if name in RENAMED_FIELDS]
+    if renamed:
+        raise ConfigError(f"config.{renamed[0]} no longer exists; set config.{RENAMED_FIELDS[renamed[0]]}")
     if unknown:
         raise ConfigError(
-            f"unknown config field(s) {unknown}; every field and its default is listed in config/base.py"
+            f"unknown config field(s) {unknown}; every field and its default is listed in ddpo_group/config/base.py"
         )
     sample, train, algo = config.sample, config.train, config.algorithm
-    _choice(algo.adv_estimator, ADV_ESTIMATORS, "algorithm.adv_estimator")
+    _choice(algo.adv_estimator, registered_adv_estimators(), "algorithm.adv_estimator")
     _choice(train.timestep_selection, TIMESTEP_SELECTIONS, "train.timestep_selection")
     _choice(train.kl_type, KL_TYPES, "train.kl_type")
-    _choice(train.loss_agg_mode, LOSS_AGG_MODES, "train.loss_agg_mode")
-    _choice(train.policy_loss, POLICY_LOSSES, "train.policy_loss")
+    _choice(train.loss_agg_mode, AGG_MODES, "train.loss_agg_mode")
+    _choice(train.policy_loss, registered_policy_losses(), "train.policy_loss")
     _choice(config.mixed_precision, MIXED_PRECISIONS, "mixed_precision")
     _choice(config.log_with, LOG_WITH, "log_with")
     _choice(config.reward_aggregation, REWARD_AGGREGATIONS, "reward_aggregation")
-    _choice(config.group_ppo.actor_tokens, ACTOR_TOKENS, "group_ppo.actor_tokens")
     _choice(train.old_log_probs, OLD_LOG_PROBS, "train.old_log_probs")
     for field in ("num_epochs", "sample.num_steps", "sample.batch_size", "sample.num_batches_per_epoch",
                   "sample.group_size", "train.batch_size", "train.gradient_accumulation_steps",
@@ -98,8 +103,8 @@ def check_config(config, num_processes=1, has_gpu=None):
     _positive(config.log_images_every, "log_images_every", allow_zero=True)
     if sample.eta <= 0:
         raise ConfigError(
-            f"config.sample.eta={sample.eta} gives deterministic DDIM steps with no log-probability; "
-            "RL needs eta > 0 (1.0 is the usual value)"
+            f"config.sample.eta={sample.eta} gives deterministic steps with no log-probability (DDIM's eta, "
+            "or a flow model's noise level); RL needs eta > 0 (1.0 is the usual DDIM value)"
         )
     if sample.guidance_scale < 1.0:
         raise ConfigError(f"config.sample.guidance_scale={sample.guidance_scale} must be >= 1 (1: no guidance)")
@@ -118,29 +123,22 @@ def check_config(config, num_processes=1, has_gpu=None):
         )
     if not 0.0 < train.timestep_fraction <= 1.0:
         raise ConfigError(f"config.train.timestep_fraction={train.timestep_fraction} must be in (0, 1]")
-    if train.timestep_selection == "endpoints" and algo.adv_estimator != "group_ppo":
+    estimator = get_adv_estimator(algo.adv_estimator)
+    if train.timestep_selection == "endpoints" and not estimator.defines_endpoints:
         raise ConfigError(
-            "config.train.timestep_selection='endpoints' needs algorithm.adv_estimator='group_ppo' "
-            f"(got {algo.adv_estimator!r}): only Group-PPO defines segment endpoints"
+            "config.train.timestep_selection='endpoints' needs an estimator that defines segment endpoints, "
+            f"such as algorithm.adv_estimator='group_ppo' (got {algo.adv_estimator!r})"
         )
-    if algo.adv_estimator == "group_ppo" and train.timestep_selection == "fraction":
+    if estimator.defines_endpoints and train.timestep_selection == "fraction":
         raise ConfigError(
-            "config.train.timestep_selection='fraction' contradicts algorithm.adv_estimator='group_ppo', which "
-            "chooses its steps itself; use 'endpoints' or 'all' (with group_ppo.actor_tokens)"
+            f"config.train.timestep_selection='fraction' contradicts algorithm.adv_estimator={algo.adv_estimator!r}, "
+            "which chooses its steps itself; use 'endpoints' (train at the segment endpoints) or 'all'"
         )
     if train.timestep_selection != "fraction" and train.timestep_fraction != 1.0:
         raise ConfigError(
             f"config.train.timestep_fraction={train.timestep_fraction} has no effect unless "
             "train.timestep_selection='fraction'; set both"
         )
-    if algo.adv_estimator == "group_ppo":
-        expected = "endpoints" if config.group_ppo.actor_tokens == "endpoints" else "all"
-        if train.timestep_selection != expected:
-            raise ConfigError(
-                f"config.train.timestep_selection={train.timestep_selection!r} contradicts "
-                f"config.group_ppo.actor_tokens={config.group_ppo.actor_tokens!r}; set "
-                f"train.timestep_selection={expected!r} (actor_tokens 'endpoints' trains endpoints, 'all' every step)"
-            )
     tracking = config.per_prompt_stat_tracking
     _positive(tracking.buffer_size, "per_prompt_stat_tracking.buffer_size", allow_zero=True)
     _positive(tracking.min_count, "per_prompt_stat_tracking.min_count", allow_zero=True)

@@ -22,6 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
+
+from ddpo_group.algos import advantages as adv_lib
 
 __all__ = ["PerPromptStatTracker"]
 
@@ -204,3 +207,33 @@ class PerPromptStatTracker:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompts must be strings (the group keys), got {type(prompt).__name__}")
         return [str(p) for p in prompts]
+
+
+@adv_lib.register_adv_est("ddpo", uses_tracker=True)
+def ddpo_estimator(
+    *,
+    rewards=None,
+    prompt_ids=None,
+    mask,
+    token_level_rewards=None,
+    values=None,
+    config=None,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DDPO's per-prompt advantages from a history-aware tracker, broadcast over the steps.
+
+    A_i = tracker.update(prompts, rewards)[i] (``PerPromptStatTracker``: the prompt's buffer
+    statistics, or the batch's while the buffer holds fewer than min_count rewards);
+    A[i, t] = A_i * mask[i, t]; returns = advantages. Options: ``tracker`` (required, it keeps
+    state across batches) and ``prompts`` (B keys; default: the prompt ids as strings).
+    """
+    tracker = adv_lib._require(options.get("tracker"), "tracker (a PerPromptStatTracker)", "ddpo")
+    mask = adv_lib._check_mask(mask)
+    rewards = adv_lib._check_rewards(adv_lib._require(adv_lib._outcome_rewards(rewards, token_level_rewards, mask), "rewards", "ddpo"), mask.shape[0])
+    prompts = options.get("prompts")
+    if prompts is None:
+        prompts = [str(int(i)) for i in torch.as_tensor(adv_lib._require(prompt_ids, "prompt_ids", "ddpo")).tolist()]
+    per_sample = tracker.update(list(prompts), rewards.detach().cpu().numpy())
+    dtype = adv_lib._float_dtype(rewards, mask)
+    advantages = torch.as_tensor(per_sample, dtype=dtype, device=mask.device)[:, None] * mask.to(dtype)
+    return advantages, advantages.clone()

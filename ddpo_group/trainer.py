@@ -17,7 +17,7 @@ One epoch, in the order it happens (each phase one method of `Trainer`):
     update_critic       gae / group_ppo: clipped value loss (endpoints only for group_ppo)
     log / save          metrics.jsonl, trackers, sample grids, atomic checkpoints
 
-Per-step back-propagation keeps memory at one UNet activation set whatever T is. The loss of a
+Per-step back-propagation keeps memory at one model activation set whatever T is. The loss of a
 micro-batch is a function of its (b, K) matrix of step log-probs; step k's backward uses that
 matrix with column k live and every other column detached, so the gradients summed over the
 steps are exactly the gradient of the whole loss. Losses that couple the steps of a sequence
@@ -47,10 +47,10 @@ from tqdm.auto import tqdm
 from ddpo_group.algos import advantages as adv_lib
 from ddpo_group.algos import grouping
 from ddpo_group.algos.losses import agg_loss, compute_value_loss, gaussian_kl, get_policy_loss, kl_penalty
-from ddpo_group.config_check import CRITIC_ESTIMATORS, check_config
-from ddpo_group.diffusion.loading import load_pipeline
-from ddpo_group.diffusion.lora import add_lora
-from ddpo_group.diffusion.sampling import Trajectories, sample_trajectories, step_log_prob
+from ddpo_group.algos.stepwise import column_loss, grpo_loss
+from ddpo_group.config_check import check_config
+from ddpo_group.diffusion.policy import load_policy
+from ddpo_group.batch import EpochBatch, GatheredBatch
 from ddpo_group.prompts import load_prompts
 from ddpo_group.reference import ReferencePolicy
 from ddpo_group.stat_tracking import PerPromptStatTracker
@@ -226,23 +226,14 @@ class Trainer:
 
     def _build_models(self):
         config, acc = self.config, self.accelerator
-        self.pipeline = load_pipeline(config.pretrained.model, revision=config.pretrained.revision or None)
-        pipe = self.pipeline
+        # the model family (SD / DDIM today) is behind the policy: the trainer names no UNet, VAE or scheduler
+        self.policy = load_policy(config.pretrained.model, revision=config.pretrained.revision or None)
         inference_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
-        pipe.vae.requires_grad_(False)
-        pipe.text_encoder.requires_grad_(False)
-        pipe.vae.to(acc.device, dtype=inference_dtype)
-        pipe.text_encoder.to(acc.device, dtype=inference_dtype)
-        unet = pipe.unet
-        if config.use_lora:
-            unet.to(acc.device, dtype=inference_dtype)
-            for param in add_lora(unet, config.lora_rank, alpha=config.lora_alpha or None):
-                param.data = param.data.float()  # adapters train in float32 under mixed precision
-        else:
-            unet.requires_grad_(True)
-            unet.to(acc.device, dtype=torch.float32)
-        self.unet_module = unet
-        self.trainable_params = [p for p in unet.parameters() if p.requires_grad]
+        module = self.policy.prepare(
+            acc.device, inference_dtype, config.use_lora, config.lora_rank, config.lora_alpha or None
+        )
+        self.trainable_module = module
+        self.trainable_params = [p for p in module.parameters() if p.requires_grad]
         if config.train.use_8bit_adam:
             try:
                 import bitsandbytes as bnb
@@ -265,26 +256,23 @@ class Trainer:
         self.critic = self.critic_module = self.critic_optimizer = None
         acc.register_save_state_pre_hook(self._save_model_hook)
         acc.register_load_state_pre_hook(self._load_model_hook)
-        if config.algorithm.adv_estimator in CRITIC_ESTIMATORS:
+        self.estimator = adv_lib.get_adv_estimator(config.algorithm.adv_estimator)
+        if self.estimator.needs_values:
             from ddpo_group.critic import ValueNetwork
 
-            self.critic_module = ValueNetwork(
-                latent_channels=unet.config.in_channels,
-                prompt_dim=pipe.text_encoder.config.hidden_size,
-                hidden=config.critic.hidden,
-            ).to(acc.device)
+            self.critic_module = ValueNetwork(**self.policy.critic_sizes(), hidden=config.critic.hidden).to(acc.device)
             critic_optimizer = torch.optim.AdamW(self.critic_module.parameters(), lr=config.critic.learning_rate)
-            self.unet, self.optimizer, self.critic, self.critic_optimizer = acc.prepare(
-                unet, optimizer, self.critic_module, critic_optimizer
+            self.model, self.optimizer, self.critic, self.critic_optimizer = acc.prepare(
+                module, optimizer, self.critic_module, critic_optimizer
             )
         else:
-            self.unet, self.optimizer = acc.prepare(unet, optimizer)
-        pipe.unet = self.unet_module
+            self.model, self.optimizer = acc.prepare(module, optimizer)
+        self.policy.trainable_module = self.trainable_module  # sampling runs the unwrapped module
         # Built after prepare(): DDP has broadcast rank 0's initial weights, so every rank holds the same pi_ref.
         self.reference = None
         if t.use_reference_model:
             self.reference = ReferencePolicy(
-                self.unet_module, config.use_lora, t.reference_model_mixup_alpha, t.reference_update_freq
+                self.trainable_module, config.use_lora, t.reference_model_mixup_alpha, t.reference_update_freq
             )
         self.loss_config = LossConfig(
             clip_ratio=t.clip_range,
@@ -302,7 +290,7 @@ class Trainer:
         names = self._reward_names()
         tracking = config.per_prompt_stat_tracking
         self.trackers = {}
-        if config.algorithm.adv_estimator == "ddpo":
+        if self.estimator.uses_tracker:
             self.trackers = {
                 name: PerPromptStatTracker(
                     tracking.buffer_size or None, tracking.min_count, config.algorithm.norm_adv_by_std
@@ -402,10 +390,9 @@ class Trainer:
                 int(np.random.default_rng([config.seed, epoch, batch_index, acc.process_index]).integers(2**62))
             )
             with acc.autocast():
-                trajectories = sample_trajectories(
-                    self.pipeline,
+                trajectories = self.policy.sample(
                     [r.prompt for r in records],
-                    num_inference_steps=s.num_steps,
+                    num_steps=s.num_steps,
                     guidance_scale=s.guidance_scale,
                     eta=s.eta,
                     generator=generator,
@@ -421,7 +408,7 @@ class Trainer:
         start = time.perf_counter()
         results = [future.result() for future in futures]
         metrics["time/reward"] = time.perf_counter() - start
-        samples = Trajectories.cat(batches)
+        samples = EpochBatch.cat(batches)
         rewards = np.concatenate([r[0] for r in results])
         components = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
         device = acc.device
@@ -430,7 +417,15 @@ class Trainer:
         return samples
 
     def compute_advantages(self, samples, metrics):
-        """Advantages (B_local, T) on the gathered batch of all processes; sets samples.advantages."""
+        """Advantages (B_local, T) on the gathered batch of all processes; sets samples.advantages.
+
+        One dispatch through the estimator registry; what the estimator is given follows its
+        registered properties (``ddpo_group.algos.advantages``): critic values when it
+        ``needs_values``, the grpo outcome advantages when it ``needs_outcome_advantages``, the
+        per-prompt trackers when it ``uses_tracker``; endpoints when it ``defines_endpoints``.
+        With normalize_then_sum an outcome estimator runs per reward component and the
+        weighted advantages are summed.
+        """
         config, acc = self.config, self.accelerator
         start = time.perf_counter()
         algo = config.algorithm
@@ -440,28 +435,29 @@ class Trainer:
         mask = gather(samples.mask.to(acc.device).float())
         b_local = len(samples.prompts)
         local = slice(acc.process_index * b_local, (acc.process_index + 1) * b_local)
-        samples.gathered_rewards = rewards
-        samples.gathered_components = {k: gather(v) for k, v in samples.components.items()}
+        samples.gathered = GatheredBatch(
+            rewards=rewards, components={k: gather(v) for k, v in samples.components.items()},
+            prompt_ids=prompt_ids, mask=mask,
+        )
 
         streams = self._reward_names()
         weights = dict(self.reward_fn.weights) if len(streams) > 1 else {"reward": 1.0}
-        stream_rewards = {"reward": rewards} if streams == ["reward"] else samples.gathered_components
+        stream_rewards = {"reward": rewards} if streams == ["reward"] else samples.gathered.components
+        estimator = self.estimator
+        options = {"norm_by_std": algo.norm_adv_by_std, "gamma": algo.gamma, "lam": algo.lam}
+        if estimator.uses_tracker:
+            options["prompts"] = [self.prompts[int(i)].prompt for i in prompt_ids.tolist()]
 
-        def outcome_advantages(name, estimator):
-            r = stream_rewards[name]
-            if estimator == "ddpo":
-                prompts = [self.prompts[int(i)].prompt for i in prompt_ids.tolist()]
-                adv = self.trackers[name].update(prompts, r.cpu().numpy())
-                return torch.as_tensor(adv, dtype=mask.dtype, device=mask.device)[:, None] * mask
-            name = "grpo" if estimator in CRITIC_ESTIMATORS else estimator
-            options = {"norm_by_std": algo.norm_adv_by_std} if name == "grpo" else {}
-            adv, _ = adv_lib.get_adv_estimator(name)(rewards=r, prompt_ids=prompt_ids, mask=mask, **options)
-            return adv
+        def combined_outcome(fn):
+            """sum over reward streams of weight x fn's advantages of that stream."""
+            return sum(
+                weights[name] * fn(
+                    rewards=stream_rewards[name], prompt_ids=prompt_ids, mask=mask, tracker=self.trackers.get(name), **options
+                )[0]
+                for name in streams
+            )
 
-        estimator = algo.adv_estimator
-        outcome = sum(weights[name] * outcome_advantages(name, estimator) for name in streams)
-        samples.endpoint_mask = None
-        if estimator in CRITIC_ESTIMATORS:
+        if estimator.needs_values:
             from ddpo_group.critic import compute_values
 
             with torch.no_grad():
@@ -470,19 +466,16 @@ class Trainer:
                     micro_batch_size=config.train.eval_micro_batch_size or None,
                 )
             values = gather(values_local.float())
-            token_rewards = adv_lib.token_level_rewards_from_outcome(rewards, mask)
-            if estimator == "gae":
-                advantages, returns = adv_lib.compute_gae_advantages(
-                    token_rewards, values, mask, gamma=algo.gamma, lam=algo.lam
-                )
-                train_mask = mask
-            else:
+            info = {}
+            if estimator.needs_outcome_advantages:
+                options["outcome_advantages"] = combined_outcome(adv_lib.get_adv_estimator("grpo"))
+            if estimator.defines_endpoints:
                 gp = config.group_ppo
-                advantages, returns, endpoint_mask, group_ids = grouping.compute_group_ppo_advantages(
-                    token_rewards, values, mask, outcome_advantages=outcome,
-                    threshold=self.threshold.threshold, max_group_size=gp.max_group_size,
-                    gamma=algo.gamma, lam=algo.lam, eps=gp.eps,
-                )
+                options.update(threshold=self.threshold.threshold, max_group_size=gp.max_group_size, eps=gp.eps, info=info)
+            advantages, returns = estimator(rewards=rewards, prompt_ids=prompt_ids, mask=mask, values=values, **options)
+            train_mask = mask
+            if "endpoint_mask" in info:
+                endpoint_mask = info["endpoint_mask"]
                 metrics.update(grouping.grouping_metrics(endpoint_mask, mask, self.threshold.threshold))
                 self.threshold.update(endpoint_mask, mask)
                 samples.endpoint_mask = endpoint_mask[local]
@@ -492,11 +485,11 @@ class Trainer:
             samples.critic_mask = train_mask[local]
             metrics["critic/value_mean"] = float((values * mask).sum() / mask.sum())
         else:
-            advantages = outcome
+            advantages = combined_outcome(estimator)
         advantages = advantages.clamp(-config.train.adv_clip_max, config.train.adv_clip_max)
         samples.advantages = advantages[local]
-        samples.gathered_advantages = advantages
-        if estimator == "ddpo":
+        samples.gathered.advantages = advantages
+        if estimator.uses_tracker:
             stats = self.trackers[streams[0]].get_stats()
             metrics.update({f"tracker/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
         metrics.update(_group_stats(rewards, prompt_ids))
@@ -519,28 +512,15 @@ class Trainer:
         idx = idx.to(mask.device)
         return idx, mask.gather(1, idx)
 
-    def _step(self, unet, samples, rows, step_index):
+    def _step(self, model, samples, rows, step_index):
         """log pi(x_{t+1} | x_t, c), mean, std for trajectories `rows` at their steps step_index (b,).
 
         The model runs under the accelerator's autocast (as in sampling); the step math is float32.
         """
         config = self.config
-        cfg = config.train.cfg and config.sample.guidance_scale > 1.0
-        latents = samples.latents[rows]
-        ar = torch.arange(len(rows), device=latents.device)
+        guidance_scale = config.sample.guidance_scale if config.train.cfg else 1.0
         with self.accelerator.autocast():
-            return step_log_prob(
-                unet,
-                self.pipeline.scheduler,
-                latents[ar, step_index],
-                latents[ar, step_index + 1],
-                samples.timesteps[rows][ar, step_index],
-                samples.prompt_embeds[rows],
-                samples.negative_prompt_embeds[rows] if cfg else None,
-                config.sample.guidance_scale if cfg else 1.0,
-                config.sample.eta,
-                num_inference_steps=config.sample.num_steps,
-            )
+            return self.policy.step_log_prob(model, samples, rows, step_index, guidance_scale, config.sample.eta)
 
     def _micro_batches(self, samples, epoch):
         """The epoch's training plan: num_inner_epochs shuffled passes, each cut into train.batch_size rows.
@@ -571,7 +551,7 @@ class Trainer:
     def _recompute_old_log_probs(self, samples, micro_batches):
         """log pi_old of each micro-batch's trained steps, recomputed in the training layout.
 
-        Why: a UNet call's result depends on the batch it runs in (rows, their order, batch size:
+        Why: a model call's result depends on the batch it runs in (rows, their order, batch size:
         other kernels, other reduction orders). The log-probs stored at sampling come from the
         sampling batch; the training pass sees other batches, so with unchanged weights its
         ratio exp(log pi - log pi_old) differs from 1 by rounding noise, measured on an H200 at
@@ -586,7 +566,7 @@ class Trainer:
             columns = []
             for k in range(mb.step_idx.shape[1]):
                 with torch.enable_grad():
-                    log_prob = self._step(self.unet_module, samples, mb.rows, mb.step_idx[:, k])[0]
+                    log_prob = self._step(self.trainable_module, samples, mb.rows, mb.step_idx[:, k])[0]
                 columns.append(log_prob.detach().float())
             recomputed = torch.stack(columns, 1)
             mb.layout_noise = _max_abs_diff(recomputed, mb.old_log_probs, mb.step_mask)
@@ -606,9 +586,9 @@ class Trainer:
         t = config.train
         b_local = len(samples.prompts)
         info = {"loss": [], "policy_loss": [], "kl": [], "clipfrac": [], "approx_kl": [], "clipfrac_lower": []}
-        unet_calls = unet_steps = 0
+        model_calls = model_steps = 0
         start = time.perf_counter()
-        self.unet.train()
+        self.model.train()
         micro_batches = self._micro_batches(samples, epoch)
         first_window = min(t.gradient_accumulation_steps, len(micro_batches))
         recompute = t.old_log_probs == "recompute"
@@ -629,7 +609,7 @@ class Trainer:
             if sequence_loss:
                 with torch.no_grad():
                     base = torch.stack(
-                        [self._step(self.unet_module, samples, mb.rows, mb.step_idx[:, k])[0] for k in range(mb.step_idx.shape[1])], 1
+                        [self._step(self.trainable_module, samples, mb.rows, mb.step_idx[:, k])[0] for k in range(mb.step_idx.shape[1])], 1
                     ).float()
                 base = torch.where(mb.step_mask > 0, base, mb.old_log_probs)
                 if on_policy:
@@ -641,29 +621,34 @@ class Trainer:
                 # DDP all-reduces on the last backward of the window only; forward and backward both run
                 # inside no_sync, and every rank runs the same number of columns.
                 sync = closes_window and k == num_columns - 1
-                with contextlib.nullcontext() if sync else acc.no_sync(self.unet):
+                with contextlib.nullcontext() if sync else acc.no_sync(self.model):
                     log_prob, kl, finite = self._train_column(samples, mb, k, base, window_len, on_policy)
                 bad = bad or not finite
                 live[:, k] = log_prob
                 if kl is not None:
                     kl_mat[:, k] = kl
-                unet_calls += 1
-                unet_steps += len(mb.rows)
+                model_calls += 1
+                model_steps += len(mb.rows)
             if n < first_window:
                 on_policy_ratio.append(_max_abs_diff(live, mb.old_log_probs, mb.step_mask))
             if on_policy:
                 mb.layout_noise = _max_abs_diff(mb.old_log_probs, sampled, mb.step_mask)
             with torch.no_grad():
-                policy_loss, loss_metrics = self.policy_loss(mb.old_log_probs, live, mb.advantages, mb.step_mask, self.loss_config)
+                loss, policy_loss, loss_metrics = grpo_loss(
+                    self.policy_loss, self.loss_config, mb.old_log_probs, live, mb.advantages, mb.step_mask,
+                    kl=kl_mat if t.use_kl_loss else None, beta=t.beta,
+                )
                 kl_value = agg_loss(kl_mat, mb.step_mask, t.loss_agg_mode) if self.reference is not None else torch.zeros(())
             info["policy_loss"].append(float(policy_loss))
             info["kl"].append(float(kl_value))
-            info["loss"].append(float(policy_loss) + (t.beta * float(kl_value) if t.use_kl_loss else 0.0))
+            info["loss"].append(float(loss))
             for key in ("clipfrac", "approx_kl", "clipfrac_lower"):
                 if key in loss_metrics:
                     info[key].append(float(loss_metrics[key]))
             if closes_window:
-                self._optimizer_step(bad, info)
+                step = self._optimizer_step(bad)
+                if step["grad_norm"] is not None:
+                    info.setdefault("grad_norm", []).append(step["grad_norm"])
                 bad = False
         metrics["time/train"] = time.perf_counter() - start
         for key, values in info.items():
@@ -677,8 +662,9 @@ class Trainer:
         if noise:
             # what recomputing removed: |log pi_old in the training layout - log pi stored at sampling|
             metrics["train/layout_noise_max_abs_log_ratio"] = max(noise)
-        metrics["train/unet_calls"] = unet_calls
-        metrics["train/unet_steps_per_sample"] = unet_steps / (b_local * t.num_inner_epochs)
+        # batched forward+backward calls of the denoising model (the key keeps its first name, "unet")
+        metrics["train/unet_calls"] = model_calls
+        metrics["train/unet_steps_per_sample"] = model_steps / (b_local * t.num_inner_epochs)
         metrics["train/skipped_steps"] = self.skipped_steps
         metrics["train/global_step"] = self.global_step
         if self.reference is not None:
@@ -697,14 +683,11 @@ class Trainer:
         """
         t = self.config.train
         valid = mb.step_mask[:, k] > 0
-        log_prob, mean, std = self._step(self.unet, samples, mb.rows, mb.step_idx[:, k])
+        log_prob, mean, std = self._step(self.model, samples, mb.rows, mb.step_idx[:, k])
         log_prob = torch.where(valid, log_prob.float(), mb.old_log_probs[:, k])
         if on_policy:
             mb.old_log_probs[:, k] = log_prob.detach()
             base[:, k] = log_prob.detach()
-        log_probs = base.clone()
-        log_probs[:, k] = log_prob
-        loss, _ = self.policy_loss(mb.old_log_probs, log_probs, mb.advantages, mb.step_mask, self.loss_config)
         kl = None
         if self.reference is not None:
             with torch.no_grad():
@@ -714,16 +697,18 @@ class Trainer:
             else:
                 kl = kl_penalty(log_prob, ref_log_prob.float(), t.kl_type)
             kl = torch.where(valid, kl, torch.zeros_like(kl))
-            if t.use_kl_loss:
-                kl_mat = torch.zeros_like(mb.old_log_probs)
-                kl_mat[:, k] = kl
-                loss = loss + t.beta * agg_loss(kl_mat, mb.step_mask, t.loss_agg_mode)
-            kl = kl.detach()
+        loss = column_loss(
+            self.policy_loss, self.loss_config, mb.old_log_probs, base, k, log_prob, mb.advantages, mb.step_mask,
+            kl=kl if t.use_kl_loss else None, beta=t.beta,
+        )
         self.accelerator.backward(loss / window_len)
-        return log_prob.detach(), kl, bool(torch.isfinite(loss))
+        return log_prob.detach(), None if kl is None else kl.detach(), bool(torch.isfinite(loss))
 
-    def _optimizer_step(self, bad, info):
-        """Clip, step, zero; a step whose loss or gradient is not finite is skipped and counted."""
+    def _optimizer_step(self, bad):
+        """Clip, step, zero; a step whose loss or gradient is not finite is skipped and counted.
+
+        Returns {"skipped": bool, "grad_norm": the clipped-before norm of a step taken, else None}.
+        """
         acc = self.accelerator
         grad_norm = acc.clip_grad_norm_(self.trainable_params, self.config.train.max_grad_norm)
         flags = acc.gather(torch.tensor([float(bad)], device=acc.device))
@@ -739,11 +724,10 @@ class Trainer:
             logger.warning("non-finite loss or gradient: optimizer step skipped (%d so far)", self.skipped_steps)
         else:
             self.global_step += 1
-            if grad_norm is not None:
-                info.setdefault("grad_norm", []).append(float(grad_norm))
             if self.reference is not None:
                 self.reference.on_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
+        return {"skipped": skip, "grad_norm": None if skip or grad_norm is None else float(grad_norm)}
 
     def update_critic(self, samples, epoch, metrics):
         """Clipped value loss on the critic's steps (endpoints for group_ppo, every valid step for gae)."""
@@ -777,7 +761,8 @@ class Trainer:
 
     def log_epoch(self, epoch, samples, metrics):
         config, acc = self.config, self.accelerator
-        rewards = samples.gathered_rewards
+        gathered = samples.gathered
+        rewards = gathered.rewards
         metrics.update(
             epoch=epoch,
             global_step=self.global_step,
@@ -787,23 +772,23 @@ class Trainer:
             reward_std=float(rewards.std(unbiased=False)),
             peak_rss_mb=_peak_rss_mb(),
         )
-        for name, values in samples.gathered_components.items():
+        for name, values in gathered.components.items():
             metrics[f"reward/{name}"] = float(values.mean())
         if torch.cuda.is_available():
             metrics["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
             torch.cuda.reset_peak_memory_stats()
         log_images = config.log_images_every and epoch % config.log_images_every == 0
         images = acc.gather(samples.images.float().contiguous()) if log_images else None
-        prompt_ids = acc.gather(samples.prompt_ids.to(acc.device)) if log_images else None
-        mask = acc.gather(samples.mask.to(acc.device).float()) if log_images else None
         if acc.is_main_process:
             if log_images:
                 from ddpo_group.grids import save_epoch_samples
 
-                adv = (samples.gathered_advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+                mask = gathered.mask
+                adv = (gathered.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+                prompts = [self.prompts[int(i)].prompt for i in gathered.prompt_ids.tolist()]
                 metrics["samples/grid"] = os.path.relpath(
                     save_epoch_samples(
-                        self.run_dir, epoch, images.cpu(), [self.prompts[int(i)].prompt for i in prompt_ids.tolist()],
+                        self.run_dir, epoch, images.cpu(), prompts,
                         rewards.cpu().numpy(), adv.cpu().numpy(), config.sample.group_size,
                     ),
                     self.run_dir,
@@ -907,8 +892,8 @@ class Trainer:
         if self.accelerator.is_main_process:
             for model in models:
                 module = self.accelerator.unwrap_model(model)
-                if module is self.unet_module:
-                    save_unet(module, output_dir, self.config.use_lora)
+                if module is self.trainable_module:
+                    self.policy.save_trainable(module, output_dir, self.config.use_lora)
                 elif module is self.critic_module:
                     from safetensors.torch import save_file
 
@@ -919,45 +904,12 @@ class Trainer:
     def _load_model_hook(self, models, input_dir):
         while models:
             module = self.accelerator.unwrap_model(models.pop())
-            if module is self.unet_module:
-                load_unet(module, input_dir, self.config.use_lora)
+            if module is self.trainable_module:
+                self.policy.load_trainable(module, input_dir, self.config.use_lora)
             elif module is self.critic_module:
                 from safetensors.torch import load_file
 
                 module.load_state_dict(load_file(os.path.join(input_dir, "critic.safetensors")))
-
-
-def save_unet(unet, output_dir, use_lora):
-    """LoRA: diffusers format (`pipe.load_lora_weights(output_dir/'lora')`); full fine-tuning: unet/."""
-    if use_lora:
-        from diffusers import StableDiffusionPipeline
-        from diffusers.utils import convert_state_dict_to_diffusers
-        from peft import get_peft_model_state_dict
-
-        StableDiffusionPipeline.save_lora_weights(
-            os.path.join(output_dir, "lora"),
-            unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(unet)),
-            safe_serialization=True,
-        )
-    else:
-        unet.save_pretrained(os.path.join(output_dir, "unet"), safe_serialization=True)
-
-
-def load_unet(unet, input_dir, use_lora):
-    if use_lora:
-        from diffusers import StableDiffusionPipeline
-        from diffusers.utils import convert_unet_state_dict_to_peft
-        from peft import set_peft_model_state_dict
-
-        state, _ = StableDiffusionPipeline.lora_state_dict(os.path.join(input_dir, "lora"))
-        unet_state = {k.removeprefix("unet."): v for k, v in state.items() if k.startswith("unet.")}
-        result = set_peft_model_state_dict(unet, convert_unet_state_dict_to_peft(unet_state), adapter_name="default")
-        if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"LoRA weights in {input_dir} do not fit the model: {result.unexpected_keys[:3]}")
-    else:
-        from safetensors.torch import load_file
-
-        unet.load_state_dict(load_file(os.path.join(input_dir, "unet", "diffusion_pytorch_model.safetensors")))
 
 
 def _truncate_metrics(path, first_epoch):

@@ -27,7 +27,7 @@ from ddpo_group.rewards import build_reward_fn  # noqa: E402
 
 def load_checkpoint_pipeline(checkpoint):
     """The run's pipeline with the checkpoint's UNet (full weights or LoRA) loaded."""
-    from ddpo_group.trainer import load_unet
+    from ddpo_group.diffusion.policy import policy_for
 
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
     with open(os.path.join(run_dir, "config.json")) as f:
@@ -36,7 +36,8 @@ def load_checkpoint_pipeline(checkpoint):
     if config["use_lora"]:
         pipeline.load_lora_weights(os.path.join(checkpoint, "lora"))
     else:
-        load_unet(pipeline.unet, checkpoint, use_lora=False)
+        policy = policy_for(pipeline)
+        policy.load_trainable(policy.trainable_module, checkpoint, use_lora=False)
     return pipeline, config
 
 

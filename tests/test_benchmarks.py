@@ -70,7 +70,7 @@ def test_methods_share_the_sampling_work_and_differ_in_training(run):
     assert ddpo["seed"] == gp["seed"]
     assert ddpo["train"]["batch_size"] == gp["train"]["batch_size"]
     assert ddpo["algorithm"]["adv_estimator"] == "ddpo" and ddpo["train"]["timestep_selection"] == "all"
-    assert gp["algorithm"]["adv_estimator"] == "group_ppo" and gp["group_ppo"]["actor_tokens"] == "endpoints"
+    assert gp["algorithm"]["adv_estimator"] == "group_ppo" and gp["train"]["timestep_selection"] == "endpoints"
 
 
 def test_same_seed_gives_the_same_epoch_zero_samples(run):

@@ -15,10 +15,10 @@ from helpers import PYTHON, ROOT, make_config, subprocess_env
 def no_model_loading(monkeypatch):
     """Any model load fails the test: config errors must come first."""
 
-    def load_pipeline(*args, **kwargs):
+    def load_policy(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was validated")
 
-    monkeypatch.setattr(trainer_module, "load_pipeline", load_pipeline)
+    monkeypatch.setattr(trainer_module, "load_policy", load_policy)
 
 
 def _assert_rejected(tmp_path, config, field):
@@ -111,3 +111,36 @@ def test_unknown_variant_on_the_command_line(tmp_path):
     assert "'nope'" in result.stderr
     assert "tiny" in result.stderr and "test" in result.stderr  # the variants to choose from
     assert not any(tmp_path.iterdir())
+
+
+def test_train_runs_from_any_directory_with_a_built_in_variant_name(tmp_path):
+    """The defaults live in the package: no file of the checkout's config/ directory is read."""
+    import subprocess
+
+    from helpers import PYTHON, read_metrics, subprocess_env
+
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    result = subprocess.run(
+        [PYTHON, "-c", "from ddpo_group.cli import train_main; train_main()", "--config", "test",
+         "--config.num_epochs=1", "--config.sample.num_steps=2", f"--config.logdir={tmp_path}", "--config.run_name=r",
+         "--config.log_images_every=0"],
+        cwd=workdir, env=subprocess_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [row["epoch"] for row in read_metrics(tmp_path / "r")] == [0]
+    assert not (workdir / "config").exists()
+
+
+def test_train_help_names_the_variants_and_the_defaults_file():
+    import subprocess
+
+    from helpers import PYTHON, ROOT, subprocess_env
+
+    result = subprocess.run(
+        [PYTHON, "scripts/train.py", "--help"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0
+    for name in ("sd15", "tiny", "tiny_group_ppo", "test"):
+        assert f"  {name} " in result.stdout
+    assert "ddpo_group/config/base.py" in result.stdout.replace("\\", "/")

@@ -32,7 +32,6 @@ def run_group_ppo(tmp_path, actor_tokens, accumulation=MICRO_BATCHES):
             reward_fn="jpeg_compressibility",
             algorithm__adv_estimator="group_ppo",
             train__timestep_selection="endpoints" if actor_tokens == "endpoints" else "all",
-            group_ppo__actor_tokens=actor_tokens,
             group_ppo__max_group_size=2,
             group_ppo__variance_threshold=THRESHOLD,
             group_ppo__min_threshold=MIN_THRESHOLD,
@@ -49,7 +48,7 @@ def run_group_ppo(tmp_path, actor_tokens, accumulation=MICRO_BATCHES):
             timesteps = args[1] if len(args) > 1 else kwargs["timestep"]
             record.grad_calls.append(sorted(set(torch.as_tensor(timesteps).flatten().tolist())))
 
-    handle = trainer.unet_module.register_forward_hook(count_calls, with_kwargs=True)
+    handle = trainer.trainable_module.register_forward_hook(count_calls, with_kwargs=True)
     train_epoch = trainer.train_epoch
 
     def recording_train_epoch(samples, epoch, metrics):

@@ -145,7 +145,7 @@ def resumed(tmp_path_factory):
         first_epoch=trainer.first_epoch,
         global_step=trainer.global_step,
         tracker=json.loads(json.dumps(trainer.trackers["reward"].state_dict(), default=float)),
-        unet_out=_unet_out(trainer.unet_module, _unet_inputs(trainer.unet_module)),
+        unet_out=_unet_out(trainer.trainable_module, _unet_inputs(trainer.trainable_module)),
     )
     trainer.run()
     return types.SimpleNamespace(
@@ -235,7 +235,7 @@ def test_resume_restores_the_lora_weights(resumed):
 def test_lora_checkpoint_loads_into_a_fresh_pipeline(resumed):
     lora_dir = os.path.join(resumed.run_dir, "checkpoints", "checkpoint_3", "lora")
     assert os.path.isdir(lora_dir)
-    trained = resumed.trainer.unet_module.eval()
+    trained = resumed.trainer.trainable_module.eval()
     inputs = _unet_inputs(trained)
     pipe = build_tiny_pipeline()
     base_out = _unet_out(pipe.unet, inputs)
@@ -291,10 +291,11 @@ def test_nan_loss_skips_the_optimizer_step(tmp_path):
 
     optimizer_step = trainer._optimizer_step
 
-    def recording_optimizer_step(bad, info):
+    def recording_optimizer_step(bad):
         before = [p.detach().clone() for p in trainer.trainable_params]
-        optimizer_step(bad, info)
+        result = optimizer_step(bad)
         snapshots.append((before, [p.detach().clone() for p in trainer.trainable_params]))
+        return result
 
     trainer.policy_loss = nan_in_first_micro_batch
     trainer._optimizer_step = recording_optimizer_step
@@ -368,7 +369,7 @@ def test_per_step_backward_equals_the_whole_loss_gradient(tmp_path, monkeypatch,
     metrics = {}
     samples = trainer.sample_epoch(0, metrics)
     trainer.compute_advantages(samples, metrics)
-    unet = trainer.unet_module
+    unet = trainer.trainable_module
     reference_unet = copy.deepcopy(unet).requires_grad_(False)  # the initial policy = pi_ref = pi_old
     _perturb(trainer.trainable_params, seed=1, scale=5e-4)  # pi_theta differs from pi_old and pi_ref
 
@@ -383,7 +384,7 @@ def test_per_step_backward_equals_the_whole_loss_gradient(tmp_path, monkeypatch,
 
     # the same loss as one autograd graph over the whole (b, T) matrix
     unet.zero_grad(set_to_none=True)
-    scheduler = trainer.pipeline.scheduler
+    scheduler = trainer.policy.pipeline.scheduler
     gs, eta = config.sample.guidance_scale, config.sample.eta
     T = samples.log_probs.shape[1]
     log_probs, kls = [], []

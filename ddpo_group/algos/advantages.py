@@ -11,8 +11,15 @@ Public functions (DESIGN §3, §9):
     compute_rloo_advantages(rewards, prompt_ids, mask)
     token_level_rewards_from_outcome(rewards, mask)
 
-Registry. `register_adv_est(name)` registers an estimator; `get_adv_estimator(name)`
-returns it. Every registered estimator has the same keyword-only interface, so the
+Registry. `register_adv_est(name, ...)` registers an estimator; `get_adv_estimator(name)`
+returns it. What the trainer must provide is a property of the registered function, set by
+the decorator: `needs_values` (critic values V(x_t); the trainer then builds and trains a
+critic), `needs_outcome_advantages` (the grpo advantages of the same batch, combined over
+reward components as `reward_aggregation` says; passed as the option `outcome_advantages`),
+`uses_tracker` (a per-prompt history: the trainer keeps one `PerPromptStatTracker` per reward
+stream, checkpoints it, and passes it as the option `tracker` with the option `prompts`) and
+`defines_endpoints` (it reports Group-PPO segment endpoints in the option `info`, so
+`train.timestep_selection="endpoints"` can train at them). Every registered estimator has the same keyword-only interface, so the
 trainer calls any of them the same way:
 
     estimator = get_adv_estimator(name)
@@ -42,8 +49,9 @@ A new estimator is one function:
 `estimator_option(name, options, config, default)` reads an option with the precedence
 above. Registration checks that the function accepts these keywords (or **kwargs). Importing
 this module registers only grpo, gae and rloo. "group_ppo" lives in
-`ddpo_group.algos.grouping`; `get_adv_estimator` imports that module on first use of a
-name it does not know, so the registry stays free of import-time side effects.
+`ddpo_group.algos.grouping` and "ddpo" (the per-prompt tracker) in `ddpo_group.stat_tracking`;
+`get_adv_estimator` imports those modules on first use of a name it does not know, so the
+registry stays free of import-time side effects.
 
 Inputs may be float32 or float64; results have the floating dtype of the reward input
 (promoted with `values` for gae). Shapes must match exactly: nothing is broadcast.
@@ -78,11 +86,17 @@ ADV_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimator] = {}
 ESTIMATOR_KEYWORDS = ("rewards", "prompt_ids", "mask", "token_level_rewards", "values", "config")
 
 # Modules that register estimators of their own, imported on first lookup of an unknown name.
-_LAZY_ESTIMATOR_MODULES = ("ddpo_group.algos.grouping",)
+_LAZY_ESTIMATOR_MODULES = ("ddpo_group.algos.grouping", "ddpo_group.stat_tracking")
 
 
-def register_adv_est(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator: register an advantage estimator under `name`.
+def register_adv_est(
+    name: str,
+    needs_values: bool = False,
+    needs_outcome_advantages: bool = False,
+    uses_tracker: bool = False,
+    defines_endpoints: bool = False,
+) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: register an advantage estimator under `name`, with what it needs (module docstring).
 
     The function must accept the keywords of ESTIMATOR_KEYWORDS (or **kwargs) and
     return `(advantages (B, T), returns (B, T))`. Registering a different function under
@@ -107,6 +121,10 @@ def register_adv_est(name: str) -> Callable[[AdvantageEstimator], AdvantageEstim
                 f"register_adv_est: advantage estimator {name!r} is already registered "
                 f"({previous.__module__}.{previous.__qualname__}); choose another name"
             )
+        fn.needs_values = bool(needs_values)
+        fn.needs_outcome_advantages = bool(needs_outcome_advantages)
+        fn.uses_tracker = bool(uses_tracker)
+        fn.defines_endpoints = bool(defines_endpoints)
         ADV_ESTIMATOR_REGISTRY[name] = fn
         return fn
 
@@ -459,7 +477,7 @@ def rloo_estimator(
     )
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", needs_values=True)
 def gae_estimator(
     *,
     rewards=None,
@@ -481,3 +499,4 @@ def gae_estimator(
     if not (math.isfinite(gamma) and math.isfinite(lam)):
         raise ValueError(f"gae: gamma and lam must be finite numbers, got gamma={gamma}, lam={lam}")
     return compute_gae_advantages(token_level_rewards, _require(values, "values", "gae"), mask, gamma=gamma, lam=lam)
+

@@ -340,7 +340,7 @@ def compute_group_ppo_advantages(
     return segment_advantages(advantages, group_ids, mask), returns, endpoint_mask, group_ids
 
 
-@register_adv_est("group_ppo")
+@register_adv_est("group_ppo", needs_values=True, needs_outcome_advantages=True, defines_endpoints=True)
 def group_ppo_estimator(
     *,
     rewards=None,
@@ -358,8 +358,8 @@ def group_ppo_estimator(
     value explicitly), ``max_group_size`` (16), ``eps`` (1e-6), ``gamma`` (1.0),
     ``lam`` (0.95), ``norm_by_std`` (True, for the outcome advantages),
     ``outcome_advantages`` ((B,) or (B, T); computed with grpo from ``rewards`` and
-    ``prompt_ids`` when absent) and ``info``: a dict that receives ``endpoint_mask``,
-    ``group_ids`` and ``advantages`` (the GAE advantages before segment averaging).
+    ``prompt_ids`` when absent) and ``info``: a dict that receives ``endpoint_mask`` and
+    ``group_ids``.
     """
     if values is None:
         raise ValueError("advantage estimator 'group_ppo' needs `values` (critic values); got None")
@@ -383,23 +383,18 @@ def group_ppo_estimator(
             eps=float(estimator_option("eps", options, config, 1e-6)),
         )
     threshold = options["threshold"] if "threshold" in options else estimator_option("variance_threshold", {}, config, 1.0)
-    mask = torch.as_tensor(mask)
-    advantages, returns = compute_gae_advantages(
+    segment_adv, returns, endpoint_mask, group_ids = compute_group_ppo_advantages(
         token_level_rewards,
         values,
-        mask,
-        gamma=float(estimator_option("gamma", options, config, 1.0)),
-        lam=float(estimator_option("lam", options, config, 0.95)),
-    )
-    endpoint_mask, group_ids = find_group_endpoints(
-        advantages,
+        torch.as_tensor(mask),
         outcome_advantages,
-        mask,
         threshold,
         estimator_option("max_group_size", options, config, 16),
+        gamma=float(estimator_option("gamma", options, config, 1.0)),
+        lam=float(estimator_option("lam", options, config, 0.95)),
         eps=float(estimator_option("eps", options, config, 1e-6)),
     )
     info = options.get("info")
     if info is not None:
-        info.update(endpoint_mask=endpoint_mask, group_ids=group_ids, advantages=advantages)
-    return segment_advantages(advantages, group_ids, mask), returns
+        info.update(endpoint_mask=endpoint_mask, group_ids=group_ids)
+    return segment_adv, returns

@@ -25,14 +25,25 @@ from tqdm.auto import tqdm
 from ddpo_group.diffusion.ddim import ddim_step_with_logprob
 
 
+def _per_row(field):
+    """False for a field that describes the whole batch (not indexed, not concatenated)."""
+    return field.metadata.get("per_row", True)
+
+
 @dataclass
 class Trajectories:
     """A batch of B denoising trajectories of T steps.
 
-    images (B, 3, H, W) float in [0, 1]; latents (B, T+1, C, h, w): x_0 (noise) ... x_T;
-    log_probs (B, T); timesteps (B, T) int64; prompt_embeds (B, L, D);
+    images (B, 3, H, W) float in [0, 1]; latents (B, T+1, C, h, w) float32: x_0 (noise) ... x_T;
+    log_probs (B, T) float32; timesteps (B, T) (int64 for DDIM); prompt_embeds (B, L, D);
     negative_prompt_embeds (B, L, D) or None (no guidance); mask (B, T) float, 0 where
-    std_dev_t == 0; prompts list of B str; prompt_ids (B,) int64 (the GRPO group key).
+    std_dev_t == 0; prompts list of B str; prompt_ids (B,) int64 (the GRPO group key);
+    pooled_prompt_embeds, negative_pooled_prompt_embeds (B, D') or None: the pooled text
+    embeddings of families that condition on them (SD3, FLUX; None for SD 1.x / 2.x).
+
+    ``index``, ``to`` and ``cat`` carry every declared field, those of subclasses too: a tensor
+    field is indexed on dim 0, a dict field value by value, a field declared with
+    ``metadata={"per_row": False}`` (a whole-batch view) is kept by ``index`` / ``to`` and dropped by ``cat``.
     """
 
     images: torch.Tensor
@@ -44,6 +55,8 @@ class Trajectories:
     mask: torch.Tensor
     prompts: list
     prompt_ids: torch.Tensor
+    pooled_prompt_embeds: torch.Tensor | None = None
+    negative_pooled_prompt_embeds: torch.Tensor | None = None
 
     def __len__(self):
         return self.latents.shape[0]
@@ -58,35 +71,47 @@ class Trajectories:
             positions = torch.arange(len(self))[torch.as_tensor(idx).cpu()]
             prompts = [self.prompts[i] for i in positions.tolist()]
             idx = positions
+
+        def select(value):
+            return value[idx.to(value.device) if torch.is_tensor(idx) else idx]
+
         values = {}
         for field in fields(self):
             value = getattr(self, field.name)
             if field.name == "prompts":
                 values[field.name] = prompts
-            elif value is None:
-                values[field.name] = None
+            elif value is None or not _per_row(field):
+                values[field.name] = value
+            elif isinstance(value, dict):
+                values[field.name] = {key: select(v) for key, v in value.items()}
             else:
-                values[field.name] = value[idx.to(value.device) if torch.is_tensor(idx) else idx]
-        return Trajectories(**values)
+                values[field.name] = select(value)
+        return type(self)(**values)
 
     def to(self, device):
-        """A copy with every tensor on ``device``."""
+        """A copy with every per-row tensor on ``device``."""
         values = {}
         for field in fields(self):
             value = getattr(self, field.name)
-            values[field.name] = value.to(device) if torch.is_tensor(value) else value
-        return Trajectories(**values)
+            if isinstance(value, dict) and _per_row(field):
+                value = {key: v.to(device) for key, v in value.items()}
+            elif torch.is_tensor(value):
+                value = value.to(device)
+            values[field.name] = value
+        return type(self)(**values)
 
     @classmethod
     def cat(cls, batches):
-        """Concatenate several Trajectories along the batch dim (prompt_ids are kept as they are)."""
+        """Concatenate several batches along the batch dim (prompt_ids are kept as they are)."""
         values = {}
         for field in fields(cls):
-            parts = [getattr(batch, field.name) for batch in batches]
+            parts = [getattr(batch, field.name, None) for batch in batches]
             if field.name == "prompts":
                 values[field.name] = [prompt for part in parts for prompt in part]
-            elif parts[0] is None:
+            elif not _per_row(field) or any(part is None for part in parts):
                 values[field.name] = None
+            elif isinstance(parts[0], dict):
+                values[field.name] = {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
             else:
                 values[field.name] = torch.cat(parts)
         return cls(**values)

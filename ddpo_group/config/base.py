@@ -1,0 +1,202 @@
+"""Every configuration field of ddpo-group with its default, documented beside it.
+
+This file lives inside the package (so that an installed copy trains from any directory);
+`config/base.py` and `config/grpo.py` of a checkout are the user-facing entry points and read
+it. Variants in `ddpo_group/config/grpo.py` start from `get_config()` here and change a few
+fields; override any field on the command line:
+
+    accelerate launch scripts/train.py --config config/grpo.py:tiny --config.train.beta=0.01
+
+Field names follow ddpo-pytorch where it has one (sample.*, train.*, prompt_fn, reward_fn,
+per_prompt_stat_tracking.*), so that its users feel at home. `ddpo_group.config_check`
+validates a config before any model loads.
+"""
+
+import ml_collections
+
+
+def get_config():
+    config = ml_collections.ConfigDict()
+
+    ###### General ######
+    # Name of the run: outputs go to logdir/run_name/. Empty: a timestamp is used.
+    config.run_name = ""
+    # Random seed; every process derives its own seeds from it, runs are reproducible on one machine.
+    config.seed = 42
+    # Top-level directory of runs (metrics.jsonl, sample grids, checkpoints).
+    config.logdir = "logs"
+    # Number of epochs. An epoch = sample, reward, advantages, `train.num_inner_epochs` passes of training.
+    config.num_epochs = 100
+    # Save a checkpoint every this many epochs (0: only at the end and on interruption).
+    config.save_freq = 20
+    # Keep at most this many checkpoints (oldest deleted first; 0: keep all).
+    config.num_checkpoint_limit = 5
+    # Mixed precision of the model calls: "no" (float32, the CPU default), "fp16" (GPU only) or "bf16"
+    # (GPU, or CPU autocast). The step math and log-probs are float32 whatever this says.
+    config.mixed_precision = "no"
+    # Allow TF32 matmuls on Ampere+ GPUs (ignored on CPU).
+    config.allow_tf32 = True
+    # Resume from a run directory (its latest complete checkpoint) or a checkpoint_N directory.
+    config.resume_from = ""
+    # Train LoRA adapters (peft) instead of the full UNet. The reference model is then nearly free.
+    config.use_lora = True
+    # LoRA rank and alpha (alpha 0: equal to the rank, scaling 1).
+    config.lora_rank = 4
+    config.lora_alpha = 0
+    # Write a sample grid (samples/epoch_XXXX.png) every this many epochs (0: never).
+    config.log_images_every = 1
+    # Experiment tracker: "none", "wandb" (offline unless WANDB_MODE says otherwise and a network is there) or "tensorboard".
+    config.log_with = "none"
+    # Project name for wandb / tensorboard.
+    config.project_name = "ddpo-group"
+    # Write each rank's rewards, prompt ids and advantages to run_dir/debug/ every epoch (tests, debugging).
+    config.debug_dump = False
+    # Plugins imported before the config is checked: comma-separated module names or .py paths that
+    # register an advantage estimator, a policy loss or a reward, then selected by name (ddpo_group/plugins.py).
+    config.plugins = ""
+
+    ###### Pretrained model ######
+    config.pretrained = pretrained = ml_collections.ConfigDict()
+    # "tiny-shapes" (shipped offline shapes-world model), "tiny" (random tiny weights, tests),
+    # a local diffusers directory, or a hub id such as "stable-diffusion-v1-5/stable-diffusion-v1-5".
+    pretrained.model = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+    # Hub revision (branch, tag or commit); empty for the default.
+    pretrained.revision = ""
+
+    ###### Sampling ######
+    config.sample = sample = ml_collections.ConfigDict()
+    # Number of DDIM denoising steps T (the "tokens" of a trajectory).
+    sample.num_steps = 50
+    # DDIM eta (or a flow model's noise level): 0 is deterministic (no log-probabilities); 1.0 is DDPM-like.
+    # RL needs eta > 0.
+    sample.eta = 1.0
+    # Classifier-free guidance scale (1.0: no guidance, no negative prompt pass).
+    sample.guidance_scale = 5.0
+    # Trajectories sampled per process per sampling batch.
+    sample.batch_size = 8
+    # Sampling batches per epoch; an epoch has batch_size * num_batches_per_epoch * num_processes trajectories.
+    sample.num_batches_per_epoch = 4
+    # Images per prompt (the GRPO group). Must divide sample.batch_size * num_processes.
+    sample.group_size = 8
+    # Negative prompt for classifier-free guidance.
+    sample.negative_prompt = ""
+
+    ###### Training ######
+    config.train = train = ml_collections.ConfigDict()
+    # Trajectories per training micro-batch (per process).
+    train.batch_size = 4
+    # Use bitsandbytes' 8-bit Adam (GPU only; needs `pip install bitsandbytes`).
+    train.use_8bit_adam = False
+    # AdamW hyper-parameters.
+    train.learning_rate = 3e-4
+    train.adam_beta1 = 0.9
+    train.adam_beta2 = 0.999
+    train.adam_weight_decay = 1e-4
+    train.adam_epsilon = 1e-8
+    # Micro-batches whose gradients are accumulated into one optimizer step.
+    train.gradient_accumulation_steps = 1
+    # Gradient clipping (global norm) before each optimizer step.
+    train.max_grad_norm = 1.0
+    # Passes over the epoch's samples (PPO epochs); samples reshuffled each pass.
+    train.num_inner_epochs = 1
+    # Where log pi_old (the PPO ratio's denominator) comes from: "recompute" takes it in the training
+    # layout with the sampling weights, before the epoch's first optimizer step, so the on-policy ratio
+    # is exactly 1 (costs one extra forward of the trained steps of the micro-batches after the first
+    # optimizer step; none when there is one optimizer step per epoch); "sampled" uses the log-probs
+    # stored at sampling (ddpo-pytorch), whose ratio differs from 1 by the rounding of another batch
+    # layout: up to ~1e-4 in fp16 and ~4e-4 in bf16 on a GPU, the size of the clip range.
+    train.old_log_probs = "recompute"
+    # Use classifier-free guidance in the training forward pass (as when sampling).
+    train.cfg = True
+    # Advantages are clipped to [-adv_clip_max, adv_clip_max] (ddpo-pytorch).
+    train.adv_clip_max = 5.0
+    # PPO clip range (ddpo-pytorch's name); used for clip_ratio_low/high when those are None.
+    train.clip_range = 1e-4
+    # Asymmetric clipping (DAPO "clip-higher"); None: clip_range.
+    train.clip_ratio_low = ml_collections.FieldReference(None, field_type=float)
+    train.clip_ratio_high = ml_collections.FieldReference(None, field_type=float)
+    # Dual-clip constant c (> 1): for negative advantages the loss is capped at -A * c.
+    train.clip_ratio_c = 3.0
+    # Fraction of the timesteps trained per trajectory when timestep_selection == "fraction" (DDPO).
+    train.timestep_fraction = 1.0
+    # Which denoising steps the actor trains: "all", "fraction" (a random subset, DDPO) or "endpoints"
+    # (the segment endpoints of an estimator that defines them: Group-PPO; with "all", Group-PPO trains
+    # every valid step with its segment advantage). The critic of Group-PPO trains at the endpoints.
+    train.timestep_selection = "all"
+    # Policy loss: "vanilla" (PPO, asymmetric + dual clip), "gspo", "geo_mean" (GMPO).
+    train.policy_loss = "vanilla"
+    # Loss aggregation over (sample, step) tokens: "token-mean", "seq-mean-token-sum",
+    # "seq-mean-token-mean", "seq-mean-token-sum-norm".
+    train.loss_agg_mode = "token-mean"
+    # Add beta * KL(pi_theta || pi_ref) to the loss (GRPO).
+    train.use_kl_loss = False
+    train.beta = 0.0
+    # KL of one step: "gaussian" (exact KL of the two Gaussian steps, the default), "k1", "abs", "k2", "k3".
+    train.kl_type = "gaussian"
+    # Keep a reference policy (needed by use_kl_loss, logged as ref/kl otherwise).
+    train.use_reference_model = False
+    # Reference mixup: every reference_update_freq optimizer steps, ref <- alpha * theta + (1 - alpha) * ref.
+    # alpha 1.0 is a hard sync; freq 0 never updates (the reference stays the initial policy).
+    train.reference_model_mixup_alpha = 1.0
+    train.reference_update_freq = 0
+    # (trajectory, step) pairs per critic call when computing values without gradients; 0: all at once.
+    train.eval_micro_batch_size = 0
+
+    ###### Algorithm ######
+    config.algorithm = algorithm = ml_collections.ConfigDict()
+    # Advantage estimator: "ddpo" (PerPromptStatTracker with history), "grpo" (group statistics of
+    # the batch), "rloo" (leave-one-out), "gae" (critic), "group_ppo" (critic + timestep grouping).
+    algorithm.adv_estimator = "grpo"
+    # Divide GRPO advantages by the group std (False: Dr.GRPO).
+    algorithm.norm_adv_by_std = True
+    # GAE discount and lambda over denoising steps (gae, group_ppo).
+    algorithm.gamma = 1.0
+    algorithm.lam = 0.95
+
+    ###### Per-prompt stat tracking (adv_estimator "ddpo") ######
+    config.per_prompt_stat_tracking = tracking = ml_collections.ConfigDict()
+    # Rewards kept per prompt (0: unbounded).
+    tracking.buffer_size = 16
+    # Below this many rewards for a prompt, the whole batch's mean / std are used.
+    tracking.min_count = 16
+
+    ###### Critic (gae, group_ppo) ######
+    config.critic = critic = ml_collections.ConfigDict()
+    critic.learning_rate = 1e-3
+    critic.hidden = 64
+    # Value clipping range of the clipped value loss.
+    critic.cliprange_value = 0.5
+    # Critic passes per epoch over the samples.
+    critic.num_epochs = 1
+    critic.max_grad_norm = 1.0
+
+    ###### Group-PPO (DESIGN section 4) ######
+    config.group_ppo = group_ppo = ml_collections.ConfigDict()
+    group_ppo.variance_threshold = 1.0
+    group_ppo.max_group_size = 16
+    group_ppo.eps = 1e-6
+    group_ppo.adaptive_threshold = True
+    group_ppo.threshold_lr = 0.01
+    group_ppo.min_threshold = 0.1
+    group_ppo.max_threshold = 10.0
+    group_ppo.target_compression = 0.75
+
+    ###### Prompts ######
+    # Prompt source: a built-in set ("simple_animals", "imagenet_animals", "shapes") or a .txt/.json/.jsonl file.
+    config.prompt_fn = "simple_animals"
+    config.prompt_fn_kwargs = ml_collections.ConfigDict()
+
+    ###### Rewards ######
+    # A registered reward name, "package.module:function", "path/to/file.py:function" or "http://host:port".
+    config.reward_fn = "jpeg_compressibility"
+    # Several rewards with weights, e.g. {"aesthetic": 1.0, "jpeg_compressibility": 0.1}; empty: reward_fn alone.
+    config.reward_weights = ml_collections.ConfigDict()
+    # "sum_then_normalize" (weighted sum, then advantages; Flow-GRPO) or
+    # "normalize_then_sum" (advantages per reward, then weighted sum; MixGRPO).
+    config.reward_aggregation = "sum_then_normalize"
+    # Threads computing rewards while sampling continues.
+    config.reward_workers = 1
+    # Keyword arguments of each reward, by reward name, e.g. {"aesthetic": {"weights_path": "/path/mlp.safetensors"}}.
+    config.reward_kwargs = ml_collections.ConfigDict()
+
+    return config

@@ -1,0 +1,127 @@
+"""The model-family seam: everything the trainer needs from a diffusion model, in one object.
+
+The trainer sees a denoising trajectory as a token sequence and never names a UNet, a
+transformer, a text encoder, a VAE or a scheduler: a `DiffusionPolicy` does. One subclass per
+model family (``ddpo_group.diffusion.sd.StableDiffusionPolicy`` for SD 1.x / 2.x with DDIM; a
+flow-matching family for SD3 / FLUX is a new file beside it), registered with `register_family`
+and found for a loaded pipeline by `policy_for`:
+
+    policy = load_policy("tiny-shapes")                       # the pipeline, wrapped by its family
+    model = policy.prepare(device, dtype, use_lora=True, lora_rank=4)   # the trainable module
+    batch = policy.sample(prompts, num_steps=10, guidance_scale=3.0, eta=1.0, generator=g)
+    log_prob, mean, std = policy.step_log_prob(model, batch, rows, step_index, guidance_scale=3.0, eta=1.0)
+    policy.save_trainable(model, output_dir, use_lora=True)   # LoRA in the family's diffusers format
+
+A step's log-probability is the one function of the family (``step_log_prob``), shared by
+sampling and training, so re-scoring with unchanged weights in the sampling layout equals the
+sampled log-probs bit for bit. Step math is float32 (DESIGN section 10).
+"""
+
+from __future__ import annotations
+
+FAMILIES: dict[str, type[DiffusionPolicy]] = {}
+
+
+class DiffusionPolicy:
+    """A diffusion pipeline seen as a Gaussian policy over denoising steps. Subclasses implement:
+
+    supports(pipeline) -> bool           classmethod: is this pipeline of the family?
+    load(model, revision) -> pipeline     classmethod: the family's offline names, a directory or a hub id
+    prepare(device, dtype, use_lora, lora_rank, lora_alpha) -> module
+                                          freeze and move the frozen parts (dtype), add LoRA or unfreeze
+                                          the whole model; returns the trainable module
+    trainable_module                      the module being trained (unwrapped); settable
+    critic_sizes() -> dict                latent_channels and prompt_dim of a critic V(x_t, t, c)
+    sample(prompts, ...) -> Trajectories  trajectories with float32 latents and log-probs, no graph
+    step_log_prob(model, batch, rows, step_index, guidance_scale, eta) -> (log_prob, mean, std)
+                                          one stored step re-scored with `model`, with autograd
+    save_trainable(module, dir, use_lora) / load_trainable(module, dir, use_lora)
+    """
+
+    family = "abstract"
+
+    def __init__(self, pipeline):
+        if not self.supports(pipeline):
+            raise TypeError(f"{type(self).__name__} does not support {type(pipeline).__name__}")
+        self.pipeline = pipeline
+
+    @classmethod
+    def supports(cls, pipeline) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, model, revision=None):
+        raise NotImplementedError
+
+    def prepare(self, device, dtype, use_lora, lora_rank=4, lora_alpha=None):
+        raise NotImplementedError
+
+    @property
+    def trainable_module(self):
+        raise NotImplementedError
+
+    def critic_sizes(self):
+        raise NotImplementedError
+
+    def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
+               model=None, show_progress=False):
+        raise NotImplementedError
+
+    def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
+        raise NotImplementedError
+
+    def save_trainable(self, module, output_dir, use_lora):
+        raise NotImplementedError
+
+    def load_trainable(self, module, input_dir, use_lora):
+        raise NotImplementedError
+
+
+def register_family(name):
+    """Class decorator: register a DiffusionPolicy subclass under `name` (its `family`)."""
+
+    def decorator(cls):
+        if not (isinstance(cls, type) and issubclass(cls, DiffusionPolicy)):
+            raise TypeError(f"register_family({name!r}): {cls!r} is not a DiffusionPolicy subclass")
+        previous = FAMILIES.get(name)
+        if previous is not None and (previous.__module__, previous.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"register_family: family {name!r} is already registered ({previous.__qualname__})")
+        cls.family = name
+        FAMILIES[name] = cls
+        return cls
+
+    return decorator
+
+
+def _import_families():
+    import ddpo_group.diffusion.sd  # noqa: F401  registers "stable_diffusion"
+
+
+def policy_for(pipeline):
+    """The registered family's policy wrapping `pipeline`; ValueError naming the pipeline class otherwise."""
+    _import_families()
+    for cls in FAMILIES.values():
+        if cls.supports(pipeline):
+            return cls(pipeline)
+    raise ValueError(
+        f"no model family supports {type(pipeline).__name__}; supported families: {sorted(FAMILIES)} "
+        "(register one with ddpo_group.diffusion.policy.register_family)"
+    )
+
+
+def load_policy(model, revision=None):
+    """Load `model` (config.pretrained.model) with the first family that can, and wrap it."""
+    _import_families()
+    errors = []
+    for cls in FAMILIES.values():
+        try:
+            pipeline = cls.load(model, revision=revision)
+        except NotImplementedError:
+            continue
+        except ValueError as err:
+            errors.append(err)
+            continue
+        return cls(pipeline)
+    if errors:
+        raise errors[0]
+    raise ValueError(f"model {model!r}: no registered family can load it ({sorted(FAMILIES)})")
