@@ -79,3 +79,27 @@ def test_the_base_class_lists_what_a_family_implements():
     for method in ("supports", "load", "prepare", "critic_sizes", "sample", "step_log_prob", "save_trainable",
                    "load_trainable"):
         assert hasattr(DiffusionPolicy, method) and hasattr(StableDiffusionPolicy, method)
+
+
+def test_the_epoch_batch_carries_every_field_through_index_to_and_cat():
+    from ddpo_group.batch import EpochBatch, GatheredBatch
+
+    policy = policy_for(build_tiny_pipeline(seed=0))
+    trajectories = policy.sample(["a red circle", "a blue square", "a cat"], num_steps=2, guidance_scale=3.0, eta=1.0,
+                                 generator=torch.Generator().manual_seed(0))
+    batch = EpochBatch.cat([trajectories])
+    batch.rewards = torch.tensor([0.1, 0.2, 0.3])
+    batch.components = {"a": torch.tensor([1.0, 2.0, 3.0])}
+    batch.advantages = torch.arange(6.0).reshape(3, 2)
+    batch.endpoint_mask = torch.tensor([[False, True]] * 3)
+    batch.gathered = GatheredBatch(rewards=batch.rewards, components={}, prompt_ids=batch.prompt_ids, mask=batch.mask)
+    picked = batch.index([2, 0]).to("cpu")
+    assert isinstance(picked, EpochBatch)
+    assert picked.rewards.tolist() == pytest.approx([0.3, 0.1])
+    assert picked.components["a"].tolist() == [3.0, 1.0]
+    assert picked.advantages.tolist() == [[4.0, 5.0], [0.0, 1.0]]
+    assert picked.endpoint_mask.tolist() == [[False, True]] * 2
+    assert picked.prompts == ["a cat", "a red circle"]
+    assert picked.gathered is batch.gathered  # the all-process view is not indexed
+    joined = EpochBatch.cat([picked, batch.index([1])])
+    assert joined.rewards.tolist() == pytest.approx([0.3, 0.1, 0.2]) and joined.gathered is None
