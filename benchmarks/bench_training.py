@@ -4,6 +4,7 @@
     python benchmarks/bench_training.py --quick --threads 1      # the same on a CPU shared with other jobs
     python benchmarks/bench_training.py                          # the full run quoted in benchmarks/README.md
     python benchmarks/bench_training.py --model tiny --quick     # random-weight tiny model (no shipped weights needed)
+    python benchmarks/bench_training.py --model tiny-sd3 --quick # random-weight tiny SD3 (flow matching, SDE steps)
     python benchmarks/bench_training.py --profile group_ppo_endpoints   # where one epoch's time goes
     python benchmarks/bench_training.py --model stable-diffusion-v1-5/stable-diffusion-v1-5 --device cuda
 
@@ -61,7 +62,7 @@ TRAIN_SPEEDUP_TARGET = 4.0
 TIME_TO_REACH_TARGET = 0.4
 QUICK_EPOCHS = 6
 FULL_EPOCHS = 30
-TINY_MODELS = ("tiny", "tiny-shapes")
+TINY_MODELS = ("tiny", "tiny-shapes", "tiny-sd3", "tiny-flux")
 
 # method -> (description, variant for the tiny models, variant for Stable Diffusion, method fields)
 METHODS = {
@@ -87,7 +88,7 @@ METHODS = {
     ),
 }
 # The variant whose sampling work every method copies.
-COMMON_VARIANT = {"tiny": "tiny", "sd": "sd15"}
+COMMON_VARIANT = {"tiny": "tiny", "sd": "sd15", "tiny-sd3": "tiny_sd3", "tiny-flux": "tiny_flux"}
 SHARED_FIELDS = (
     "seed", "pretrained.model", "pretrained.revision", "mixed_precision", "use_lora", "lora_rank", "lora_alpha",
     "prompt_fn", "prompt_fn_kwargs", "reward_fn", "reward_weights", "reward_aggregation", "reward_workers",
@@ -143,7 +144,7 @@ def build_method_config(method, model, num_epochs, run_dir, reward_fn=None, samp
     _, tiny_variant, sd_variant, fields = METHODS[method]
     family = model_family(model)
     config = grpo.get_config(tiny_variant if family == "tiny" else sd_variant)
-    common = grpo.get_config(common_variant or COMMON_VARIANT[family])
+    common = grpo.get_config(common_variant or COMMON_VARIANT.get(model, COMMON_VARIANT[family]))
     common.pretrained.model = model
     if reward_fn:
         common.reward_fn = reward_fn

@@ -12,6 +12,7 @@ import ml_collections
 
 from ddpo_group.algos.advantages import get_adv_estimator, registered_adv_estimators
 from ddpo_group.algos.losses import AGG_MODES, KL_TYPES, registered_policy_losses
+from ddpo_group.diffusion.flow import SDE_TYPES
 from ddpo_group.plugins import PluginError, import_plugins
 from ddpo_group.rewards.combine import REWARD_AGGREGATIONS
 
@@ -19,6 +20,7 @@ TIMESTEP_SELECTIONS = ("all", "fraction", "endpoints")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LOG_WITH = ("none", "wandb", "tensorboard")
 OLD_LOG_PROBS = ("recompute", "sampled")
+SDE_WINDOWS = ("fixed", "random", "sliding")
 # Sub-configs whose keys are the user's own (kwargs, reward names).
 FREE_FORM_FIELDS = ("prompt_fn_kwargs", "reward_weights", "reward_kwargs")
 # Fields that were renamed or merged: what to set instead.
@@ -105,6 +107,27 @@ def check_config(config, num_processes=1, has_gpu=None):
         raise ConfigError(
             f"config.sample.eta={sample.eta} gives deterministic steps with no log-probability (DDIM's eta, "
             "or a flow model's noise level); RL needs eta > 0 (1.0 is the usual DDIM value)"
+        )
+    _choice(sample.sde_type, ("",) + SDE_TYPES, "sample.sde_type")
+    _choice(sample.sde_window, SDE_WINDOWS, "sample.sde_window")
+    if sample.sde_type == "cps" and sample.eta > 1.0:
+        raise ConfigError(
+            f"config.sample.eta={sample.eta} is the noise level a of sample.sde_type='cps' (std = sigma' sin(a pi / 2)); "
+            "it must lie in (0, 1]"
+        )
+    for field in ("sde_window_size", "sde_window_start", "max_sequence_length", "resolution"):
+        _positive(sample[field], f"sample.{field}", allow_zero=True)
+    _positive(sample.sde_window_shift_every, "sample.sde_window_shift_every")
+    if sample.sde_window_size > sample.num_steps:
+        raise ConfigError(
+            f"config.sample.sde_window_size={sample.sde_window_size} exceeds sample.num_steps={sample.num_steps}; "
+            "a window is at most every step (0 means every step)"
+        )
+    if sample.sde_window_size and sample.sde_window == "fixed" and sample.sde_window_start + sample.sde_window_size > sample.num_steps:
+        raise ConfigError(
+            f"config.sample.sde_window_start={sample.sde_window_start} with sde_window_size={sample.sde_window_size} "
+            f"runs past the last of sample.num_steps={sample.num_steps} steps; choose a start <= "
+            f"{sample.num_steps - sample.sde_window_size}"
         )
     if sample.guidance_scale < 1.0:
         raise ConfigError(f"config.sample.guidance_scale={sample.guidance_scale} must be >= 1 (1: no guidance)")

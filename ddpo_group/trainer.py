@@ -48,8 +48,9 @@ from ddpo_group.algos import advantages as adv_lib
 from ddpo_group.algos import grouping
 from ddpo_group.algos.losses import agg_loss, compute_value_loss, gaussian_kl, get_policy_loss, kl_penalty
 from ddpo_group.algos.stepwise import column_loss, grpo_loss
-from ddpo_group.config_check import check_config
+from ddpo_group.config_check import ConfigError, check_config
 from ddpo_group.diffusion.policy import load_policy
+from ddpo_group.diffusion.sampling import window_noise_levels
 from ddpo_group.batch import EpochBatch, GatheredBatch
 from ddpo_group.prompts import load_prompts
 from ddpo_group.reference import ReferencePolicy
@@ -227,8 +228,17 @@ class Trainer:
     def _build_models(self):
         config, acc = self.config, self.accelerator
         # the model family (SD / DDIM today) is behind the policy: the trainer names no UNet, VAE or scheduler
-        self.policy = load_policy(config.pretrained.model, revision=config.pretrained.revision or None)
         inference_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
+        self.policy = load_policy(
+            config.pretrained.model, revision=config.pretrained.revision or None, torch_dtype=inference_dtype
+        )
+        s = config.sample
+        try:
+            self.policy.configure(
+                sde_type=s.sde_type, max_sequence_length=s.max_sequence_length, resolution=s.resolution
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         module = self.policy.prepare(
             acc.device, inference_dtype, config.use_lora, config.lora_rank, config.lora_alpha or None
         )
@@ -379,6 +389,13 @@ class Trainer:
         s = config.sample
         total = s.batch_size * acc.num_processes
         batches, futures = [], []
+        # the ODE/SDE window of this epoch: eta inside, 0 (a deterministic step, mask 0) outside
+        levels = window_noise_levels(
+            s.eta, s.num_steps, s.sde_window_size, s.sde_window, s.sde_window_start, s.sde_window_shift_every,
+            epoch, config.seed,
+        )
+        if s.sde_window_size:
+            metrics["sample/sde_window_start"] = next(i for i, level in enumerate(levels) if level > 0)
         start = time.perf_counter()
         for batch_index in tqdm(
             range(s.num_batches_per_epoch), desc="sampling", leave=False, disable=not acc.is_main_process
@@ -394,7 +411,7 @@ class Trainer:
                     [r.prompt for r in records],
                     num_steps=s.num_steps,
                     guidance_scale=s.guidance_scale,
-                    eta=s.eta,
+                    eta=levels,
                     generator=generator,
                     prompt_ids=torch.as_tensor(local, dtype=torch.int64),
                     negative_prompt=s.negative_prompt,
@@ -502,7 +519,9 @@ class Trainer:
         b, T = mask.shape
         selection = config.train.timestep_selection
         if selection == "all":
-            idx = torch.arange(T).expand(b, T)
+            # the steps that have a density (every step for DDIM; the SDE window of a flow model)
+            columns = samples.mask.any(dim=0).nonzero().flatten().cpu()
+            idx = columns.expand(b, len(columns))
         elif selection == "fraction":
             k = max(1, int(T * config.train.timestep_fraction))
             idx = torch.stack([torch.randperm(T, generator=generator)[:k] for _ in range(b)])

@@ -186,3 +186,18 @@ def test_load_pipeline_unreachable_hub_id_names_model_and_offline_config(local_f
     with pytest.raises(ValueError, match="config/grpo.py:tiny") as info:
         load_pipeline("nobody/no-such-model", local_files_only=local_files_only)
     assert "nobody/no-such-model" in str(info.value)
+
+
+@pytest.mark.parametrize("builder", ["build_tiny_sd3_pipeline", "build_tiny_flux_pipeline"])
+def test_tiny_flow_pipelines_are_seeded_offline_and_leave_the_rng_alone(builder, tmp_path):
+    from ddpo_group.diffusion import tiny
+
+    build = getattr(tiny, builder)
+    state = torch.random.get_rng_state()
+    a, b, c = build(seed=0), build(seed=0), build(seed=1)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    wa, wb, wc = (dict(p.transformer.named_parameters()) for p in (a, b, c))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+    images = a(["a red circle"], num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    assert images.shape == (1, 3, 32, 32) and torch.isfinite(images).all()

@@ -80,6 +80,22 @@ def get_config():
     sample.group_size = 8
     # Negative prompt for classifier-free guidance.
     sample.negative_prompt = ""
+    # Image side in pixels; 0: the model's default size.
+    sample.resolution = 0
+    # Flow-matching models (SD3, FLUX): the SDE of the stochastic steps, "sde" (Flow-GRPO), "cps"
+    # (coefficients-preserving sampling, eta <= 1) or "dance" (DanceGRPO); "" is "sde" there and the only
+    # value for SD 1.x/2.x (DDIM). For flow models sample.eta is the noise level a of these steps.
+    sample.sde_type = ""
+    # ODE/SDE window (Flow-GRPO-Fast, MixGRPO): only sde_window_size consecutive steps are stochastic and
+    # trained; the others are deterministic ODE steps (eta 0, mask 0, never trained). 0: every step.
+    sample.sde_window_size = 0
+    # "fixed" (steps sde_window_start ... + size - 1), "random" (a new start each epoch, the same on every
+    # process) or "sliding" (the start moves one step later every sde_window_shift_every epochs, wrapping).
+    sample.sde_window = "fixed"
+    sample.sde_window_start = 0
+    sample.sde_window_shift_every = 1
+    # Text tokens of a T5 text encoder (SD3, FLUX); 0: the family's default (SD3 256, FLUX 512).
+    sample.max_sequence_length = 0
 
     ###### Training ######
     config.train = train = ml_collections.ConfigDict()

@@ -10,6 +10,10 @@
     tiny_group_ppo  Group-PPO on the shapes-world model
     tiny_gae        PPO with a critic and GAE over timesteps on the shapes-world model
     test            the random-weight tiny pipeline, a few seconds; for tests and smoke checks
+    sd35            GRPO + KL on SD3.5-Medium (flow matching, SDE steps) with Flow-GRPO's settings, one GPU
+    flux            GRPO + KL on FLUX.1-dev (flow matching, SDE steps), bf16, LoRA, one GPU
+    tiny_sd3        a random-weight tiny SD3 pipeline (flow matching), seconds; tests and smoke checks
+    tiny_flux       a random-weight tiny FLUX pipeline (flow matching), seconds; tests and smoke checks
 """
 
 from ddpo_group.config import base
@@ -160,6 +164,78 @@ def test():
     return config
 
 
+def sd35():
+    """SD3.5-Medium (hub id stabilityai/stable-diffusion-3.5-medium) with Flow-GRPO's GenEval settings
+    (yifan123/flow_grpo, config/grpo.py: geneval_sd3 and config/base.py), scaled from 32 GPUs to one."""
+    config = base.get_config()
+    config.pretrained.model = "stabilityai/stable-diffusion-3.5-medium"
+    config.mixed_precision = "bf16"
+    config.use_lora = True
+    config.lora_rank = 32  # Flow-GRPO: LoRA r=32, alpha=64 on the attention projections
+    config.lora_alpha = 64
+    config.num_epochs = 100
+    config.save_freq = 10
+    config.prompt_fn = "simple_animals"
+    config.reward_fn = "aesthetic"  # GenEval's detector reward runs as a server: --config.reward_fn=http://HOST:PORT
+    config.sample.num_steps = 10  # Flow-GRPO: 10 sampling (and training) steps
+    config.sample.eta = 0.7  # Flow-GRPO: noise level a = 0.7 of the "sde" step
+    config.sample.sde_type = "sde"
+    config.sample.guidance_scale = 4.5  # Flow-GRPO: CFG 4.5
+    config.sample.resolution = 512  # Flow-GRPO: 512x512
+    config.sample.group_size = 24  # Flow-GRPO: 24 images per prompt
+    config.sample.batch_size = 24  # one group per sampling batch on one GPU (Flow-GRPO: 9 per GPU on 32 GPUs)
+    config.sample.num_batches_per_epoch = 2
+    config.train.batch_size = 8
+    config.train.gradient_accumulation_steps = 3  # two optimizer steps per epoch, as Flow-GRPO
+    config.train.learning_rate = 3e-4  # Flow-GRPO base.py
+    config.train.clip_range = 1e-4  # Flow-GRPO base.py
+    config.algorithm.adv_estimator = "grpo"
+    config.train.use_reference_model = True
+    config.train.use_kl_loss = True
+    config.train.beta = 0.04  # Flow-GRPO geneval_sd3: KL weight 0.04
+    config.train.kl_type = "gaussian"  # Flow-GRPO's KL is ||mu - mu_ref||^2 / (2 sigma^2), the exact Gaussian KL
+    return config
+
+
+def flux():
+    """FLUX.1-dev (hub id black-forest-labs/FLUX.1-dev): guidance-distilled, no CFG; Flow-GRPO's FLUX settings
+    (6 steps, noise level 0.9, bf16; yifan123/flow_grpo config/grpo.py), LoRA, one GPU."""
+    config = sd35()
+    config.pretrained.model = "black-forest-labs/FLUX.1-dev"
+    config.sample.num_steps = 6  # Flow-GRPO FLUX: 6 steps
+    config.sample.eta = 0.9  # Flow-GRPO FLUX: noise level 0.9
+    config.sample.guidance_scale = 3.5  # FLUX.1-dev's guidance embedding (diffusers' default), not CFG
+    config.sample.group_size = 16
+    config.sample.batch_size = 16
+    config.train.batch_size = 8
+    config.train.gradient_accumulation_steps = 2
+    config.train.learning_rate = 1e-4
+    return config
+
+
+def _tiny_flow(model):
+    config = test()
+    config.pretrained.model = model
+    config.reward_fn = "jpeg_compressibility"  # random weights: any reward that varies between images
+    config.sample.num_steps = 4
+    config.sample.eta = 0.7
+    config.sample.guidance_scale = 4.5
+    config.sample.max_sequence_length = 16
+    return config
+
+
+def tiny_sd3():
+    """A random-weight tiny SD3 pipeline (two tiny CLIP encoders, no T5), seconds: tests and smoke runs."""
+    return _tiny_flow("tiny-sd3")
+
+
+def tiny_flux():
+    """A random-weight tiny FLUX pipeline (tiny CLIP and T5 built in memory), seconds: tests and smoke runs."""
+    config = _tiny_flow("tiny-flux")
+    config.sample.guidance_scale = 3.5  # the guidance embedding of FLUX.1-dev, not CFG
+    return config
+
+
 VARIANTS = {
     "sd15": sd15,
     "ddpo": ddpo,
@@ -170,6 +246,10 @@ VARIANTS = {
     "tiny_group_ppo": tiny_group_ppo,
     "tiny_gae": tiny_gae,
     "test": test,
+    "sd35": sd35,
+    "flux": flux,
+    "tiny_sd3": tiny_sd3,
+    "tiny_flux": tiny_flux,
 }
 
 

@@ -26,7 +26,13 @@ class DiffusionPolicy:
     """A diffusion pipeline seen as a Gaussian policy over denoising steps. Subclasses implement:
 
     supports(pipeline) -> bool           classmethod: is this pipeline of the family?
-    load(model, revision) -> pipeline     classmethod: the family's offline names, a directory or a hub id
+    load(model, revision, torch_dtype) -> pipeline
+                                          classmethod: the family's offline names, a directory or a hub id
+    offline_models, pipeline_class_names  class attributes: the names `load` builds offline, and the
+                                          diffusers pipeline classes (model_index.json's _class_name) it loads
+    configure(sde_type, max_sequence_length, resolution)
+                                          the config's sampling options (ValueError naming the field when the
+                                          family has no use for one)
     prepare(device, dtype, use_lora, lora_rank, lora_alpha) -> module
                                           freeze and move the frozen parts (dtype), add LoRA or unfreeze
                                           the whole model; returns the trainable module
@@ -39,6 +45,8 @@ class DiffusionPolicy:
     """
 
     family = "abstract"
+    offline_models = ()
+    pipeline_class_names = ()
 
     def __init__(self, pipeline):
         if not self.supports(pipeline):
@@ -50,7 +58,10 @@ class DiffusionPolicy:
         raise NotImplementedError
 
     @classmethod
-    def load(cls, model, revision=None):
+    def load(cls, model, revision=None, torch_dtype=None):
+        raise NotImplementedError
+
+    def configure(self, sde_type="", max_sequence_length=0, resolution=0):
         raise NotImplementedError
 
     def prepare(self, device, dtype, use_lora, lora_rank=4, lora_alpha=None):
@@ -94,6 +105,7 @@ def register_family(name):
 
 
 def _import_families():
+    import ddpo_group.diffusion.flow_policy  # noqa: F401  registers "sd3" and "flux"
     import ddpo_group.diffusion.sd  # noqa: F401  registers "stable_diffusion"
 
 
@@ -109,19 +121,36 @@ def policy_for(pipeline):
     )
 
 
-def load_policy(model, revision=None):
-    """Load `model` (config.pretrained.model) with the first family that can, and wrap it."""
+def family_for_model(model, revision=None):
+    """The family that loads `model`: by its offline name, else by model_index.json's `_class_name`
+    (a local directory, or the hub's copy when reachable); Stable Diffusion when neither tells."""
+    import json
+    import os
+
     _import_families()
-    errors = []
     for cls in FAMILIES.values():
+        if model in cls.offline_models:
+            return cls
+    path = os.path.expanduser(str(model))
+    class_name = None
+    if os.path.isfile(os.path.join(path, "model_index.json")):
+        with open(os.path.join(path, "model_index.json")) as f:
+            class_name = json.load(f).get("_class_name")
+    elif not os.path.exists(path) and not str(model).startswith((".", "/", "~")) and str(model).count("/") == 1:
         try:
-            pipeline = cls.load(model, revision=revision)
-        except NotImplementedError:
-            continue
-        except ValueError as err:
-            errors.append(err)
-            continue
-        return cls(pipeline)
-    if errors:
-        raise errors[0]
-    raise ValueError(f"model {model!r}: no registered family can load it ({sorted(FAMILIES)})")
+            from diffusers import DiffusionPipeline
+
+            offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+            class_name = DiffusionPipeline.load_config(model, revision=revision, local_files_only=offline).get("_class_name")
+        except Exception:
+            class_name = None  # the default family's loader names the model in its error
+    for cls in FAMILIES.values():
+        if class_name in cls.pipeline_class_names:
+            return cls
+    return FAMILIES["stable_diffusion"]
+
+
+def load_policy(model, revision=None, torch_dtype=None):
+    """Load `model` (config.pretrained.model) with its family and wrap it; ValueError naming the model otherwise."""
+    cls = family_for_model(model, revision)
+    return cls(cls.load(model, revision=revision, torch_dtype=torch_dtype))

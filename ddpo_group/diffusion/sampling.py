@@ -117,6 +117,47 @@ class Trajectories:
         return cls(**values)
 
 
+def noise_levels(eta, num_steps):
+    """Per-step noise levels (T,): `eta` for every step, or a sequence of num_steps values (0: a deterministic step)."""
+    if isinstance(eta, (int, float)):
+        levels = [float(eta)] * num_steps
+    else:
+        levels = [float(level) for level in eta]
+        if len(levels) != num_steps:
+            raise ValueError(f"eta must be a number or one value per step ({num_steps}), got {len(levels)} values")
+    if any(not level >= 0 for level in levels):
+        raise ValueError(f"eta (noise level) must be >= 0 at every step, got {levels}")
+    return levels
+
+
+def window_noise_levels(eta, num_steps, window_size=0, mode="fixed", start=0, shift_every=1, epoch=0, seed=0):
+    """The ODE/SDE window of an epoch (Flow-GRPO-Fast, MixGRPO): eta inside, 0 (an ODE step) outside. (T,) list.
+
+    window_size 0: every step is stochastic. mode "fixed": steps [start, start + size); "random": a start
+    drawn per epoch from `seed` (the same on every process); "sliding": start + epoch // shift_every,
+    wrapping around the T - size + 1 possible starts (MixGRPO's moving window).
+    """
+    if not window_size:
+        return noise_levels(eta, num_steps)
+    if not 0 < window_size <= num_steps:
+        raise ValueError(f"config.sample.sde_window_size={window_size} must lie in [0, sample.num_steps={num_steps}]")
+    starts = num_steps - window_size + 1
+    if mode == "fixed":
+        if not 0 <= start < starts:
+            raise ValueError(
+                f"config.sample.sde_window_start={start} puts the window outside the {num_steps} steps; "
+                f"choose a start in [0, {starts - 1}]"
+            )
+        first = start
+    elif mode == "random":
+        first = int(torch.randint(starts, (1,), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)))
+    elif mode == "sliding":
+        first = (start + epoch // max(1, shift_every)) % starts
+    else:
+        raise ValueError(f"config.sample.sde_window={mode!r} is not one of ['fixed', 'random', 'sliding']")
+    return [float(eta) if first <= i < first + window_size else 0.0 for i in range(num_steps)]
+
+
 def default_prompt_ids(prompts):
     """(B,) int64: for each prompt, the batch index of the first appearance of the same prompt."""
     first_index = {}
@@ -245,8 +286,12 @@ def sample_trajectories(
     negative_prompt="",
     unet=None,
     show_progress=False,
+    height=None,
 ):
     """Sample B = len(prompts) trajectories x_0 -> x_T with their per-step log-probabilities.
+
+    Any supported pipeline: a flow-matching one (SD3, FLUX) is sampled by its family's policy
+    (``ddpo_group.diffusion.flow_policy``), with eta the noise level of its SDE steps.
 
     Steps, in the pipeline's order (so eta = 0 reproduces ``pipeline(prompts, ...)``):
     encode prompts (``pipeline.encode_prompt``, negative prompt for CFG); draw x_0 with
@@ -259,15 +304,23 @@ def sample_trajectories(
         prompts: list of B strings (a str is one prompt).
         num_inference_steps: T.
         guidance_scale: CFG weight w (no CFG, no negative embeddings when w <= 1).
-        eta: DDIM eta (> 0 for a stochastic policy; 0 gives mask 0 everywhere).
+        eta: DDIM eta (> 0 for a stochastic policy; 0 gives mask 0 everywhere), or one value per step.
         generator: torch.Generator (or list of B) for the initial noise and the step noise.
         prompt_ids: optional (B,) group keys; default ``default_prompt_ids(prompts)``.
         negative_prompt: the unconditional prompt for CFG.
         unet: optional module used instead of ``pipeline.unet`` (e.g. DDP-wrapped).
         show_progress: tqdm bar over the steps.
+        height: image side in pixels (None: the UNet's sample size x the VAE scale factor).
 
     Returns: Trajectories (see its docstring), no autograd graph.
     """
+    if not _is_ddim_family(pipeline):
+        from ddpo_group.diffusion.policy import policy_for
+
+        return policy_for(pipeline).sample(
+            prompts, num_inference_steps, guidance_scale, eta, generator=generator, prompt_ids=prompt_ids,
+            negative_prompt=negative_prompt, model=unet, show_progress=show_progress,
+        )
     if isinstance(prompts, str):
         prompts = [prompts]
     prompts = list(prompts)
@@ -288,8 +341,9 @@ def sample_trajectories(
 
     scheduler.set_timesteps(num_inference_steps, device=device)
     timesteps = scheduler.timesteps
-    height = pipeline.unet.config.sample_size * pipeline.vae_scale_factor
+    height = height or pipeline.unet.config.sample_size * pipeline.vae_scale_factor
     width = height
+    levels = noise_levels(eta, len(timesteps))
     # float32 latents whatever the model dtype: the trajectory is the policy's data (module docstring)
     latents = pipeline.prepare_latents(
         batch_size, pipeline.unet.config.in_channels, height, width, torch.float32, device, generator
@@ -298,7 +352,7 @@ def sample_trajectories(
     all_latents = [latents]
     all_log_probs = []
     all_stds = []
-    for t in tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False):
+    for i, t in enumerate(tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False)):
         latents, log_prob, _, std_dev_t = _denoise_step(
             unet,
             scheduler,
@@ -307,7 +361,7 @@ def sample_trajectories(
             prompt_embeds,
             negative_prompt_embeds,
             guidance_scale,
-            eta,
+            levels[i],
             generator=generator,
         )
         all_latents.append(latents)
@@ -356,7 +410,12 @@ def trajectory_log_probs(
         micro_batch_size: trajectories per UNet call (None: all B).
 
     Returns: log_probs (B, K) [, means, stds].
+
+    A flow-matching pipeline is re-scored by its family's ``step_log_prob`` (eta: the noise level).
     """
+    if not _is_ddim_family(pipeline):
+        return _flow_trajectory_log_probs(pipeline, trajectories, guidance_scale, eta, step_indices, return_means, unet,
+                                          micro_batch_size)
     unet = pipeline.unet if unet is None else unet
     scheduler = pipeline.scheduler
     batch_size, num_steps = trajectories.timesteps.shape
@@ -409,3 +468,36 @@ def trajectory_log_probs(
     if return_means:
         return log_probs_out, torch.stack(means, dim=1), torch.stack(stds, dim=1)
     return log_probs_out
+
+
+def _is_ddim_family(pipeline):
+    from diffusers import StableDiffusionPipeline
+
+    return isinstance(pipeline, StableDiffusionPipeline)
+
+
+def _flow_trajectory_log_probs(pipeline, trajectories, guidance_scale, eta, step_indices, return_means, model,
+                               micro_batch_size):
+    from ddpo_group.diffusion.policy import policy_for
+
+    policy = policy_for(pipeline)
+    model = policy.trainable_module if model is None else model
+    batch_size, num_steps = trajectories.timesteps.shape
+    step_indices = torch.arange(num_steps) if step_indices is None else torch.as_tensor(step_indices, dtype=torch.int64)
+    if step_indices.ndim == 1:
+        step_indices = step_indices.unsqueeze(0).expand(batch_size, -1)
+    micro_batch_size = micro_batch_size or batch_size
+    rows = torch.arange(batch_size, device=trajectories.latents.device)
+    log_probs, means, stds = [], [], []
+    for k in range(step_indices.shape[1]):
+        parts = [
+            policy.step_log_prob(model, trajectories, rows[i : i + micro_batch_size],
+                                 step_indices[i : i + micro_batch_size, k].to(rows.device), guidance_scale, eta)
+            for i in range(0, batch_size, micro_batch_size)
+        ]
+        log_probs.append(torch.cat([p[0] for p in parts]))
+        means.append(torch.cat([p[1] for p in parts]))
+        stds.append(torch.cat([p[2] for p in parts]))
+    if return_means:
+        return torch.stack(log_probs, 1), torch.stack(means, 1), torch.stack(stds, 1)
+    return torch.stack(log_probs, 1)

@@ -23,14 +23,41 @@ LORA_TARGET_MODULES = ("to_k", "to_q", "to_v", "to_out.0")
 class StableDiffusionPolicy(DiffusionPolicy):
     """SD 1.x / 2.x, the tiny shapes-world model and any StableDiffusionPipeline with a DDIM scheduler."""
 
+    offline_models = ("tiny", "tiny-shapes", "random-sd15")
+    pipeline_class_names = ("StableDiffusionPipeline",)
+
+    def __init__(self, pipeline):
+        super().__init__(pipeline)
+        self.resolution = None
+
     @classmethod
     def supports(cls, pipeline):
         return isinstance(pipeline, StableDiffusionPipeline)
 
     @classmethod
-    def load(cls, model, revision=None):
-        """``load_pipeline``: "tiny", "tiny-shapes", "random-sd15", a directory or a hub id; DDIM scheduler."""
+    def load(cls, model, revision=None, torch_dtype=None):
+        """``load_pipeline``: "tiny", "tiny-shapes", "random-sd15", a directory or a hub id; DDIM scheduler.
+
+        Loaded in float32 whatever torch_dtype says: `prepare` casts the frozen parts, and a fully
+        fine-tuned UNet keeps float32 master weights.
+        """
         return load_pipeline(model, revision=revision)
+
+    def configure(self, sde_type="", max_sequence_length=0, resolution=0):
+        if sde_type:
+            raise ValueError(
+                f"config.sample.sde_type={sde_type!r} needs a flow-matching model (SD3, FLUX); "
+                f"{type(self.pipeline).__name__} steps with DDIM (its noise is sample.eta): set sample.sde_type=''"
+            )
+        if max_sequence_length:
+            raise ValueError(
+                f"config.sample.max_sequence_length={max_sequence_length} applies to T5 text encoders (SD3, FLUX); "
+                "SD 1.x/2.x's CLIP has a fixed length: set it to 0"
+            )
+        multiple = self.pipeline.vae_scale_factor * 2 ** (len(self.pipeline.unet.config.block_out_channels) - 1)
+        if resolution and resolution % multiple:
+            raise ValueError(f"config.sample.resolution={resolution} must be a multiple of {multiple} for this model")
+        self.resolution = resolution or None
 
     def prepare(self, device, dtype, use_lora, lora_rank=4, lora_alpha=None):
         """VAE and text encoder frozen in `dtype`; LoRA on a frozen `dtype` UNet (adapters float32), or the whole
@@ -68,7 +95,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
         return sample_trajectories(
             self.pipeline, prompts, num_inference_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
             generator=generator, prompt_ids=prompt_ids, negative_prompt=negative_prompt, unet=model,
-            show_progress=show_progress,
+            show_progress=show_progress, height=self.resolution,
         )
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):

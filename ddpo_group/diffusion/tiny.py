@@ -258,3 +258,114 @@ def build_sd15_random_pipeline(seed=0, device="cpu", dtype=torch.float32):
     )
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
+
+
+def _tiny_flow_vae(configs):
+    """The tiny VAE with the two latent constants of SD3 / FLUX VAEs (scaling and shift)."""
+    vae = dict(configs["vae"], scaling_factor=1.5305, shift_factor=0.0609)
+    return AutoencoderKL(**vae)
+
+
+def _tiny_clip(with_projection, vocab_size, model_max_length=77):
+    from transformers import CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=model_max_length, projection_dim=32, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config).eval()
+
+
+def build_tiny_sd3_pipeline(seed=0):
+    """A StableDiffusion3Pipeline with random weights drawn from ``seed`` (CPU, float32), built offline.
+
+    transformer SD3Transformer2DModel: 8x8x4 latents, patch 2 (16 image tokens), 2 joint blocks of
+                2 heads x 8, joint_attention_dim 64 (the two CLIP widths, which SD3 zero-pads to the T5
+                width), pooled projection 64 (the two CLIP projections)
+    text        two CLIPTextModelWithProjection (hidden 32, projection 32, 2 layers, 77 positions) with
+                the tiny in-memory CLIP tokenizer; no T5 (text_encoder_3=None: SD3 then uses zero T5 embeddings)
+    vae         the tiny VAE (32x32 images, 4x8x8 latents) with scaling 1.5305 and shift 0.0609
+    scheduler   FlowMatchEulerDiscreteScheduler(shift=3.0), SD3's
+    The global torch RNG state is left unchanged. Same seed -> same weights.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    tokenizer = build_tiny_tokenizer(model_max_length=77)
+    configs = tiny_component_configs(vocab_size=len(tokenizer))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = SD3Transformer2DModel(
+            sample_size=IMAGE_SIZE // 4, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=16,
+            pooled_projection_dim=64, pos_embed_max_size=8,
+        )
+        vae = _tiny_flow_vae(configs)
+        text_encoder = _tiny_clip(True, len(tokenizer))
+        text_encoder_2 = _tiny_clip(True, len(tokenizer))
+    pipeline = StableDiffusion3Pipeline(
+        transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=vae.eval(), text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+        tokenizer_2=build_tiny_tokenizer(model_max_length=77), text_encoder_3=None, tokenizer_3=None,
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def build_tiny_t5_tokenizer(words=TOKENIZER_WORDS, model_max_length=512):
+    """A T5-style tokenizer built in memory: one token per known word, pad 0, eos 1 (appended), unk 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=model_max_length
+    )
+
+
+def build_tiny_flux_pipeline(seed=0):
+    """A FluxPipeline with random weights drawn from ``seed`` (CPU, float32), built offline.
+
+    transformer FluxTransformer2DModel: 4x8x8 latents packed 2x2 into 16 tokens of 16, 1 double and
+                1 single block of 2 heads x 8 (rope axes 2+2+4), guidance embedding (as FLUX.1-dev),
+                joint_attention_dim 32 (T5 width), pooled projection 32 (CLIP width)
+    text        CLIPTextModel (hidden 32) with the tiny CLIP tokenizer; T5EncoderModel (d_model 32, 1 layer,
+                4 heads) with a word-level tokenizer built in memory (``build_tiny_t5_tokenizer``)
+    vae         the tiny VAE (32x32 images) with scaling 1.5305 and shift 0.0609
+    scheduler   FlowMatchEulerDiscreteScheduler with FLUX.1's dynamic shifting
+    Default image: 32x32 (``default_sample_size`` 8 x VAE factor 4).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = build_tiny_tokenizer(model_max_length=77)
+    tokenizer_2 = build_tiny_t5_tokenizer()
+    configs = tiny_component_configs(vocab_size=len(tokenizer))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+            axes_dims_rope=(2, 2, 4),
+        )
+        vae = _tiny_flow_vae(configs)
+        text_encoder = _tiny_clip(False, len(tokenizer))
+        text_encoder_2 = T5EncoderModel(
+            T5Config(vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                     pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+        ).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    pipeline = FluxPipeline(
+        scheduler=scheduler, vae=vae.eval(), text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer.eval(),
+    )
+    pipeline.default_sample_size = IMAGE_SIZE // pipeline.vae_scale_factor
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline

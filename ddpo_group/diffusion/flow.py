@@ -1,0 +1,130 @@
+"""A rectified-flow step as a Gaussian policy: sample x_{t+1} and return its log-probability.
+
+For a flow-matching model (SD3 / SD3.5, FLUX; diffusers' ``FlowMatchEulerDiscreteScheduler``)
+the model output is a velocity v, x_sigma = (1 - sigma) x0 + sigma eps. With sigma = sigmas[i],
+sigma' = sigmas[i+1] < sigma, dt = sigma' - sigma < 0 and the model's estimates
+
+    x0_hat = x - sigma v,      eps_hat = x + (1 - sigma) v,
+
+the deterministic Euler (ODE) step of the pipeline is x + v dt. Three stochastic steps of the
+same marginals have a Gaussian density N(mean, std^2 I) (DESIGN section 11), a = noise level:
+
+    sde   (Flow-GRPO)    g = a sqrt(sigma / (1 - sigma))   (at sigma = 1: sigmas[1] in the denominator)
+                         mean = x (1 + g^2 dt / (2 sigma)) + v (1 + g^2 (1 - sigma) / (2 sigma)) dt
+                         std  = g sqrt(-dt)
+    cps   (coefficients-preserving sampling)
+                         std  = sigma' sin(a pi / 2)
+                         mean = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) eps_hat
+    dance (DanceGRPO)    constant diffusion: the sde drift with a in place of g, std = a sqrt(-dt)
+
+With a = 0 every type is the ODE step (std 0: no density, mask 0). ``log_prob`` is the Gaussian
+log-density of the next sample, averaged over non-batch dims, as for DDIM (``gaussian_log_prob``).
+Step math in float32, or in the input's dtype when wider. Pure math: no I/O, no trainer.
+"""
+
+import math
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from ddpo_group.diffusion.ddim import _left_broadcast, gaussian_log_prob, step_dtype
+
+SDE_TYPES = ("sde", "cps", "dance")
+
+
+def _sigmas(scheduler, timestep, batch_size, device, dtype):
+    """sigma, sigma' (B,) and sigmas[1] of the scheduler's grid for a scalar or (B,) timestep."""
+    sigmas = getattr(scheduler, "sigmas", None)
+    timesteps = getattr(scheduler, "timesteps", None)
+    if sigmas is None or timesteps is None or not hasattr(scheduler.config, "shift"):
+        raise ValueError(
+            f"sde_step_with_logprob needs a flow-matching scheduler (FlowMatchEulerDiscreteScheduler), "
+            f"got {type(scheduler).__name__}"
+        )
+    if len(timesteps) == 0 or len(sigmas) != len(timesteps) + 1:
+        raise ValueError("the scheduler has no timesteps: call scheduler.set_timesteps(num_inference_steps) first")
+    timestep = torch.as_tensor(timestep).detach().to("cpu", torch.float64)
+    if timestep.ndim == 0:
+        timestep = timestep.expand(batch_size)
+    elif timestep.shape != (batch_size,):
+        raise ValueError(f"timestep must be a scalar or have shape (B,) = ({batch_size},), got {tuple(timestep.shape)}")
+    grid = timesteps.detach().to("cpu", torch.float64)
+    distance = (timestep[:, None] - grid[None, :]).abs()
+    index = distance.argmin(dim=1)
+    if bool((distance.gather(1, index[:, None]) > 1e-3 * grid.abs().max().clamp(min=1.0)).any()):
+        raise ValueError(f"timestep {timestep.tolist()} is not on the scheduler's grid {grid.tolist()}")
+    sigmas = sigmas.detach().to("cpu", torch.float64)
+    sigma, sigma_next = sigmas[index], sigmas[index + 1]
+    return (
+        sigma.to(device=device, dtype=dtype),
+        sigma_next.to(device=device, dtype=dtype),
+        float(sigmas[1]) if len(sigmas) > 1 else 0.0,
+    )
+
+
+def sde_step_with_logprob(
+    scheduler,
+    model_output,
+    timestep,
+    sample,
+    noise_level=0.7,
+    sde_type="sde",
+    prev_sample=None,
+    generator=None,
+):
+    """One flow-matching step x_t -> x_{t+1} with its Gaussian log-probability (module docstring).
+
+    Args:
+        scheduler: a ``FlowMatchEulerDiscreteScheduler`` after ``set_timesteps``.
+        model_output: velocity v, shape of ``sample`` (any float dtype).
+        timestep: scalar or (B,) timesteps from ``scheduler.timesteps`` (sigma * num_train_timesteps).
+        sample: x_t, (B, ...) latents (unpacked (B, C, h, w) or packed (B, N, D)).
+        noise_level: a >= 0 (<= 1 for "cps"); 0 gives the pipeline's deterministic ODE step.
+        sde_type: "sde" (Flow-GRPO), "cps" or "dance" (DanceGRPO).
+        prev_sample: x_{t+1} to score instead of drawing one.
+        generator: torch.Generator for the noise (``randn_tensor``), when drawing.
+
+    Returns:
+        prev_sample, log_prob (B,) (0 where std = 0), prev_sample_mean, std_dev_t (B, 1, ...) the
+        Gaussian std. All float32 (or the input's dtype when wider).
+    """
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
+    noise_level = float(noise_level)
+    if not math.isfinite(noise_level) or noise_level < 0:
+        raise ValueError(f"noise_level must be a finite number >= 0, got {noise_level}")
+    if sde_type == "cps" and noise_level > 1:
+        raise ValueError(f"noise_level must lie in [0, 1] for sde_type='cps' (std = sigma' sin(a pi / 2)), got {noise_level}")
+    if prev_sample is not None and generator is not None:
+        raise ValueError("pass prev_sample (to score it) or generator (to draw one), not both")
+
+    dtype = step_dtype(sample.dtype)
+    x = sample.to(dtype)
+    v = model_output.to(dtype)
+    sigma, sigma_next, sigma_1 = _sigmas(scheduler, timestep, x.shape[0], x.device, dtype)
+    sigma = _left_broadcast(sigma, x.shape)
+    sigma_next = _left_broadcast(sigma_next, x.shape)
+    dt = sigma_next - sigma
+    a = noise_level
+
+    if sde_type == "cps":
+        std = sigma_next * math.sin(a * math.pi / 2)
+        x0_hat = x - sigma * v
+        eps_hat = x + (1 - sigma) * v
+        mean = (1 - sigma_next) * x0_hat + torch.sqrt((sigma_next**2 - std**2).clamp(min=0)) * eps_hat
+    else:
+        if sde_type == "sde":
+            denominator = 1 - torch.where(sigma == 1, torch.full_like(sigma, sigma_1), sigma)
+            g = a * torch.sqrt(sigma / denominator)
+        else:
+            g = torch.full_like(sigma, a)
+        mean = x * (1 + g**2 * dt / (2 * sigma)) + v * (1 + g**2 * (1 - sigma) / (2 * sigma)) * dt
+        std = g * torch.sqrt(-dt)
+
+    if prev_sample is None:
+        noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=dtype)
+        prev_sample = mean + std * noise if a > 0 else mean
+    prev_sample = prev_sample.to(dtype)
+    log_prob = gaussian_log_prob(prev_sample, mean, std)
+    std = std[(slice(None),) + (slice(0, 1),) * (x.ndim - 1)]
+    return prev_sample, log_prob, mean, std

@@ -1,0 +1,347 @@
+"""Flow-matching families (SD3 / SD3.5, FLUX.1) as DiffusionPolicies: SDE steps with log-probs.
+
+A trajectory is T steps of ``sde_step_with_logprob`` (``ddpo_group.diffusion.flow``) on the
+pipeline's own timestep grid; step i uses the noise level eta_i (the trainer's ODE/SDE window:
+eta_i = 0 outside it, an ODE step with mask 0). The same ``_velocity`` call serves sampling and
+re-scoring, so re-scoring with unchanged weights in the sampling layout is exact, and with noise
+0 the images are the pipeline's (``pipeline(...)`` with the same generator).
+
+Stored per trajectory: float32 latents x_0..x_T, unpacked (B, C, h, w) also for FLUX (packed
+(B, N, 4C) only for the model call: element-wise steps give the same values), timesteps (float,
+sigma * 1000), prompt embeddings and pooled embeddings (and the negative ones for SD3's CFG).
+FLUX.1-dev has no CFG: ``guidance_scale`` is its distilled guidance embedding.
+"""
+
+import os
+
+import numpy as np
+import torch
+from diffusers import FluxPipeline, StableDiffusion3Pipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+from tqdm.auto import tqdm
+
+from ddpo_group.diffusion.flow import SDE_TYPES, sde_step_with_logprob
+from ddpo_group.diffusion.lora import add_lora
+from ddpo_group.diffusion.policy import DiffusionPolicy, register_family
+from ddpo_group.diffusion.sampling import Trajectories, default_prompt_ids, model_dtype, noise_levels
+
+# Attention projections of the joint (MM-DiT) blocks: image stream and text stream, as Flow-GRPO targets.
+LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+def _load_pretrained(pipeline_class, model, revision, torch_dtype, offline_builders):
+    if model in offline_builders:
+        return offline_builders[model]().to(dtype=torch_dtype)
+    local = os.path.isdir(os.path.expanduser(model))
+    local_files_only = local or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        pipeline = pipeline_class.from_pretrained(
+            os.path.expanduser(model), revision=revision, torch_dtype=torch_dtype, local_files_only=local_files_only
+        )
+    except Exception as err:
+        raise ValueError(
+            f"model {model!r}: could not load a {pipeline_class.__name__} ({type(err).__name__}: {err}); offline, use "
+            f"one of {sorted(offline_builders)} or a local directory written by save_pretrained"
+        ) from err
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+class FlowMatchingPolicy(DiffusionPolicy):
+    """What SD3 and FLUX share: the step, the sampling loop, LoRA, checkpoints. Subclasses: encoding,
+    the velocity call, the latent layout and the timestep grid."""
+
+    pipeline_class = None
+    default_max_sequence_length = 256
+
+    def __init__(self, pipeline):
+        super().__init__(pipeline)
+        self.sde_type = "sde"
+        self.max_sequence_length = self.default_max_sequence_length
+        self.resolution = self.pipeline.default_sample_size * self.pipeline.vae_scale_factor
+        self._grid = None
+
+    @classmethod
+    def supports(cls, pipeline):
+        return isinstance(pipeline, cls.pipeline_class)
+
+    def configure(self, sde_type="", max_sequence_length=0, resolution=0):
+        if sde_type and sde_type not in SDE_TYPES:
+            raise ValueError(f"config.sample.sde_type={sde_type!r} is not one of {list(SDE_TYPES)} (or '' for 'sde')")
+        self.sde_type = sde_type or "sde"
+        self.max_sequence_length = max_sequence_length or self.default_max_sequence_length
+        if resolution:
+            multiple = self.pipeline.vae_scale_factor * self.patch_multiple
+            if resolution % multiple:
+                raise ValueError(f"config.sample.resolution={resolution} must be a multiple of {multiple} for this model")
+            self.resolution = resolution
+
+    def prepare(self, device, dtype, use_lora, lora_rank=4, lora_alpha=None):
+        """Text encoders and VAE frozen in `dtype`; LoRA on the frozen transformer's attention projections
+        (adapters float32), or the whole transformer trained in float32. Returns the transformer."""
+        pipe = self.pipeline
+        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+            frozen = getattr(pipe, name, None)
+            if frozen is not None:
+                frozen.requires_grad_(False)
+                frozen.to(device, dtype=dtype)
+        transformer = pipe.transformer
+        if use_lora:
+            transformer.to(device, dtype=dtype)
+            for param in add_lora(transformer, lora_rank, alpha=lora_alpha, target_modules=LORA_TARGET_MODULES):
+                param.data = param.data.float()
+        else:
+            transformer.requires_grad_(True)
+            transformer.to(device, dtype=torch.float32)
+        return transformer
+
+    @property
+    def trainable_module(self):
+        return self.pipeline.transformer
+
+    @trainable_module.setter
+    def trainable_module(self, module):
+        self.pipeline.transformer = module
+
+    def critic_sizes(self):
+        return {"latent_channels": self.latent_channels, "prompt_dim": self.pipeline.transformer.config.joint_attention_dim}
+
+    def _set_timesteps(self, num_steps, device):
+        key = (num_steps, str(device), self.resolution)
+        if self._grid != key:
+            self._timesteps(num_steps, device)
+            self._grid = key
+        return self.pipeline.scheduler.timesteps
+
+    @torch.no_grad()
+    def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
+               model=None, show_progress=False):
+        """B trajectories of `num_steps` SDE steps; eta: the noise level a, or one per step (0: an ODE step)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts must hold at least one prompt")
+        prompt_ids = default_prompt_ids(prompts) if prompt_ids is None else torch.as_tensor(prompt_ids, dtype=torch.int64)
+        model = self.trainable_module if model is None else model
+        device = self.pipeline._execution_device
+        batch_size = len(prompts)
+        levels = noise_levels(eta, num_steps)
+        cond = self._encode(prompts, negative_prompt, guidance_scale, device)
+        latents = self._initial_latents(batch_size, device, generator)
+        timesteps = self._set_timesteps(num_steps, device)
+        all_latents, log_probs, stds = [latents], [], []
+        for i, t in enumerate(tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False)):
+            velocity = self._velocity(model, latents, t.expand(batch_size), cond, guidance_scale)
+            latents, log_prob, _, std = sde_step_with_logprob(
+                self.pipeline.scheduler, velocity, t, latents, noise_level=levels[i], sde_type=self.sde_type,
+                generator=generator if levels[i] > 0 else None,
+            )
+            all_latents.append(latents)
+            log_probs.append(log_prob)
+            stds.append(std.reshape(batch_size))
+        return Trajectories(
+            images=self._decode(latents),
+            latents=torch.stack(all_latents, dim=1),
+            log_probs=torch.stack(log_probs, dim=1),
+            timesteps=timesteps.float().unsqueeze(0).repeat(batch_size, 1),
+            prompt_embeds=cond["prompt_embeds"],
+            negative_prompt_embeds=cond.get("negative_prompt_embeds"),
+            mask=(torch.stack(stds, dim=1) > 0).to(torch.float32),
+            prompts=prompts,
+            prompt_ids=prompt_ids,
+            pooled_prompt_embeds=cond["pooled_prompt_embeds"],
+            negative_pooled_prompt_embeds=cond.get("negative_pooled_prompt_embeds"),
+        )
+
+    def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
+        """log pi(x_{t+1} | x_t, c), mean, std of trajectories `rows` at their steps `step_index` (b,), noise level eta."""
+        latents = batch.latents[rows]
+        ar = torch.arange(len(rows), device=latents.device)
+        self._set_timesteps(batch.timesteps.shape[1], latents.device)
+        timesteps = batch.timesteps[rows][ar, step_index]
+        cond = {
+            name: None if getattr(batch, name) is None else getattr(batch, name)[rows]
+            for name in ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+        }
+        velocity = self._velocity(model, latents[ar, step_index], timesteps, cond, guidance_scale)
+        _, log_prob, mean, std = sde_step_with_logprob(
+            self.pipeline.scheduler, velocity, timesteps, latents[ar, step_index], noise_level=eta,
+            sde_type=self.sde_type, prev_sample=latents[ar, step_index + 1],
+        )
+        return log_prob, mean, std
+
+    def _decode(self, latents):
+        vae = self.pipeline.vae
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def save_trainable(self, module, output_dir, use_lora):
+        """LoRA in diffusers' format (`pipe.load_lora_weights(output_dir/'lora')`); full fine-tuning: transformer/."""
+        if use_lora:
+            from peft import get_peft_model_state_dict
+
+            type(self.pipeline).save_lora_weights(
+                os.path.join(output_dir, "lora"), transformer_lora_layers=get_peft_model_state_dict(module),
+                safe_serialization=True,
+            )
+        else:
+            module.save_pretrained(os.path.join(output_dir, "transformer"), safe_serialization=True)
+
+    def load_trainable(self, module, input_dir, use_lora):
+        if use_lora:
+            from peft import set_peft_model_state_dict
+
+            state = type(self.pipeline).lora_state_dict(os.path.join(input_dir, "lora"))
+            state = state[0] if isinstance(state, tuple) else state
+            transformer_state = {k.removeprefix("transformer."): v for k, v in state.items() if k.startswith("transformer.")}
+            result = set_peft_model_state_dict(module, transformer_state, adapter_name="default")
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(f"LoRA weights in {input_dir} do not fit the model: {result.unexpected_keys[:3]}")
+        else:
+            from safetensors.torch import load_file
+
+            module.load_state_dict(load_file(os.path.join(input_dir, "transformer", "diffusion_pytorch_model.safetensors")))
+
+
+@register_family("sd3")
+class StableDiffusion3Policy(FlowMatchingPolicy):
+    """SD3 / SD3.5 (``StableDiffusion3Pipeline``): CLIP-L, CLIP-G (pooled) and T5 (optional) text
+    encoders, classifier-free guidance, VAE with shift_factor."""
+
+    pipeline_class = StableDiffusion3Pipeline
+    pipeline_class_names = ("StableDiffusion3Pipeline",)
+    offline_models = ("tiny-sd3",)
+    default_max_sequence_length = 256
+    patch_multiple = 2
+
+    @classmethod
+    def load(cls, model, revision=None, torch_dtype=torch.float32):
+        from ddpo_group.diffusion.tiny import build_tiny_sd3_pipeline
+
+        return _load_pretrained(StableDiffusion3Pipeline, model, revision, torch_dtype, {"tiny-sd3": build_tiny_sd3_pipeline})
+
+    @property
+    def latent_channels(self):
+        return self.pipeline.transformer.config.in_channels
+
+    def _encode(self, prompts, negative_prompt, guidance_scale, device):
+        cfg = guidance_scale > 1.0
+        embeds, negative, pooled, negative_pooled = self.pipeline.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=cfg,
+            negative_prompt=[negative_prompt] * len(prompts) if cfg else None,
+            max_sequence_length=self.max_sequence_length,
+        )
+        cond = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+        if cfg:
+            cond.update(negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled)
+        return cond
+
+    def _initial_latents(self, batch_size, device, generator):
+        pipe = self.pipeline
+        return pipe.prepare_latents(
+            batch_size, pipe.transformer.config.in_channels, self.resolution, self.resolution, torch.float32, device,
+            generator,
+        )
+
+    def _timesteps(self, num_steps, device):
+        pipe, kwargs = self.pipeline, {}
+        if pipe.scheduler.config.get("use_dynamic_shifting", None):
+            side = self.resolution // pipe.vae_scale_factor // pipe.transformer.config.patch_size
+            kwargs["mu"] = calculate_shift(
+                side * side,
+                pipe.scheduler.config.get("base_image_seq_len", 256),
+                pipe.scheduler.config.get("max_image_seq_len", 4096),
+                pipe.scheduler.config.get("base_shift", 0.5),
+                pipe.scheduler.config.get("max_shift", 1.16),
+            )
+        retrieve_timesteps(pipe.scheduler, num_steps, device, **kwargs)
+
+    def _velocity(self, model, latents, timesteps, cond, guidance_scale):
+        dtype = model_dtype(model)
+        cfg = guidance_scale > 1.0 and cond.get("negative_prompt_embeds") is not None
+        if cfg:
+            latents = torch.cat([latents, latents])
+            timesteps = torch.cat([timesteps, timesteps])
+            embeds = torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]])
+            pooled = torch.cat([cond["negative_pooled_prompt_embeds"], cond["pooled_prompt_embeds"]])
+        else:
+            embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
+        velocity = model(
+            hidden_states=latents.to(dtype), timestep=timesteps, encoder_hidden_states=embeds.to(dtype),
+            pooled_projections=pooled.to(dtype), return_dict=False,
+        )[0].float()
+        if cfg:
+            uncond, text = velocity.chunk(2)
+            return uncond + guidance_scale * (text - uncond)
+        return velocity
+
+
+@register_family("flux")
+class FluxPolicy(FlowMatchingPolicy):
+    """FLUX.1 (``FluxPipeline``): CLIP (pooled) and T5 text encoders, packed 2x2 latents with position
+    ids, a guidance embedding instead of CFG (FLUX.1-dev), dynamic timestep shifting."""
+
+    pipeline_class = FluxPipeline
+    pipeline_class_names = ("FluxPipeline",)
+    offline_models = ("tiny-flux",)
+    default_max_sequence_length = 512
+    patch_multiple = 2
+
+    @classmethod
+    def load(cls, model, revision=None, torch_dtype=torch.float32):
+        from ddpo_group.diffusion.tiny import build_tiny_flux_pipeline
+
+        return _load_pretrained(FluxPipeline, model, revision, torch_dtype, {"tiny-flux": build_tiny_flux_pipeline})
+
+    @property
+    def latent_channels(self):
+        return self.pipeline.transformer.config.in_channels // 4
+
+    def _encode(self, prompts, negative_prompt, guidance_scale, device):
+        embeds, pooled, _ = self.pipeline.encode_prompt(
+            prompt=prompts, prompt_2=None, device=device, max_sequence_length=self.max_sequence_length
+        )
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    def _initial_latents(self, batch_size, device, generator):
+        pipe = self.pipeline
+        packed, _ = pipe.prepare_latents(
+            batch_size, self.latent_channels, self.resolution, self.resolution, torch.float32, device, generator
+        )
+        return pipe._unpack_latents(packed, self.resolution, self.resolution, pipe.vae_scale_factor)
+
+    def _timesteps(self, num_steps, device):
+        pipe = self.pipeline
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        if getattr(pipe.scheduler.config, "use_flow_sigmas", False):
+            sigmas = None
+        side = self.resolution // pipe.vae_scale_factor // 2
+        mu = calculate_shift(
+            side * side,
+            pipe.scheduler.config.get("base_image_seq_len", 256),
+            pipe.scheduler.config.get("max_image_seq_len", 4096),
+            pipe.scheduler.config.get("base_shift", 0.5),
+            pipe.scheduler.config.get("max_shift", 1.15),
+        )
+        retrieve_timesteps(pipe.scheduler, num_steps, device, sigmas=sigmas, mu=mu)
+
+    def _velocity(self, model, latents, timesteps, cond, guidance_scale):
+        pipe = self.pipeline
+        dtype = model_dtype(model)
+        b, c, h, w = latents.shape
+        packed = pipe._pack_latents(latents, b, c, h, w)
+        image_ids = pipe._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, dtype)
+        embeds = cond["prompt_embeds"]
+        text_ids = torch.zeros(embeds.shape[1], 3, device=latents.device, dtype=dtype)
+        guidance = None
+        config = getattr(model, "config", None) or pipe.transformer.config
+        if config.guidance_embeds:
+            guidance = torch.full([b], guidance_scale, device=latents.device, dtype=torch.float32)
+        velocity = model(
+            hidden_states=packed.to(dtype), timestep=timesteps.to(torch.float32) / 1000, guidance=guidance,
+            pooled_projections=cond["pooled_prompt_embeds"].to(dtype), encoder_hidden_states=embeds.to(dtype),
+            txt_ids=text_ids, img_ids=image_ids, return_dict=False,
+        )[0]
+        return pipe._unpack_latents(velocity.float(), self.resolution, self.resolution, pipe.vae_scale_factor)

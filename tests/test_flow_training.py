@@ -1,0 +1,159 @@
+"""Flow-matching families (SD3, FLUX) end to end on the tiny pipelines: noise 0 reproduces the
+pipeline, re-scoring is exact, every algorithm trains, LoRA exports, ODE/SDE windows, bad input."""
+
+import pytest
+import torch
+
+from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.diffusion.policy import policy_for
+from ddpo_group.diffusion.sampling import sample_trajectories, trajectory_log_probs, window_noise_levels
+from ddpo_group.diffusion.tiny import build_tiny_flux_pipeline, build_tiny_sd3_pipeline
+from ddpo_group.trainer import Trainer, train
+from helpers import cheap, make_config, read_metrics
+
+PROMPTS = ["a red circle", "a big blue square"]
+BUILDERS = {"sd3": (build_tiny_sd3_pipeline, 4.5), "flux": (build_tiny_flux_pipeline, 3.5)}
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_noise_level_zero_reproduces_the_pipeline(family):
+    build, guidance = BUILDERS[family]
+    pipeline = build(seed=0)
+    ours = sample_trajectories(pipeline, PROMPTS, 4, guidance, 0.0, generator=torch.Generator().manual_seed(3))
+    theirs = pipeline(PROMPTS, num_inference_steps=4, guidance_scale=guidance, output_type="pt",
+                      generator=torch.Generator().manual_seed(3)).images
+    assert (ours.images - theirs).abs().max() < 1e-4
+    assert ours.mask.sum() == 0  # deterministic steps have no density
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("sde_type", ["sde", "cps", "dance"])
+def test_rescoring_with_unchanged_weights_is_exact(family, sde_type):
+    build, guidance = BUILDERS[family]
+    pipeline = build(seed=0)
+    policy = policy_for(pipeline)
+    policy.configure(sde_type=sde_type)
+    trajectories = policy.sample(PROMPTS, 4, guidance, 0.5, generator=torch.Generator().manual_seed(0))
+    assert trajectories.log_probs.dtype == torch.float32 and torch.isfinite(trajectories.log_probs).all()
+    rows = torch.arange(2)
+    for k in range(4):
+        log_prob, _, _ = policy.step_log_prob(policy.trainable_module, trajectories, rows, torch.full((2,), k), guidance, 0.5)
+        assert torch.equal(log_prob, trajectories.log_probs[:, k])
+    if sde_type != "cps":
+        assert torch.equal(trajectories.mask, torch.ones(2, 4))
+    else:  # cps: std = sigma' sin(a pi / 2) is 0 at the last step (sigma' = 0)
+        assert trajectories.mask[:, :3].eq(1).all() and trajectories.mask[:, 3].eq(0).all()
+    if sde_type == "sde":  # the public re-scoring function (its default SDE type)
+        assert torch.equal(trajectory_log_probs(pipeline, trajectories, guidance, 0.5), trajectories.log_probs)
+
+
+@pytest.mark.parametrize("variant", ["tiny_sd3", "tiny_flux"])
+@pytest.mark.parametrize("estimator", ["grpo", "group_ppo"])
+def test_two_epochs_of_each_tiny_flow_variant_train(tmp_path, variant, estimator):
+    overrides = dict(num_epochs=2, log_images_every=1, algorithm__adv_estimator=estimator)
+    if estimator == "group_ppo":
+        overrides.update(train__timestep_selection="endpoints", train__use_kl_loss=False, train__use_reference_model=False,
+                         group_ppo__max_group_size=2)
+    run_dir = train(make_config(tmp_path, variant=variant, **overrides))
+    rows = read_metrics(run_dir)
+    assert [row["epoch"] for row in rows] == [0, 1]
+    assert rows[-1]["train/global_step"] == 4 and rows[-1]["train/skipped_steps"] == 0
+    assert rows[0]["approx_kl"] == 0.0 or rows[0]["train/global_step"] > 1
+    if estimator == "grpo":
+        assert rows[-1]["kl"] >= 0
+    else:
+        assert rows[-1]["train/unet_calls"] == 2 * 2  # K = 2 endpoints of 4 steps, 2 micro-batches
+
+
+@pytest.mark.parametrize("variant,family", [("tiny_sd3", "sd3"), ("tiny_flux", "flux")])
+def test_lora_of_a_flow_run_loads_into_a_fresh_pipeline(tmp_path, variant, family):
+    # LoRA with the reference as the adapter-free base model (disabled adapters) and its KL in the loss
+    config = make_config(tmp_path, variant=variant, **cheap(
+        train__learning_rate=3e-2, use_lora=True, lora_rank=2, train__use_reference_model=True,
+        train__use_kl_loss=True, train__beta=0.01,
+    ))
+    trainer = Trainer(config)
+    run_dir = trainer.run()
+    assert read_metrics(run_dir)[0]["kl"] >= 0
+    build, guidance = BUILDERS[family]
+    fresh = build(seed=0)
+    fresh.load_lora_weights(f"{run_dir}/checkpoints/checkpoint_1/lora")
+
+    def images(policy):  # noise 0, the run's text length (sample.max_sequence_length)
+        policy.configure(max_sequence_length=config.sample.max_sequence_length)
+        return policy.sample(PROMPTS, 4, guidance, 0.0, generator=torch.Generator().manual_seed(5)).images
+
+    trained, loaded, base = images(trainer.policy), images(policy_for(fresh)), images(policy_for(build(seed=0)))
+    assert (trained - base).abs().max() > 1e-4  # training moved the adapters
+    assert (loaded - trained).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(algorithm__adv_estimator="ddpo", per_prompt_stat_tracking__min_count=2),
+        dict(algorithm__adv_estimator="rloo"),
+        dict(algorithm__adv_estimator="gae"),
+        dict(algorithm__adv_estimator="grpo", algorithm__norm_adv_by_std=False),
+        dict(train__policy_loss="gspo", train__use_reference_model=True, train__use_kl_loss=True, train__kl_type="k3",
+             train__beta=0.01),
+        dict(train__policy_loss="geo_mean", train__loss_agg_mode="seq-mean-token-mean"),
+        dict(sample__sde_type="cps", sample__eta=0.5),
+        dict(sample__sde_type="dance", sample__eta=0.3, train__timestep_selection="fraction", train__timestep_fraction=0.5),
+    ],
+)
+def test_every_algorithm_runs_on_a_flow_model(tmp_path, overrides):
+    row = read_metrics(train(make_config(tmp_path, variant="tiny_sd3", **cheap(**overrides))))[0]
+    assert row["train/skipped_steps"] == 0 and row["train/global_step"] == 2
+
+
+def test_bf16_autocast_run_of_tiny_sd3_on_the_cpu(tmp_path):
+    run_dir = train(make_config(tmp_path, variant="tiny_sd3", mixed_precision="bf16", num_epochs=1,
+                                train__gradient_accumulation_steps=2))
+    row = read_metrics(run_dir)[0]
+    assert row["approx_kl"] == 0.0 and row["train/skipped_steps"] == 0
+
+
+def test_an_sde_window_trains_only_its_steps(tmp_path):
+    run_dir = train(make_config(
+        tmp_path, variant="tiny_sd3", debug_dump=True,
+        **cheap(sample__num_steps=4, sample__sde_window_size=2, sample__sde_window_start=1),
+    ))
+    row = read_metrics(run_dir)[0]
+    assert row["sample/sde_window_start"] == 1
+    assert row["train/unet_calls"] == 2 * 2  # the 2 window steps of each of 2 micro-batches
+    from helpers import read_dump
+
+    assert read_dump(run_dir)["mask"] == [[0.0, 1.0, 1.0, 0.0]] * 4  # 4 trajectories
+
+
+def test_window_noise_levels():
+    assert window_noise_levels(0.7, 5) == [0.7] * 5
+    assert window_noise_levels(0.7, 5, window_size=2, mode="fixed", start=3) == [0, 0, 0, 0.7, 0.7]
+    # sliding: one step later every 2 epochs, wrapping over the 4 possible starts
+    starts = [window_noise_levels(1.0, 5, 2, "sliding", 0, 2, epoch).index(1.0) for epoch in range(10)]
+    assert starts == [0, 0, 1, 1, 2, 2, 3, 3, 0, 0]
+    random_starts = [window_noise_levels(1.0, 6, 3, "random", epoch=e, seed=7).index(1.0) for e in range(20)]
+    assert set(random_starts) <= {0, 1, 2, 3} and len(set(random_starts)) > 1
+    assert random_starts == [window_noise_levels(1.0, 6, 3, "random", epoch=e, seed=7).index(1.0) for e in range(20)]
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(sample__sde_type="sdee"), "sample.sde_type"),
+        (dict(sample__sde_type="cps", sample__eta=1.5), "sample.eta"),
+        (dict(sample__sde_window_size=9), "sample.sde_window_size"),
+        (dict(sample__sde_window_size=2, sample__sde_window_start=3), "sample.sde_window_start"),
+        (dict(sample__sde_window="moving"), "sample.sde_window"),
+    ],
+)
+def test_bad_flow_settings_are_named_before_a_model_loads(tmp_path, overrides, field):
+    with pytest.raises(ConfigError) as info:
+        check_config(make_config(tmp_path, variant="tiny_sd3", **overrides))
+    assert field in str(info.value)
+
+
+def test_an_sde_type_on_a_ddim_model_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="sample.sde_type"):
+        Trainer(make_config(tmp_path, sample__sde_type="sde"))
