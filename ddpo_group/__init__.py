@@ -5,3 +5,7 @@ with its own log-probability and the final image gets a reward. See README.md.
 """
 
 __version__ = "0.1.0"
+
+from ddpo_group import _quiet
+
+_quiet.install()

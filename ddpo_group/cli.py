@@ -62,12 +62,44 @@ def _resolve_config_argument(argv: list[str]) -> list[str]:
     return out
 
 
+def _override_fields(argv: Sequence[str]) -> list[str]:
+    """The dotted field names of the --config.FIELD=VALUE (or --config.FIELD VALUE) arguments."""
+    return [arg[len("--config."):].split("=", 1)[0] for arg in argv if arg.startswith("--config.")]
+
+
+def _unknown_override(fields: Sequence[str]) -> str | None:
+    """A one-line error for the first override that names no config field, else None."""
+    from ddpo_group.config_check import FREE_FORM_FIELDS, closest_field, field_paths, load_base_config
+
+    base = load_base_config()
+    known = set(field_paths(base))
+    for field in fields:
+        if field in known or field.split(".")[0] in FREE_FORM_FIELDS:
+            continue
+        hint = closest_field(field, base)
+        return (
+            f"unknown config field {field!r} (--config.{field})" + (f"; did you mean {hint!r}?" if hint else "")
+            + " Every field and its default is listed in ddpo_group/config/base.py (ddpo-group-train --help)"
+        )
+    return None
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line: its message, with the type for errors that are not the library's own."""
+    from ddpo_group.config_check import ConfigError
+
+    text = " ".join(str(err).split()) or type(err).__name__
+    own = isinstance(err, ConfigError) or type(err).__name__ in ("CheckpointError", "RewardError", "RewardNotReadyError")
+    return text if own else f"{type(err).__name__}: {text} (DDPO_GROUP_DEBUG=1 shows the traceback)"
+
+
 def train_main(argv: Sequence[str] | None = None) -> None:
     """ddpo-group-train / scripts/train.py: `--config NAME | FILE.py[:VARIANT] [--config.FIELD=VALUE ...]`.
 
     The default config is the built-in variant "tiny" (ddpo_group/config/grpo.py), so an installed
-    package trains from any directory. A config or checkpoint error is printed as one line naming
-    the field or path, without a traceback.
+    package trains from any directory. Every error is printed as one line naming the field, file,
+    reward or limit (DDPO_GROUP_DEBUG=1 for the traceback); on resume, the fields given on the
+    command line are the ones compared with the run's stored config.
     """
     import os
 
@@ -75,26 +107,37 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     if any(arg in ("-h", "--help", "-help", "--helpfull", "--helpshort") for arg in argv[1:]):
         print(train_help())
         sys.exit(0)
+    debug = os.environ.get("DDPO_GROUP_DEBUG", "").lower() in ("1", "true", "yes")
+    overrides = _override_fields(argv[1:])
+    problem = _unknown_override(overrides)
+    if problem:
+        sys.exit(f"ddpo-group-train: error: {problem}")
 
     from absl import app, flags
     from ml_collections import config_flags
 
     from ddpo_group.config import grpo
-    from ddpo_group.config_check import ConfigError
 
     default = f"{os.path.abspath(grpo.__file__)}:tiny"
     if "config" not in flags.FLAGS:
         config_flags.DEFINE_config_file("config", default, "Training configuration: NAME or FILE.py[:VARIANT].")
 
     def main(_):
-        from ddpo_group.trainer import CheckpointError, train
+        from ddpo_group.trainer import train
 
         try:
-            train(flags.FLAGS.config)
-        except (ConfigError, CheckpointError) as err:
-            sys.exit(f"ddpo-group-train: error: {err}")
+            train(flags.FLAGS.config, overrides=overrides)
+        except Exception as err:
+            if debug:
+                raise
+            sys.exit(f"ddpo-group-train: error: {one_line(err)}")
 
-    app.run(main, argv=_resolve_config_argument(argv))
+    try:
+        app.run(main, argv=_resolve_config_argument(argv))
+    except Exception as err:  # a config file that cannot be read, a value that does not parse
+        if debug:
+            raise
+        sys.exit(f"ddpo-group-train: error: {one_line(err)}")
 
 
 def inspect_main(argv: Sequence[str] | None = None) -> int:

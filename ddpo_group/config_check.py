@@ -54,6 +54,46 @@ def _unknown_fields(config, reference, prefix=""):
     return unknown
 
 
+def _get(config, dotted):
+    for part in dotted.split("."):
+        config = config[part]
+    return config
+
+
+def field_paths(config, prefix=""):
+    """Every dotted field name of a config (sub-configs included, their own names too)."""
+    paths = []
+    for key in config.keys():
+        name = f"{prefix}{key}"
+        paths.append(name)
+        if isinstance(config[key], ml_collections.ConfigDict) and key not in FREE_FORM_FIELDS:
+            paths += field_paths(config[key], prefix=name + ".")
+    return paths
+
+
+def closest_field(name, reference=None):
+    """The known field name closest to `name` (difflib), or None."""
+    import difflib
+
+    paths = field_paths(reference if reference is not None else load_base_config())
+    matches = difflib.get_close_matches(name, paths, n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+def _non_finite_floats(config, prefix=""):
+    """Dotted names of float fields holding NaN or inf."""
+    import math
+
+    bad = []
+    for key in config.keys():
+        name, value = f"{prefix}{key}", config[key]
+        if isinstance(value, ml_collections.ConfigDict):
+            bad += _non_finite_floats(value, prefix=name + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            bad.append(name)
+    return bad
+
+
 def _choice(value, choices, field):
     if value not in choices:
         raise ConfigError(f"config.{field}={value!r} is not one of {list(choices)}")
@@ -79,9 +119,16 @@ def check_config(config, num_processes=1, has_gpu=None):
     if renamed:
         raise ConfigError(f"config.{renamed[0]} no longer exists; set config.{RENAMED_FIELDS[renamed[0]]}")
     if unknown:
+        hint = closest_field(unknown[0])
         raise ConfigError(
-            f"unknown config field(s) {unknown}; every field and its default is listed in ddpo_group/config/base.py"
+            f"unknown config field(s) {unknown}" + (f" (did you mean {hint!r}?)" if hint else "")
+            + "; every field and its default is listed in ddpo_group/config/base.py"
         )
+    non_finite = _non_finite_floats(config)
+    if non_finite:
+        name = non_finite[0]
+        raise ConfigError(f"config.{name}={_get(config, name)} "
+                          "is not a finite number; give a finite value")
     sample, train, algo = config.sample, config.train, config.algorithm
     _choice(algo.adv_estimator, registered_adv_estimators(), "algorithm.adv_estimator")
     _choice(train.timestep_selection, TIMESTEP_SELECTIONS, "train.timestep_selection")
@@ -196,6 +243,15 @@ def check_config(config, num_processes=1, has_gpu=None):
             "config.mixed_precision='fp16' needs a GPU; on CPU use --config.mixed_precision=no (float32) "
             "or --config.mixed_precision=bf16 (CPU autocast)"
         )
+    if config.log_with in ("wandb", "tensorboard"):
+        import importlib.util
+
+        package = "wandb" if config.log_with == "wandb" else "tensorboard"
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"config.log_with={config.log_with!r} needs the {package} package: pip install \"ddpo-group[{package}]\" "
+                f"(or pip install {package}), or set --config.log_with=none"
+            )
     if not config.reward_fn and not config.reward_weights:
         raise ConfigError("no reward: set config.reward_fn or config.reward_weights")
     return config

@@ -73,9 +73,17 @@ def auto_upscale(width: int) -> int:
 
 
 def _fit_lines(draw, text: str, font, max_width: float, max_lines: int) -> list[str]:
-    """Greedy word wrap to lines at most `max_width` pixels wide; truncate with '...' past `max_lines`."""
+    """Greedy word wrap to lines at most `max_width` pixels wide; truncate with '...' past `max_lines`.
+
+    Bounded time whatever the text: only the characters that could ever be shown are wrapped (at most
+    max_lines lines of the narrowest character), and a word longer than a line is cut by bisection.
+    """
     if max_lines < 1:
         return []
+    narrowest = max(1.0, min(_text_width(draw, c, font) for c in ".il|'"))
+    limit = max_lines * (int(max_width // narrowest) + 2)
+    cut_off = len(text) > limit
+    text = text[:limit]
     lines: list[str] = []
     current = ""
     for word in text.split():
@@ -85,21 +93,25 @@ def _fit_lines(draw, text: str, font, max_width: float, max_lines: int) -> list[
             continue
         if current:
             lines.append(current)
-        while _text_width(draw, word, font) > max_width and len(word) > 1:  # break a word longer than a line
-            cut = len(word) - 1
-            while cut > 1 and _text_width(draw, word[:cut], font) > max_width:
-                cut -= 1
-            lines.append(word[:cut])
-            word = word[cut:]
+        while len(word) > 1 and _text_width(draw, word, font) > max_width:  # break a word longer than a line
+            lo, hi = 1, len(word) - 1  # the longest prefix that fits, by bisection (at least one character)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if _text_width(draw, word[:mid], font) <= max_width:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            lines.append(word[:lo])
+            word = word[lo:]
         current = word
     if current:
         lines.append(current)
-    if len(lines) > max_lines:
+    if len(lines) > max_lines or cut_off:
         lines = lines[:max_lines]
-        last = lines[-1]
+        last = lines[-1] if lines else ""
         while last and _text_width(draw, last + "...", font) > max_width:
             last = last[:-1]
-        lines[-1] = last.rstrip() + "..."
+        lines[-1:] = [last.rstrip() + "..."]
     return lines
 
 

@@ -118,7 +118,12 @@ def load_file(path: str) -> list[PromptRecord]:
     loaders = {".txt": load_text, ".json": load_json, ".jsonl": load_jsonl}
     if extension not in loaders:
         raise ValueError(f"prompt file {path!r}: unknown extension {extension!r}; use .txt, .json or .jsonl")
-    return loaders[extension](path)
+    try:
+        return loaders[extension](path)
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"prompt file {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"
+        ) from exc
 
 
 def shapes_records(**kwargs) -> list[PromptRecord]:

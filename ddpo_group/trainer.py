@@ -139,13 +139,21 @@ def draw_prompt_indices(num_prompts, total, group_size, seed, epoch, batch_index
 
 
 def find_checkpoint(path):
-    """A checkpoint_N directory, or the latest complete one under path/checkpoints or path."""
+    """(checkpoint_N directory, its trainer state, the run directory) for config.resume_from = `path`.
+
+    `path` is a checkpoint_N directory, or a run directory holding checkpoints/checkpoint_N (the
+    trainer's layout) or checkpoint_N directly; the latest complete checkpoint is taken. The run
+    directory is the one named (or the one above checkpoints/), never a parent of it.
+    """
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
         raise CheckpointError(f"config.resume_from={path!r} does not exist; give a run directory or a checkpoint_N")
     if CHECKPOINT_RE.match(os.path.basename(path)):
         candidates = [path]
+        parent = os.path.dirname(path)
+        run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
     else:
+        run_dir = path
         root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
         names = [n for n in os.listdir(root) if CHECKPOINT_RE.match(n)]
         candidates = [os.path.join(root, n) for n in sorted(names, key=lambda n: -int(CHECKPOINT_RE.match(n)[1]))]
@@ -162,7 +170,77 @@ def find_checkpoint(path):
             f"checkpoint {checkpoint} is incomplete or corrupt ({state_path}: {err}); delete it or point "
             "config.resume_from at an earlier checkpoint_N"
         ) from err
-    return checkpoint, state
+    return checkpoint, state, run_dir
+
+
+# Fields a resumed run may change: how long it runs and what it writes, not what it trains.
+SAFE_RESUME_FIELDS = (
+    "num_epochs", "save_freq", "num_checkpoint_limit", "log_images_every", "log_with", "project_name",
+    "resume_from", "resume_allow_changes", "run_name", "logdir", "reward_workers", "reward_timeout", "debug_dump",
+)
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resumed_config(given, run_dir, overrides=None):
+    """The config a resumed run trains with, and the fields it changes: {field: [stored, given]}.
+
+    The run's stored config.json, with the user's values of the fields in `overrides` (None: every
+    field). Changing a field outside SAFE_RESUME_FIELDS mixes two experiments in one run: refused,
+    naming the fields, unless given.resume_allow_changes. Reads only; writes nothing.
+    """
+    import ml_collections
+
+    from ddpo_group.config_check import load_base_config
+
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot resume {run_dir}: its config {path} is missing or unreadable ({err})") from err
+    base = load_base_config()
+    with base.unlocked():
+        for key, value in stored.items():
+            if key in base:
+                base[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+    stored_flat = _flat(json.loads(json.dumps(base.to_dict(), default=str)))
+    given_flat = _flat(json.loads(json.dumps(given.to_dict(), default=str)))
+    fields = given_flat.keys() if overrides is None else [f for f in given_flat if any(
+        f == o or f.startswith(o + ".") for o in overrides)]
+    changes = {f: [stored_flat.get(f), given_flat[f]] for f in fields if stored_flat.get(f) != given_flat[f]}
+    experiment = [f for f in changes if f.split(".")[0] not in SAFE_RESUME_FIELDS]
+    if experiment and not given.resume_allow_changes:
+        listed = ", ".join(f"{f} ({changes[f][0]!r} -> {changes[f][1]!r})" for f in experiment[:8])
+        raise ConfigError(
+            f"config.resume_from={given.resume_from!r}: the run {run_dir} was trained with other settings: {listed}; "
+            "resume with the run's own config (give only --config.resume_from), start a new run, or set "
+            "--config.resume_allow_changes=True to continue it with the new settings"
+        )
+    resumed = given if overrides is None else base
+    if overrides is not None:
+        with resumed.unlocked():
+            for field in changes:
+                node = resumed
+                *parents, leaf = field.split(".")
+                for part in parents:
+                    node = node[part]
+                node[leaf] = _get_path(given, field)
+    return resumed, changes
+
+
+def _get_path(config, dotted):
+    for part in dotted.split("."):
+        config = config[part]
+    return config
 
 
 def _write_json_atomic(path, obj):
@@ -181,24 +259,24 @@ def _peak_rss_mb():
 class Trainer:
     """Builds everything from a config (models, optimizer, rewards, prompts) and runs the epochs."""
 
-    def __init__(self, config):
-        self.config = config
+    def __init__(self, config, overrides=None):
+        """config: the run's configuration. On resume (config.resume_from) the run's stored config.json is
+        used; `overrides` names the fields the user set explicitly (the CLI's --config.FIELD=VALUE), and
+        only they may differ from the stored run (None: every field of `config` is compared)."""
         # Checked before anything is created; the launcher's WORLD_SIZE is the number of processes.
         check_config(config, num_processes=int(os.environ.get("WORLD_SIZE", 1)), has_gpu=torch.cuda.is_available())
-        self._resume_checkpoint, self._resume_state = (None, None)
+        self._resume_checkpoint, self._resume_state, self._resume_changes = None, None, {}
         if config.resume_from:
-            self._resume_checkpoint, self._resume_state = find_checkpoint(config.resume_from)
-            self.run_dir = os.path.dirname(os.path.dirname(self._resume_checkpoint))
+            self._resume_checkpoint, self._resume_state, self.run_dir = find_checkpoint(config.resume_from)
+            config, self._resume_changes = resumed_config(config, self.run_dir, overrides)
+            check_config(config, num_processes=int(os.environ.get("WORLD_SIZE", 1)), has_gpu=torch.cuda.is_available())
         else:
             run_name = config.run_name or datetime.datetime.now().strftime("%Y.%m.%d_%H.%M.%S")
             self.run_dir = os.path.abspath(os.path.join(config.logdir, run_name))
+        self.config = config
         self.accelerator = make_accelerator(config, self.run_dir)
         acc = self.accelerator
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
-        if acc.is_main_process:
-            os.makedirs(self.run_dir, exist_ok=True)
-            _write_json_atomic(os.path.join(self.run_dir, "config.json"), config.to_dict())
-        acc.wait_for_everyone()
         set_seed(config.seed, device_specific=True)
         if config.allow_tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -223,6 +301,15 @@ class Trainer:
         self.first_epoch, self.global_step, self.skipped_steps = 0, 0, 0
         if self._resume_checkpoint:
             self._load_checkpoint()
+        # Written once everything above is accepted: a run that cannot start leaves no directory behind.
+        if acc.is_main_process:
+            os.makedirs(self.run_dir, exist_ok=True)
+            _write_json_atomic(os.path.join(self.run_dir, "config.json"), config.to_dict())
+            if self._resume_changes:
+                with open(os.path.join(self.run_dir, "resumes.jsonl"), "a") as f:
+                    record = {"epoch": self.first_epoch, "changed": self._resume_changes}
+                    f.write(json.dumps(record, default=str) + "\n")
+        acc.wait_for_everyone()
         self.stop_requested = False
 
     def _build_models(self):
@@ -333,7 +420,7 @@ class Trainer:
             config.sample.batch_size * config.sample.num_batches_per_epoch * acc.num_processes,
             config.algorithm.adv_estimator,
         )
-        epoch = self.first_epoch
+        epoch, failed = self.first_epoch, False
         try:
             bar = tqdm(range(self.first_epoch, config.num_epochs), desc="epoch", disable=not acc.is_main_process)
             for epoch in bar:
@@ -356,17 +443,33 @@ class Trainer:
             else:
                 epoch = config.num_epochs
             self.save_checkpoint(epoch)
+        except BaseException as err:
+            failed = True
+            self._mark_failed(epoch, err)
+            raise
         finally:
             self._restore_signal_handlers()
-            self.reward_runner.shutdown()
+            # after an error a reward may never return: its (daemon) worker is not waited for
+            self.reward_runner.shutdown(wait=not failed)
             acc.end_training()
         return self.run_dir
 
+    def _mark_failed(self, epoch, err):
+        """failed.json in the run directory: a run that stopped on an error says so, and where."""
+        if not self.accelerator.is_main_process:
+            return
+        with contextlib.suppress(OSError):
+            _write_json_atomic(
+                os.path.join(self.run_dir, "failed.json"),
+                {"epoch": epoch, "error": f"{type(err).__name__}: {err}", "time": datetime.datetime.now().isoformat()},
+            )
+
     def _install_signal_handlers(self):
         def request_stop(signum, frame):
-            if self.stop_requested:  # a second signal exits at once
-                signal.signal(signum, signal.SIG_DFL)
-                raise KeyboardInterrupt
+            if self.stop_requested:  # a second signal exits at once (metrics.jsonl is written row by row)
+                logger.warning("second signal %d: exiting now, without a final checkpoint", signum)
+                logging.shutdown()
+                os._exit(128 + signum)
             self.stop_requested = True
             logger.warning("signal %d: finishing the current phase, then writing a final checkpoint", signum)
 
@@ -423,7 +526,7 @@ class Trainer:
             batches.append(trajectories)
         metrics["time/sample"] = time.perf_counter() - start
         start = time.perf_counter()
-        results = [future.result() for future in futures]
+        results = [self.reward_runner.result(future, config.reward_timeout) for future in futures]
         metrics["time/reward"] = time.perf_counter() - start
         samples = EpochBatch.cat(batches)
         rewards = np.concatenate([r[0] for r in results])
@@ -845,7 +948,11 @@ class Trainer:
             os.makedirs(root, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
-        acc.save_state(tmp)
+        try:
+            acc.save_state(tmp)
+        except (OSError, RuntimeError) as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
         acc.wait_for_everyone()  # every rank's files are in tmp before it is renamed
         if acc.is_main_process:
             state = {
@@ -860,9 +967,17 @@ class Trainer:
                 if ref_state["params"]:
                     from safetensors.torch import save_file
 
-                    save_file(ref_state["params"], os.path.join(tmp, "reference.safetensors"))
+                    try:
+                        save_file(ref_state["params"], os.path.join(tmp, "reference.safetensors"))
+                    except (OSError, RuntimeError) as err:
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
                 state["reference"] = {k: v for k, v in ref_state.items() if k != "params"}
-            _write_json_atomic(os.path.join(tmp, TRAINER_STATE), state)
+            try:
+                _write_json_atomic(os.path.join(tmp, TRAINER_STATE), state)
+            except OSError as err:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -898,11 +1013,17 @@ class Trainer:
         if self.reference is not None and "reference" in state:
             ref_state = dict(state["reference"])
             path = os.path.join(checkpoint, "reference.safetensors")
-            if os.path.exists(path):
-                from safetensors.torch import load_file
+            try:
+                if os.path.exists(path):
+                    from safetensors.torch import load_file
 
-                ref_state["params"] = load_file(path)
-            self.reference.load_state_dict(ref_state)
+                    ref_state["params"] = load_file(path)
+                self.reference.load_state_dict(ref_state)
+            except Exception as err:
+                raise CheckpointError(
+                    f"could not load the reference model {path}: {err}; delete checkpoint {checkpoint} or point "
+                    "config.resume_from at an earlier checkpoint_N"
+                ) from err
         if self.accelerator.is_main_process:
             _truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.first_epoch)
         logger.info("resumed from %s at epoch %d", checkpoint, self.first_epoch)
@@ -931,12 +1052,48 @@ class Trainer:
                 module.load_state_dict(load_file(os.path.join(input_dir, "critic.safetensors")))
 
 
+def _checkpoint_write_error(root, final, err):
+    """One line for a checkpoint that could not be written: the cause, free space, the checkpoint kept."""
+    import errno
+
+    try:
+        free_mb = shutil.disk_usage(root).free / 2**20
+    except OSError:
+        free_mb = float("nan")
+    full = getattr(err, "errno", None) == errno.ENOSPC or "iostream error" in str(err) or free_mb < 64
+    kept = [n for n in os.listdir(root) if CHECKPOINT_RE.match(n)] if os.path.isdir(root) else []
+    latest = max(kept, key=lambda n: int(CHECKPOINT_RE.match(n)[1])) if kept else None
+    cause = f"the disk holding {root} is full ({free_mb:.0f} MB free)" if full else f"{type(err).__name__}: {err}"
+    return (
+        f"could not write checkpoint {final}: {cause}; "
+        + (f"the last complete checkpoint {os.path.join(root, latest)} is kept" if latest else "no earlier checkpoint exists")
+        + "; free space (or lower num_checkpoint_limit) and resume with --config.resume_from"
+    )
+
+
 def _truncate_metrics(path, first_epoch):
-    """On resume, drop metrics rows of epochs that the resumed run will redo."""
+    """On resume, drop metrics rows of epochs that the resumed run will redo.
+
+    A torn last line (power loss, full disk) is dropped with a warning; a bad line elsewhere is a
+    CheckpointError naming the file and the line.
+    """
     if not os.path.exists(path):
         return
     with open(path) as f:
-        rows = [line for line in f if line.strip() and json.loads(line).get("epoch", -1) < first_epoch]
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            if number == len(lines):
+                logger.warning("%s: dropping its torn last line %d (%s)", path, number, err)
+                continue
+            raise CheckpointError(
+                f"{path}, line {number}: not a JSON row ({err}); repair or delete that line to resume"
+            ) from err
+        if row.get("epoch", -1) < first_epoch:
+            rows.append(json.dumps(row) + "\n")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(rows)
@@ -968,6 +1125,6 @@ def _flatten(d, prefix=""):
     return out
 
 
-def train(config):
-    """Build a Trainer from the config and run it; returns the run directory."""
-    return Trainer(config).run()
+def train(config, overrides=None):
+    """Build a Trainer from the config and run it; returns the run directory (see Trainer for `overrides`)."""
+    return Trainer(config, overrides=overrides).run()

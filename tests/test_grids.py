@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -191,3 +192,41 @@ def test_save_epoch_samples_rejects_mismatched_inputs(tmp_path):
     with pytest.raises(ValueError, match="group_size must be >= 1"):
         save_epoch_samples(tmp_path, 0, images, ["p", "p"], [0, 0], [0, 0], group_size=0)
     assert not (tmp_path / "samples").exists()
+
+
+class _CountingDraw:
+    """An ImageDraw that counts the text measurements made through it."""
+
+    def __init__(self, draw):
+        self.draw, self.calls = draw, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.draw, name)
+        if name in ("textlength", "textbbox"):
+            def counted(*args, **kwargs):
+                self.calls += 1
+                return attr(*args, **kwargs)
+            return counted
+        return attr
+
+
+@pytest.mark.parametrize("text", ["x" * 10_000, "word " * 2_000, "a" * 300 + " " + "b" * 9_000])
+def test_captions_take_bounded_work_whatever_the_prompt(text):
+    from PIL import Image, ImageDraw
+
+    from ddpo_group import grids
+
+    draw = _CountingDraw(ImageDraw.Draw(Image.new("RGB", (10, 10))))
+    lines = grids._fit_lines(draw, text, grids._font(), 150, 4)
+    assert 1 <= len(lines) <= 4 and lines[-1].endswith("...")
+    assert all(grids._text_width(draw.draw, line, grids._font()) <= 150 for line in lines)
+    # a few measurements per shown line, independent of the 10,000 characters
+    assert draw.calls < 400
+
+
+def test_a_10000_character_prompt_gets_a_grid(tmp_path):
+    from ddpo_group.grids import save_epoch_samples
+
+    images = torch.rand(2, 3, 32, 32)
+    path = save_epoch_samples(str(tmp_path), 0, images, ["z" * 10_000] * 2, np.array([0.1, 0.2]), np.array([1.0, -1.0]), 2)
+    assert os.path.exists(path)

@@ -186,3 +186,62 @@ def test_reference_server_command_serves_a_registered_reward():
         process.terminate()
         process.wait(timeout=10)
     np.testing.assert_array_equal(rewards, -pil_jpeg_kb(pixels))
+
+
+def _raw_post(url, head_and_body: bytes, timeout=10.0):
+    """Send raw bytes to the server; (status, JSON error) of its answer."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head_and_body)
+        data = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _request(body: bytes, length=None):
+    length = len(body) if length is None else length
+    return (f"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+            .encode() + body)
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read():
+    with running(make_server(get_reward("jpeg_compressibility"), "127.0.0.1", 0, max_body_mb=0.01)) as url:
+        status, answer = _raw_post(url, _request(b"", length=200 * 2**20))  # announces 200 MB, sends nothing
+    assert status == 413 and "--max-body-mb" in answer["error"]
+
+
+def test_a_false_content_length_is_answered_within_the_read_timeout():
+    with running(make_server(get_reward("jpeg_compressibility"), "127.0.0.1", 0, read_timeout=0.5)) as url:
+        start = time.monotonic()
+        status, answer = _raw_post(url, _request(b'{"images": [', length=1000))
+        assert time.monotonic() - start < 5
+    assert status == 408 and "Content-Length" in answer["error"]
+
+
+def test_a_missing_content_length_gets_411():
+    with running(make_server(get_reward("jpeg_compressibility"), "127.0.0.1", 0)) as url:
+        status, _ = _raw_post(url, b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n{}")
+    assert status == 411
+
+
+def test_too_many_images_and_too_many_pixels_are_413_naming_the_limit():
+    from ddpo_group.rewards.remote import encode_images
+
+    images, _ = images_and_pixels(batch=3, size=64)
+    payload = {"images": encode_images(images), "prompts": ["a"] * 3, "metadata": [{}] * 3}
+    body = json.dumps(payload).encode()
+    server = make_server(get_reward("jpeg_compressibility"), "127.0.0.1", 0, max_images=2)
+    with running(server) as url:
+        status, answer = _raw_post(url, _request(body))
+    assert status == 413 and "--max-images 2" in answer["error"]
+    server = make_server(get_reward("jpeg_compressibility"), "127.0.0.1", 0, max_pixels=1000)
+    with running(server) as url:
+        status, answer = _raw_post(url, _request(body))
+    assert status == 413 and "64x64" in answer["error"] and "--max-pixels 1000" in answer["error"]

@@ -206,7 +206,7 @@ def test_leftover_tmp_checkpoint_is_never_picked(resumed, tmp_path):
     leftover = run_copy / "checkpoints" / ".tmp_checkpoint_5"
     shutil.copytree(run_copy / "checkpoints" / "checkpoint_2", leftover)
     (leftover / "trainer_state.json").write_text(json.dumps({"epoch": 5, "global_step": 10}))
-    checkpoint, state = find_checkpoint(str(run_copy))
+    checkpoint, state, _ = find_checkpoint(str(run_copy))
     assert checkpoint == str(run_copy / "checkpoints" / "checkpoint_2")
     assert state["epoch"] == 2
 

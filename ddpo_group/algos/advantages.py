@@ -243,9 +243,14 @@ def _group_index(prompt_ids: Any, batch_size: int, device: torch.device) -> torc
 
 
 def _group_mean_std(rewards: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-group (count, mean, population std), each (G,)."""
+    """Per-group (count, mean, population std), each (G,), in float64.
+
+    float64: rewards up to the float32 range (3.4e38) have a representable variance (float32
+    overflows at about 1e19 and would make every advantage 0).
+    """
+    rewards = rewards.to(torch.float64)
     num_groups = int(inverse.max()) + 1
-    zeros = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
+    zeros = torch.zeros(num_groups, dtype=torch.float64, device=rewards.device)
     counts = zeros.index_add(0, inverse, torch.ones_like(rewards))
     means = zeros.index_add(0, inverse, rewards) / counts
     variances = zeros.index_add(0, inverse, (rewards - means[inverse]) ** 2) / counts
@@ -317,10 +322,10 @@ def compute_grpo_advantages(
     means = torch.where(single, torch.zeros_like(means), means)
     stds = torch.where(single, torch.ones_like(stds), stds)
 
-    advantages = rewards - means[inverse]
+    advantages = rewards.to(torch.float64) - means[inverse]
     if norm_by_std:
         advantages = advantages / (stds[inverse] + eps)
-    advantages = advantages[:, None] * mask.to(dtype)
+    advantages = advantages.to(dtype)[:, None] * mask.to(dtype)
     return advantages, advantages.clone()
 
 
@@ -354,9 +359,10 @@ def compute_rloo_advantages(
 
     counts, means, _ = _group_mean_std(rewards, inverse)
     n = counts[inverse]
-    leave_one_out = (n * means[inverse] - rewards) / (n - 1).clamp(min=1)
-    baseline = torch.where(n > 1, leave_one_out, torch.zeros_like(rewards))
-    advantages = (rewards - baseline)[:, None] * mask.to(dtype)
+    r64 = rewards.to(torch.float64)
+    leave_one_out = (n * means[inverse] - r64) / (n - 1).clamp(min=1)
+    baseline = torch.where(n > 1, leave_one_out, torch.zeros_like(r64))
+    advantages = (r64 - baseline).to(dtype)[:, None] * mask.to(dtype)
     return advantages, advantages.clone()
 
 

@@ -36,8 +36,12 @@ def get_config():
     config.mixed_precision = "no"
     # Allow TF32 matmuls on Ampere+ GPUs (ignored on CPU).
     config.allow_tf32 = True
-    # Resume from a run directory (its latest complete checkpoint) or a checkpoint_N directory.
+    # Resume from a run directory (its latest complete checkpoint) or a checkpoint_N directory. The run's
+    # stored config.json is used; overrides of how long it runs or what it logs (num_epochs, save_freq, ...)
+    # are applied and recorded in resumes.jsonl, others are refused unless resume_allow_changes.
     config.resume_from = ""
+    # Let a resumed run continue with changed training settings (two experiments in one run: use with care).
+    config.resume_allow_changes = False
     # Train LoRA adapters (peft) instead of the full UNet. The reference model is then nearly free.
     config.use_lora = True
     # LoRA rank and alpha (alpha 0: equal to the rank, scaling 1).
@@ -212,6 +216,9 @@ def get_config():
     config.reward_aggregation = "sum_then_normalize"
     # Threads computing rewards while sampling continues.
     config.reward_workers = 1
+    # Seconds a batch's reward may take once sampling has finished; past it the run stops with an error naming
+    # the reward (0: no limit). Generous for reward servers and large models.
+    config.reward_timeout = 600.0
     # Keyword arguments of each reward, by reward name, e.g. {"aesthetic": {"weights_path": "/path/mlp.safetensors"}}.
     config.reward_kwargs = ml_collections.ConfigDict()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import queue
 import threading
 from typing import Callable
 
@@ -52,6 +53,14 @@ def validate_rewards(rewards, name: str, prompts, offset: int = 0) -> np.ndarray
             reward=name,
         )
     bad = np.flatnonzero(~np.isfinite(array))
+    too_big = np.flatnonzero(np.isfinite(array) & (np.abs(array) > np.finfo(np.float32).max))
+    if too_big.size and not bad.size:
+        i = int(too_big[0])
+        raise RewardError(
+            f"reward {name!r} returned {array[i]:.3g} for sample {offset + i} (prompt {prompts[i]!r}), which does not "
+            f"fit in float32 (|r| <= {np.finfo(np.float32).max:.3g}); rescale the reward",
+            reward=name, index=offset + i, prompt=prompts[i],
+        )
     if bad.size:
         i = int(bad[0])
         raise RewardError(
@@ -193,6 +202,8 @@ class CombinedReward:
         total = np.zeros(batch, dtype=np.float64)
         for name in self.names:
             total = total + self.weights[name] * components[name]
+        if len(self.names) > 1:
+            validate_rewards(total, "the weighted sum of " + "+".join(self.names), prompts)
         return total, components, info
 
     def close(self) -> None:
@@ -249,15 +260,16 @@ def build_reward_fn(reward_fn: str | None = None, reward_weights: dict[str, floa
 
 
 class AsyncRewardRunner:
-    """Runs a reward in a thread pool so that sampling continues while images are scored.
+    """Runs a reward in worker threads so that sampling continues while images are scored.
 
         runner = AsyncRewardRunner(reward_fn, workers=2)
         future = runner.submit(images, prompts, metadata)   # returns at once
         ...                                                 # sample the next batch
-        result = future.result()                            # reward_fn's return value
+        result = runner.result(future, timeout=600)         # reward_fn's return value, or RewardError
 
     `images` is detached (not copied to another device); prompts / metadata are copied
-    into new lists, so the caller may reuse its own.
+    into new lists, so the caller may reuse its own. The workers are daemon threads: a reward
+    that never returns cannot keep the process alive once the run has given up on it.
     """
 
     def __init__(self, reward_fn: Callable, workers: int = 1):
@@ -265,17 +277,55 @@ class AsyncRewardRunner:
             raise ValueError(f"reward_workers must be >= 1, got {workers}")
         self.reward_fn = reward_fn
         self.workers = int(workers)
-        self._executor = concurrent.futures.ThreadPoolExecutor(self.workers, "reward")
+        self._queue = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"reward_{i}", daemon=True) for i in range(self.workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self.reward_fn(*args))
+            except BaseException as exc:  # delivered to the caller of result()
+                future.set_exception(exc)
 
     def submit(self, images, prompts, metadata=None) -> concurrent.futures.Future:
         if isinstance(images, torch.Tensor):
             images = images.detach()
         prompts = list(prompts)
         metadata = [{} for _ in prompts] if metadata is None else [dict(m) for m in metadata]
-        return self._executor.submit(self.reward_fn, images, prompts, metadata)
+        future = concurrent.futures.Future()
+        self._queue.put((future, (images, prompts, metadata)))
+        return future
+
+    def result(self, future: concurrent.futures.Future, timeout: float | None = None):
+        """The reward of a submitted batch; RewardError naming the reward when it takes longer than `timeout` s."""
+        try:
+            return future.result(timeout=timeout or None)
+        except concurrent.futures.TimeoutError as exc:
+            names = getattr(self.reward_fn, "names", None) or [getattr(self.reward_fn, "__name__", "reward")]
+            raise RewardError(
+                f"reward {'+'.join(names)!r} did not return within reward_timeout={timeout:g} s; fix the reward, or "
+                "raise config.reward_timeout (0: no limit)",
+                reward=names[0],
+            ) from exc
 
     def shutdown(self, wait: bool = True) -> None:
-        self._executor.shutdown(wait=wait)
+        """Stop the workers; with wait, after the batches already submitted (a hung reward is not waited for
+        when wait=False)."""
+        for _ in self._threads:
+            self._queue.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
 
     def __enter__(self):
         return self

@@ -1,0 +1,254 @@
+"""The fault and bad-input audit: each case ends in a clear one-line error, a bounded wait, or a run
+that continues correctly; nothing written before an error is lost."""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ddpo_group.algos.advantages import compute_grpo_advantages, compute_rloo_advantages
+from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.prompts import load_prompts
+from ddpo_group.rewards.combine import validate_rewards
+from ddpo_group.rewards.registry import RewardError
+from ddpo_group.trainer import CheckpointError, Trainer, find_checkpoint, train
+from helpers import PYTHON, ROOT, cheap, make_config, read_metrics, subprocess_env
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 2-epoch run of the test variant with a checkpoint after each epoch (reference copied: no LoRA)."""
+    root = tmp_path_factory.mktemp("finished")
+    run_dir = train(make_config(root, num_epochs=2, save_freq=1, log_images_every=0))
+    return run_dir
+
+
+def _copy(run_dir, tmp_path, name="copy"):
+    target = tmp_path / name
+    shutil.copytree(run_dir, target)
+    return target
+
+
+# 3. non-finite floats
+@pytest.mark.parametrize("field", ["train__beta", "train__adv_clip_max", "train__learning_rate", "sample__eta"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_floats_are_refused_naming_the_field(tmp_path, field, value):
+    with pytest.raises(ConfigError) as info:
+        check_config(make_config(tmp_path, **{field: value}))
+    assert field.replace("__", ".") in str(info.value) and "finite" in str(info.value)
+
+
+# 4. scale: float64 group statistics; rewards that do not fit in float32
+def test_huge_rewards_keep_their_advantages():
+    mask = torch.ones(3, 2)
+    expected = [-1.5 ** 0.5, 0.0, 1.5 ** 0.5]  # (r - mean) / population std of (1, 2, 3)
+    for scale in (1.0, 1e30, 1e-30):
+        rewards = torch.tensor([1.0, 2.0, 3.0]) * scale
+        advantages, _ = compute_grpo_advantages(rewards, torch.zeros(3, dtype=torch.int64), mask, eps=0.0)
+        assert advantages[:, 0].tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)  # float32 inputs
+    rloo, _ = compute_rloo_advantages(torch.tensor([1.0, 2.0, 3.0]) * 1e30, torch.zeros(3, dtype=torch.int64), mask)
+    assert rloo[:, 0].tolist() == pytest.approx([-1.5e30, 0.0, 1.5e30], rel=1e-5, abs=1e24)  # float32 inputs
+
+
+def test_a_reward_that_does_not_fit_in_float32_is_named():
+    with pytest.raises(RewardError) as info:
+        validate_rewards(np.array([1.0, 1e39]), "my_reward", ["a", "b"])
+    assert "my_reward" in str(info.value) and "float32" in str(info.value) and "'b'" in str(info.value)
+
+
+# 5-7. resume with the run's own config; other experiments refused without writing anything
+def test_resume_refuses_another_experiment_and_changes_no_file(finished_run, tmp_path):
+    run_dir = _copy(finished_run, tmp_path)
+    before = {name: (run_dir / name).read_bytes() for name in ("config.json", "metrics.jsonl")}
+    for changed in (dict(sample__group_size=4), dict(algorithm__adv_estimator="gae")):
+        config = make_config(tmp_path, num_epochs=3, resume_from=str(run_dir), **changed)
+        with pytest.raises(ConfigError) as info:
+            Trainer(config)
+        field = next(iter(changed)).replace("__", ".")
+        assert field in str(info.value) and "resume_allow_changes" in str(info.value)
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    assert not (run_dir / "resumes.jsonl").exists()
+
+
+def test_resume_with_only_resume_from_uses_the_stored_config(finished_run, tmp_path):
+    run_dir = _copy(finished_run, tmp_path)
+    # the command line named another variant (tiny_one_prompt-like settings) but overrode only these fields
+    given = make_config(tmp_path, num_epochs=3, resume_from=str(run_dir), train__learning_rate=0.5,
+                        sample__group_size=4, log_images_every=0)
+    trainer = Trainer(given, overrides=["num_epochs", "resume_from"])
+    stored = json.loads((run_dir / "config.json").read_text())
+    assert trainer.config.train.learning_rate == stored["train"]["learning_rate"] != 0.5
+    assert trainer.config.sample.group_size == stored["sample"]["group_size"] == 2
+    assert trainer.config.num_epochs == 3
+    trainer.run()
+    assert [row["epoch"] for row in read_metrics(run_dir)] == [0, 1, 2]
+    record = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[0])
+    assert record["epoch"] == 2 and record["changed"]["num_epochs"] == [2, 3]
+
+
+def test_an_allowed_change_is_applied_and_recorded(finished_run, tmp_path):
+    run_dir = _copy(finished_run, tmp_path)
+    given = make_config(tmp_path, num_epochs=2, resume_from=str(run_dir), train__learning_rate=1e-3,
+                        resume_allow_changes=True)
+    trainer = Trainer(given, overrides=["resume_from", "train.learning_rate", "resume_allow_changes"])
+    assert trainer.config.train.learning_rate == 1e-3
+    record = json.loads((run_dir / "resumes.jsonl").read_text())
+    assert record["changed"]["train.learning_rate"][1] == 1e-3
+
+
+# 6. a checkpoint directly inside the named run directory
+def test_resume_keeps_the_run_directory_the_user_named(finished_run, tmp_path):
+    run_dir = tmp_path / "D" / "myrun"
+    run_dir.mkdir(parents=True)
+    shutil.copytree(os.path.join(finished_run, "checkpoints", "checkpoint_2"), run_dir / "checkpoint_2")
+    shutil.copy(os.path.join(finished_run, "config.json"), run_dir / "config.json")
+    checkpoint, state, found_run_dir = find_checkpoint(str(run_dir))
+    assert found_run_dir == str(run_dir) and checkpoint == str(run_dir / "checkpoint_2")
+    assert find_checkpoint(str(run_dir / "checkpoint_2"))[2] == str(run_dir)
+    trainer = Trainer(make_config(tmp_path, num_epochs=3, resume_from=str(run_dir)), overrides=["num_epochs", "resume_from"])
+    assert trainer.run_dir == str(run_dir)
+    trainer.run()
+    assert os.listdir(tmp_path / "D") == ["myrun"]
+    assert (run_dir / "checkpoints" / "checkpoint_3").is_dir()
+
+
+# 10. a truncated reference model
+def test_a_truncated_reference_checkpoint_names_the_file(finished_run, tmp_path):
+    run_dir = _copy(finished_run, tmp_path)
+    path = run_dir / "checkpoints" / "checkpoint_2" / "reference.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError) as info:
+        Trainer(make_config(tmp_path, num_epochs=3, resume_from=str(run_dir)), overrides=["num_epochs", "resume_from"])
+    assert "reference.safetensors" in str(info.value)
+
+
+# 11. a torn last line of metrics.jsonl
+def test_a_torn_last_metrics_line_is_dropped_on_resume(finished_run, tmp_path, caplog):
+    run_dir = _copy(finished_run, tmp_path)
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"epoch": 2, "reward_me')
+    trainer = Trainer(make_config(tmp_path, num_epochs=3, resume_from=str(run_dir)), overrides=["num_epochs", "resume_from"])
+    assert "torn last line" in caplog.text
+    trainer.run()
+    assert [row["epoch"] for row in read_metrics(run_dir)] == [0, 1, 2]
+
+
+# 12. a full disk while a checkpoint is written
+def test_a_full_disk_during_a_checkpoint_says_so_and_keeps_the_last_one(finished_run, tmp_path, monkeypatch):
+    run_dir = _copy(finished_run, tmp_path)
+    trainer = Trainer(make_config(tmp_path, num_epochs=3, resume_from=str(run_dir)), overrides=["num_epochs", "resume_from"])
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer.accelerator, "save_state", no_space)
+    with pytest.raises(CheckpointError) as info:
+        trainer.save_checkpoint(3)
+    message = str(info.value)
+    assert "full" in message and "checkpoint_2" in message and "\n" not in message
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]
+
+
+# 13. failures before the first epoch
+def test_a_bad_prompt_file_leaves_no_run_directory(tmp_path):
+    bad = tmp_path / "prompts.txt"
+    bad.write_bytes(b"a red \xff\xfe circle\n")
+    with pytest.raises(ValueError) as info:
+        Trainer(make_config(tmp_path, prompt_fn=str(bad)))
+    assert str(bad) in str(info.value) and "UTF-8" in str(info.value)  # 9.
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_that_fails_in_its_first_epoch_is_marked_failed(tmp_path):
+    plugin = tmp_path / "bad_reward.py"
+    plugin.write_text(textwrap.dedent('''
+        from ddpo_group.rewards.registry import register_reward
+
+        @register_reward("always_nan")
+        def always_nan(images, prompts, metadata):
+            return [float("nan")] * len(prompts), {}
+    '''))
+    config = make_config(tmp_path, **cheap(plugins=str(plugin), reward_fn="always_nan"))
+    with pytest.raises(RewardError):
+        train(config)
+    failed = json.loads((tmp_path / "r" / "failed.json").read_text())
+    assert failed["epoch"] == 0 and "always_nan" in failed["error"]
+
+
+# 2. a reward that never returns
+HANGING_REWARD = '''
+import threading
+from ddpo_group.rewards.registry import register_reward
+
+@register_reward("never_returns")
+def never_returns(images, prompts, metadata):
+    threading.Event().wait()
+'''
+
+
+def test_a_reward_past_its_timeout_stops_the_run_naming_it(tmp_path):
+    plugin = tmp_path / "hang.py"
+    plugin.write_text(HANGING_REWARD)
+    config = make_config(tmp_path, **cheap(plugins=str(plugin), reward_fn="never_returns", reward_timeout=1.0))
+    start = time.monotonic()
+    with pytest.raises(RewardError) as info:
+        train(config)
+    assert time.monotonic() - start < 60
+    assert "never_returns" in str(info.value) and "reward_timeout=1" in str(info.value)
+
+
+def test_a_second_signal_exits_at_once_while_a_reward_hangs(tmp_path):
+    plugin = tmp_path / "hang.py"
+    plugin.write_text(HANGING_REWARD)
+    command = [
+        PYTHON, os.path.join(ROOT, "scripts", "train.py"), "--config", "config/grpo.py:test",
+        f"--config.logdir={tmp_path}", "--config.run_name=r", f"--config.plugins={plugin}",
+        "--config.reward_fn=never_returns", "--config.reward_timeout=0", "--config.sample.num_steps=2",
+    ]
+    with open(tmp_path / "log.txt", "w") as log:
+        process = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while "run " not in (tmp_path / "log.txt").read_text():  # the trainer's start line
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-2000:]
+                time.sleep(0.2)
+            time.sleep(2.0)  # sampling done, waiting on the reward
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            process.send_signal(signal.SIGTERM)
+            returncode = process.wait(timeout=20)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert returncode == 128 + signal.SIGTERM
+
+
+# 8. a typo in an override
+def test_a_typo_in_an_override_is_one_line_with_the_closest_field(tmp_path):
+    result = subprocess.run(
+        [PYTHON, "scripts/train.py", "--config", "config/grpo.py:test", "--config.train.learnig_rate=1e-4",
+         f"--config.logdir={tmp_path}"],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "train.learnig_rate" in lines[0] and "train.learning_rate" in lines[0]
+    assert not os.listdir(tmp_path)
+
+
+def test_prompts_in_other_encodings_name_the_file(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.jsonl.*UTF-8"):
+        load_prompts(str(path))
