@@ -88,7 +88,7 @@ METHODS = {
     ),
 }
 # The variant whose sampling work every method copies.
-COMMON_VARIANT = {"tiny": "tiny", "sd": "sd15", "tiny-sd3": "tiny_sd3", "tiny-flux": "tiny_flux"}
+COMMON_VARIANT = {"tiny": "tiny_all", "sd": "sd15", "tiny-sd3": "tiny_sd3", "tiny-flux": "tiny_flux"}
 SHARED_FIELDS = (
     "seed", "pretrained.model", "pretrained.revision", "mixed_precision", "use_lora", "lora_rank", "lora_alpha",
     "prompt_fn", "prompt_fn_kwargs", "reward_fn", "reward_weights", "reward_aggregation", "reward_workers",
@@ -166,6 +166,7 @@ def build_method_config(method, model, num_epochs, run_dir, reward_fn=None, samp
     config.logdir = os.path.dirname(run_dir)
     config.run_name = os.path.basename(run_dir)
     config.log_images_every = 0
+    config.eval_freq = 0
     config.save_freq = 0
     config.log_with = "none"
     config.resume_from = ""

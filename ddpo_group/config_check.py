@@ -150,6 +150,10 @@ def check_config(config, num_processes=1, has_gpu=None):
     _positive(config.save_freq, "save_freq", allow_zero=True)
     _positive(config.num_checkpoint_limit, "num_checkpoint_limit", allow_zero=True)
     _positive(config.log_images_every, "log_images_every", allow_zero=True)
+    _positive(config.eval_freq, "eval_freq", allow_zero=True)
+    _positive(config.eval_images_per_prompt, "eval_images_per_prompt")
+    _positive(config.eval_grid_prompts, "eval_grid_prompts", allow_zero=True)
+    _positive(config.eval_batch_size, "eval_batch_size", allow_zero=True)
     if sample.eta <= 0:
         raise ConfigError(
             f"config.sample.eta={sample.eta} gives deterministic steps with no log-probability (DDIM's eta, "

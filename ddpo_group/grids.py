@@ -262,8 +262,11 @@ def save_epoch_samples(
     group_size: int,
     max_rows: int = 8,
     upscale: int | None = None,
+    prefix: str = "epoch",
 ) -> Path:
     """Write the epoch's grid, single images and JSON records; return the grid path.
+
+    Files are named samples/{prefix}_XXXX (prefix "eval" for the fixed evaluation grids).
 
     images: (N, 3, H, W) float in [0, 1]; prompts: N strings; rewards: (N,); advantages: (N,)
     per-sample advantages, or None. Grid rows come from `group_rows(prompts, group_size)`,
@@ -298,7 +301,7 @@ def save_epoch_samples(
         )
 
     samples_dir = Path(run_dir) / "samples"
-    stem = f"epoch_{epoch:04d}"
+    stem = f"{prefix}_{epoch:04d}"
     digits = max(3, len(str(num - 1)))
     pixels = [to_uint8_hwc(image) for image in array]
     records = []

@@ -1,7 +1,10 @@
 """Run inspection: one self-contained HTML report for a run directory (or two, side by side).
 
-The report shows the run's config, reward curves (reward_mean +- reward_std, each
-reward/<component>), kl / loss / clipfrac and the other scalar metrics that were logged,
+The report shows a summary that compares evaluations and 5-epoch windows (single epochs are
+noise), the fixed-noise evaluation curve beside the smoothed training reward with the fixed
+evaluation grids (first, middle, last) and scripts/evaluate.py's evaluation.json results, the
+run's config, reward curves (reward_mean +- reward_std, each reward/<component> and
+eval/<component>), kl / loss / clipfrac and the other scalar metrics that were logged,
 the time per phase, the per-epoch sample grids, and for a few prompts the best and worst
 samples of the last logged epoch with their rewards and advantages. Every image is embedded
 as a base64 data URI, so the single .html file can be moved and opened anywhere.
@@ -39,6 +42,8 @@ TIME_KEYS = ("time/sample", "time/reward", "time/train")
 RUN_STYLES = ("-", "--")
 _SAMPLE_JSON = re.compile(r"^epoch_(\d+)\.json$")
 _SAMPLE_PNG = re.compile(r"^epoch_(\d+)\.png$")
+_EVAL_PNG = re.compile(r"^eval_(\d+)\.png$")
+SMOOTHING = 5  # epochs in the training reward's moving average and in the summary's windows
 
 
 @dataclass
@@ -50,6 +55,8 @@ class RunData:
     metrics: list[dict]
     grids: dict[int, Path] = field(default_factory=dict)  # epoch -> samples/epoch_XXXX.png
     sample_files: dict[int, Path] = field(default_factory=dict)  # epoch -> samples/epoch_XXXX.json
+    eval_grids: dict[int, Path] = field(default_factory=dict)  # epoch -> samples/eval_XXXX.png
+    evaluations: dict[str, dict] = field(default_factory=dict)  # checkpoint name -> its evaluation.json
     name: str = ""  # label in legends and headings; the folder name by default
 
     def __post_init__(self):
@@ -111,6 +118,12 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                 run.grids[int(match.group(1))] = entry
             elif match := _SAMPLE_JSON.match(entry.name):
                 run.sample_files[int(match.group(1))] = entry
+            elif match := _EVAL_PNG.match(entry.name):
+                run.eval_grids[int(match.group(1))] = entry
+    for evaluation in sorted(path.glob("checkpoints/checkpoint_*/evaluation.json")):
+        document = _read_json(evaluation)
+        if isinstance(document, dict):
+            run.evaluations[evaluation.parent.name] = document
     return run
 
 
@@ -159,7 +172,7 @@ def _keys_in_order(runs: Sequence[RunData]) -> list[str]:
             for key in row:
                 if key not in seen and _number(row[key]) is not None:
                     seen.append(key)
-    components = sorted(k for k in seen if k.startswith("reward/"))
+    components = sorted(k for k in seen if k.startswith("reward/") or (k.startswith("eval/") and k != "eval/reward_mean"))
     scalars = [k for k in SCALAR_KEYS if k in seen]
     prefixed = [k for prefix in SCALAR_PREFIXES for k in sorted(seen) if k.startswith(prefix)]
     rest = [k for k in ("peak_rss_mb",) if k in seen]
@@ -329,7 +342,91 @@ def _config_section(runs: Sequence[RunData]) -> str:
     return "\n".join(parts)
 
 
+def smoothed(xs: Sequence[float], ys: Sequence[float], window: int = SMOOTHING) -> list[float]:
+    """Trailing mean of ys over the last `window` points (fewer at the start)."""
+    return [sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1]) for i in range(len(ys))]
+
+
+def plot_evaluation(runs: Sequence[RunData]) -> bytes | None:
+    """eval/reward_mean (fixed noise) per evaluation, beside the training reward_mean smoothed over SMOOTHING epochs."""
+    if not any(metric_series(run.metrics, "eval/reward_mean")[0] for run in runs):
+        return None
+    colors = ("tab:blue", "tab:orange")
+    fig, ax = _new_axes(f"evaluation (fixed noise) and training reward ({SMOOTHING}-epoch mean)")
+    for i, run in enumerate(runs):
+        xs, ys = metric_series(run.metrics, "eval/reward_mean")
+        if xs:
+            ax.plot(xs, ys, RUN_STYLES[i], color=colors[i], marker="o", label=f"{run.name} eval/reward_mean")
+        xs, ys = metric_series(run.metrics, "reward_mean")
+        if xs:
+            ax.plot(xs, smoothed(xs, ys), ":", color=colors[i], label=f"{run.name} reward_mean, {SMOOTHING}-epoch mean")
+    ax.set_xlabel("epoch (evaluations: weights after that many epochs)")
+    ax.legend(fontsize=8)
+    return _figure_png(fig)
+
+
+def _window_mean(values: Sequence[float], first: bool) -> str:
+    if not values:
+        return ""
+    part = values[:SMOOTHING] if first else values[-SMOOTHING:]
+    return f"{sum(part) / len(part):.4f}"
+
+
+def _evaluation_section(runs: Sequence[RunData]) -> str:
+    parts = ["<h2>Evaluation</h2>"]
+    figure = plot_evaluation(runs)
+    if figure is None:
+        parts.append("<p>no evaluation logged (set config.eval_freq, e.g. --config.eval_freq=10)</p>")
+    else:
+        parts.append(_img(_png_data_uri(figure), "evaluation curve", "plot"))
+    for run in runs:
+        epochs = sorted(run.eval_grids)
+        if epochs:
+            shown = sorted({epochs[0], epochs[len(epochs) // 2], epochs[-1]})
+            cells = "".join(
+                f'<div class="col"><h4>{_e(run.name)}: after {epoch} epochs</h4>'
+                f'{_file_img(run.eval_grids[epoch], f"eval grid {epoch}", "grid")}</div>'
+                for epoch in shown
+            )
+            parts.append(f"<h3>Fixed evaluation grids: the same prompts and noise, first / middle / last</h3>"
+                         f'<div class="cols">{cells}</div>')
+        if run.evaluations:
+            rows = "".join(
+                f"<tr><td>{_e(name)}</td><td>{_e(_fmt(doc.get('mean')))}</td><td>{_e(doc.get('num_prompts', ''))} x "
+                f"{_e(doc.get('images_per_prompt', ''))}</td><td>{_e(doc.get('prompts', ''))}</td></tr>"
+                for name, doc in sorted(run.evaluations.items(), key=lambda item: int(item[0].split("_")[-1]))
+            )
+            parts.append(f"<h3>{_e(run.name)}: scripts/evaluate.py results (evaluation.json)</h3>"
+                         f"<table><tr><th>checkpoint</th><th>mean</th><th>prompts x images</th><th>prompt set</th></tr>"
+                         f"{rows}</table>")
+    return "\n".join(parts)
+
+
 def _summary_section(runs: Sequence[RunData]) -> str:
+    """First vs last evaluation and first vs last SMOOTHING-epoch windows: single epochs are noise."""
+    header = "".join(f"<th>{_e(run.name)} first</th><th>{_e(run.name)} last</th>" for run in runs)
+    rows = []
+    for key, label in (("eval/reward_mean", "eval/reward_mean (first vs last evaluation)"),):
+        values = []
+        for run in runs:
+            logged = metric_series(run.metrics, key)[1]
+            values += [_fmt(logged[0]) if logged else "", _fmt(logged[-1]) if logged else ""]
+        if any(values):
+            rows.append(f"<tr><td>{_e(label)}</td>" + "".join(f"<td>{_e(v)}</td>" for v in values) + "</tr>")
+    for key in ("reward_mean", "kl", "loss"):
+        values = []
+        for run in runs:
+            logged = metric_series(run.metrics, key)[1]
+            values += [_window_mean(logged, True), _window_mean(logged, False)]
+        if any(values):
+            label = f"{key} (mean of the first / last {SMOOTHING} epochs)"
+            rows.append(f"<tr><td>{_e(label)}</td>" + "".join(f"<td>{_e(v)}</td>" for v in values) + "</tr>")
+    counts = ", ".join(f"{_e(run.name)}: {len(run.metrics)} rows" for run in runs)
+    table = f"<table><tr><th>metric</th>{header}</tr>{''.join(rows)}</table>"
+    return f"<h2>Summary</h2><p>metrics.jsonl: {counts}</p>{table}" + _legacy_summary(runs)
+
+
+def _legacy_summary(runs: Sequence[RunData]) -> str:
     keys = ["epoch", "global_step", "num_processes", "num_samples", "reward_mean", "reward_std", "kl", "loss"]
     header = "".join(f"<th>{_e(run.name)} first</th><th>{_e(run.name)} last</th>" for run in runs)
     rows = []
@@ -340,8 +437,7 @@ def _summary_section(runs: Sequence[RunData]) -> str:
             values += [_fmt(logged[0]) if logged else "", _fmt(logged[-1]) if logged else ""]
         if any(values):
             rows.append(f"<tr><td>{_e(key)}</td>" + "".join(f"<td>{_e(v)}</td>" for v in values) + "</tr>")
-    counts = ", ".join(f"{_e(run.name)}: {len(run.metrics)} rows" for run in runs)
-    return f"<h2>Summary</h2><p>metrics.jsonl: {counts}</p><table><tr><th>metric</th>{header}</tr>{''.join(rows)}</table>"
+    return f"<details><summary>first and last single rows</summary><table><tr><th>metric</th>{header}</tr>{''.join(rows)}</table></details>"
 
 
 def _curves_section(runs: Sequence[RunData]) -> str:
@@ -401,8 +497,9 @@ def _prompts_section(runs: Sequence[RunData], prompts: Sequence[str], top_k: int
                 cells.append(f'<div class="col">{header}<p>not sampled in this epoch</p></div>')
                 continue
             ranked = sorted(mine, key=lambda r: r["reward"], reverse=True)
-            best = "".join(_sample_cell(r) for r in ranked[:top_k])
-            worst = "".join(_sample_cell(r) for r in ranked[::-1][:top_k])
+            shown = min(top_k, (len(ranked) + 1) // 2)  # best and worst never show the same image twice
+            best = "".join(_sample_cell(r) for r in ranked[:shown])
+            worst = "".join(_sample_cell(r) for r in ranked[shown:][::-1][:top_k])
             cells.append(
                 f'<div class="col">{header}<p>best</p><div class="row">{best}</div>'
                 f'<p>worst</p><div class="row">{worst}</div></div>'
@@ -421,7 +518,7 @@ td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
 img.grid { max-width: 100%; image-rendering: pixelated; }
 img.sample { width: 96px; image-rendering: pixelated; }
 .row { display: flex; flex-wrap: wrap; gap: 6px; }
-figure { margin: 0; font-size: 0.8em; text-align: center; }
+figure { margin: 0; font-size: 0.8em; text-align: center; width: 100px; overflow-wrap: anywhere; }
 pre { font-size: 0.8em; background: #f6f6f6; padding: 0.5em; overflow-x: auto; }
 .missing { color: #a00; font-size: 0.8em; }
 """
@@ -469,6 +566,7 @@ def build_report(
         f"<h1>ddpo-group run report: {_e(title)}</h1>",
         "<p>" + "<br>".join(_e(run.path) for run in runs) + "</p>",
         _summary_section(runs),
+        _evaluation_section(runs),
         _config_section(runs),
         _curves_section(runs),
         _grids_section(runs),

@@ -427,6 +427,8 @@ class Trainer:
                 if self._should_stop():
                     break
                 metrics = {"epoch": epoch}
+                if config.eval_freq and epoch % config.eval_freq == 0:
+                    self.evaluate(epoch, metrics)  # the weights after `epoch` epochs, before this epoch's update
                 samples = self.sample_epoch(epoch, metrics)
                 if self._should_stop():
                     break
@@ -442,6 +444,10 @@ class Trainer:
                     self.save_checkpoint(epoch + 1)
             else:
                 epoch = config.num_epochs
+                if config.eval_freq:  # the final weights, a row of their own
+                    metrics = {"epoch": epoch, "eval_only": True}
+                    self.evaluate(epoch, metrics)
+                    self._write_metrics_row(metrics)
             self.save_checkpoint(epoch)
         except BaseException as err:
             failed = True
@@ -453,6 +459,48 @@ class Trainer:
             self.reward_runner.shutdown(wait=not failed)
             acc.end_training()
         return self.run_dir
+
+    def evaluate(self, epoch, metrics):
+        """Fixed-noise evaluation of the current weights (ddpo_group.evaluation) into `metrics` (eval/*), and
+        the fixed grid samples/eval_XXXX.png; every process evaluates a share of the prompts."""
+        from ddpo_group.evaluation import evaluate
+
+        config, acc = self.config, self.accelerator
+        start = time.perf_counter()
+        if not hasattr(self, "eval_prompts"):
+            self.eval_prompts = load_prompts(config.eval_prompt_fn) if config.eval_prompt_fn else self.prompts
+        result = evaluate(
+            self.policy, self.trainable_module, self.eval_prompts, self.reward_fn, config.eval_images_per_prompt,
+            config.sample.num_steps, config.sample.guidance_scale, config.sample.eta, seed=config.eval_seed,
+            batch_size=config.eval_batch_size or config.sample.batch_size, accelerator=acc,
+            grid_prompts=config.eval_grid_prompts,
+        )
+        metrics["eval/reward_mean"] = result["reward_mean"]
+        metrics["eval/reward_std"] = result["reward_std"]
+        for name, value in result["components"].items():
+            metrics[f"eval/{name}"] = value
+        if acc.is_main_process and result["images"] is not None:
+            from ddpo_group.grids import save_epoch_samples
+
+            per_image = config.eval_images_per_prompt
+            shown = len(result["grid_prompts"])
+            grid = save_epoch_samples(
+                self.run_dir, epoch, result["images"], [p for p in result["grid_prompts"] for _ in range(per_image)],
+                result["rewards"][:shown].reshape(-1), None, per_image, max_rows=shown, prefix="eval",
+            )
+            metrics["eval/grid"] = os.path.relpath(grid, self.run_dir)
+        metrics["time/eval"] = time.perf_counter() - start
+
+    def _write_metrics_row(self, metrics):
+        """Append one row to metrics.jsonl (main process, flushed to disk) and send it to the trackers."""
+        config, acc = self.config, self.accelerator
+        if acc.is_main_process:
+            with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if config.log_with != "none":
+            acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["epoch"])
 
     def _mark_failed(self, epoch, err):
         """failed.json in the run directory: a run that stopped on an error says so, and where."""
@@ -915,12 +963,7 @@ class Trainer:
                     ),
                     self.run_dir,
                 )
-            with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        if config.log_with != "none":
-            acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=epoch)
+        self._write_metrics_row(metrics)
 
     def _dump_debug(self, epoch, samples):
         acc = self.accelerator

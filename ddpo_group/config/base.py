@@ -53,6 +53,21 @@ def get_config():
     config.log_with = "none"
     # Project name for wandb / tensorboard.
     config.project_name = "ddpo-group"
+    # Evaluation with fixed noise (ddpo_group/evaluation.py): every eval_freq epochs (0: never), before the
+    # first update (logged on the epoch-0 row as eval/reward_mean, eval/reward_std, eval/<reward>) and once
+    # more after the last epoch (a row of its own with epoch = num_epochs). Two evaluations differ only by
+    # the weights: image j of prompt i always starts from the same noise.
+    config.eval_freq = 0
+    # Prompt set of the evaluation, as prompt_fn ("": the training prompts).
+    config.eval_prompt_fn = ""
+    # Images per prompt of an evaluation.
+    config.eval_images_per_prompt = 2
+    # Seed of the evaluation noise.
+    config.eval_seed = 1234
+    # Images per sampling call of an evaluation (0: sample.batch_size).
+    config.eval_batch_size = 0
+    # Prompts shown in the fixed evaluation grid samples/eval_XXXX.png (0: no grid).
+    config.eval_grid_prompts = 8
     # Write each rank's rewards, prompt ids and advantages to run_dir/debug/ every epoch (tests, debugging).
     config.debug_dump = False
     # Plugins imported before the config is checked: comma-separated module names or .py paths that

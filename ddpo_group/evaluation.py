@@ -1,0 +1,78 @@
+"""Fixed-noise evaluation: the mean reward of a policy over a prompt set, comparable across epochs.
+
+Image j of prompt i starts from noise drawn with a generator seeded by (seed, i, j) and draws its
+step noise from the same generator, so two evaluations differ only by the weights (and neither
+depends on how the prompts are batched or split over processes). Used by the trainer
+(`eval_freq`) and by `scripts/evaluate.py`.
+
+    result = evaluate(policy, model, records, reward_fn, images_per_prompt=2, num_steps=10,
+                      guidance_scale=3.0, eta=1.0, seed=1234, batch_size=32, accelerator=acc)
+    result["reward_mean"], result["components"], result["per_prompt"], result["images"]
+
+With an accelerator every process evaluates its share of the (prompt, image) pairs and the
+results are gathered (every process gets the whole result); grid images stay on the main process.
+"""
+
+import numpy as np
+import torch
+
+
+def sample_generator(seed, prompt_index, image_index):
+    """The generator of image `image_index` of prompt `prompt_index`: initial and step noise."""
+    return torch.Generator().manual_seed(int(np.random.default_rng([seed, prompt_index, image_index]).integers(2**62)))
+
+
+@torch.no_grad()
+def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, guidance_scale, eta, seed=1234,
+             batch_size=32, accelerator=None, grid_prompts=0):
+    """Rewards of `images_per_prompt` fixed-noise images of every prompt record.
+
+    Args:
+        policy: a DiffusionPolicy; model: the module to sample with (None: the policy's).
+        records: PromptRecords; reward_fn: a CombinedReward (``build_reward_fn``).
+        grid_prompts: keep the images of the first this many prompts (for a grid), on the main process.
+
+    Returns: {"reward_mean", "reward_std", "components": {name: mean}, "per_prompt": (P,) means,
+    "rewards": (P, J) array, "images": (k*J, 3, H, W) CPU tensor or None, "grid_prompts": their prompts}.
+    """
+    pairs = [(i, j) for i in range(len(records)) for j in range(images_per_prompt)]
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    mine = pairs[rank::world]
+    results = []
+    for start in range(0, len(mine), batch_size):
+        chunk = mine[start : start + batch_size]
+        prompts = [records[i].prompt for i, _ in chunk]
+        generators = [sample_generator(seed, i, j) for i, j in chunk]
+        context = accelerator.autocast() if accelerator is not None else torch.autocast("cpu", enabled=False)
+        with context:
+            batch = policy.sample(prompts, num_steps, guidance_scale, eta, generator=generators, model=model)
+        images = batch.images.float().cpu()
+        total, components, _ = reward_fn(images, prompts, [records[i].metadata for i, _ in chunk])
+        for n, (i, j) in enumerate(chunk):
+            keep = images[n] if i < grid_prompts else None
+            results.append((i, j, float(total[n]), {k: float(v[n]) for k, v in components.items()}, keep))
+    if accelerator is not None and world > 1:
+        from accelerate.utils import gather_object
+
+        results = gather_object(results)
+    rewards = np.full((len(records), images_per_prompt), np.nan)
+    component_sums = {}
+    grid = {}
+    for i, j, value, parts, image in results:
+        rewards[i, j] = value
+        for name, part in parts.items():
+            component_sums.setdefault(name, []).append(part)
+        if image is not None:
+            grid[(i, j)] = image
+    images = None
+    if grid and (accelerator is None or accelerator.is_main_process):
+        images = torch.stack([grid[key] for key in sorted(grid)])
+    return {
+        "reward_mean": float(np.mean(rewards)),
+        "reward_std": float(np.std(rewards)),
+        "components": {name: float(np.mean(values)) for name, values in component_sums.items()},
+        "per_prompt": rewards.mean(axis=1),
+        "rewards": rewards,
+        "images": images,
+        "grid_prompts": [records[i].prompt for i in range(min(grid_prompts, len(records)))],
+    }
