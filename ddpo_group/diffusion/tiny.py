@@ -168,12 +168,16 @@ def build_tiny_pipeline(seed=0):
     are None. The global torch RNG state is left unchanged. Same seed -> same weights.
     """
     tokenizer = build_tiny_tokenizer()
-    configs = tiny_component_configs(vocab_size=len(tokenizer))
-    with torch.random.fork_rng(devices=[]):
+    return _random_sd_pipeline(tiny_component_configs(vocab_size=len(tokenizer)), tokenizer, seed)
+
+
+def _random_sd_pipeline(configs, tokenizer, seed, device="cpu", dtype=torch.float32):
+    """A StableDiffusionPipeline of `configs` with weights drawn from `seed` (global RNG untouched)."""
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        unet = UNet2DConditionModel(**configs["unet"])
-        vae = AutoencoderKL(**configs["vae"])
-        text_encoder = CLIPTextModel(CLIPTextConfig(**configs["text_encoder"]))
+        unet = UNet2DConditionModel(**configs["unet"]).to(dtype)
+        vae = AutoencoderKL(**configs["vae"]).to(dtype)
+        text_encoder = CLIPTextModel(CLIPTextConfig(**configs["text_encoder"])).to(dtype)
     pipeline = StableDiffusionPipeline(
         vae=vae.eval(),
         text_encoder=text_encoder.eval(),
@@ -240,24 +244,7 @@ def build_sd15_random_pipeline(seed=0, device="cpu", dtype=torch.float32):
     ``device`` in ``dtype``.
     """
     tokenizer = build_tiny_tokenizer(model_max_length=77)
-    configs = sd15_component_configs(vocab_size=len(tokenizer))
-    with torch.random.fork_rng(devices=[]), torch.device(device):
-        torch.manual_seed(seed)
-        unet = UNet2DConditionModel(**configs["unet"]).to(dtype)
-        vae = AutoencoderKL(**configs["vae"]).to(dtype)
-        text_encoder = CLIPTextModel(CLIPTextConfig(**configs["text_encoder"])).to(dtype)
-    pipeline = StableDiffusionPipeline(
-        vae=vae.eval(),
-        text_encoder=text_encoder.eval(),
-        tokenizer=tokenizer,
-        unet=unet.eval(),
-        scheduler=DDIMScheduler(**configs["scheduler"]),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    pipeline.set_progress_bar_config(disable=True)
-    return pipeline
+    return _random_sd_pipeline(sd15_component_configs(vocab_size=len(tokenizer)), tokenizer, seed, device, dtype)
 
 
 def _tiny_flow_vae(configs):
