@@ -160,6 +160,14 @@ def check_config(config, num_processes=1, has_gpu=None):
             "or a flow model's noise level); RL needs eta > 0 (1.0 is the usual DDIM value)"
         )
     _choice(sample.sde_type, ("",) + SDE_TYPES, "sample.sde_type")
+    from ddpo_group.diffusion.sd import StableDiffusionPolicy
+
+    if sample.sde_type and config.pretrained.model in StableDiffusionPolicy.offline_models:
+        raise ConfigError(
+            f"config.sample.sde_type={sample.sde_type!r} needs a flow-matching model (SD3, FLUX); "
+            f"config.pretrained.model={config.pretrained.model!r} steps with DDIM (its noise is sample.eta): "
+            "set sample.sde_type=''"
+        )
     _choice(sample.sde_window, SDE_WINDOWS, "sample.sde_window")
     if sample.sde_type == "cps" and sample.eta > 1.0:
         raise ConfigError(

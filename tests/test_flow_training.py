@@ -8,6 +8,7 @@ from ddpo_group.config_check import ConfigError, check_config
 from ddpo_group.diffusion.policy import policy_for
 from ddpo_group.diffusion.sampling import sample_trajectories, trajectory_log_probs, window_noise_levels
 from ddpo_group.diffusion.tiny import build_tiny_flux_pipeline, build_tiny_sd3_pipeline
+from ddpo_group.diffusion.tiny import build_tiny_pipeline as build_tiny_pipeline_sd
 from ddpo_group.trainer import Trainer, train
 from helpers import cheap, make_config, read_metrics
 
@@ -155,5 +156,13 @@ def test_bad_flow_settings_are_named_before_a_model_loads(tmp_path, overrides, f
 
 
 def test_an_sde_type_on_a_ddim_model_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="sample.sde_type"):
-        Trainer(make_config(tmp_path, sample__sde_type="sde"))
+    with pytest.raises(ConfigError, match="sample.sde_type"):  # an offline DDIM model: before it loads
+        check_config(make_config(tmp_path, sample__sde_type="sde"))
+    with pytest.raises(ConfigError, match="sample.sde_type"):  # any other: when its family is known
+        Trainer(make_config(tmp_path, sample__sde_type="sde", pretrained__model=str(_saved_tiny(tmp_path))))
+
+
+def _saved_tiny(tmp_path):
+    path = tmp_path / "tiny_sd"
+    build_tiny_pipeline_sd(seed=0).save_pretrained(str(path))
+    return path
