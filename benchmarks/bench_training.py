@@ -82,6 +82,14 @@ METHODS = {
         "Group-PPO: critic + GAE + timestep grouping, actor trained on segment endpoints",
         "tiny_group_ppo", "group_ppo", {"train.timestep_selection": "endpoints"},
     ),
+    "group_ppo_sampled": (
+        "Group-PPO advantages, actor trained at one step drawn inside each segment (weighted by its length)",
+        "tiny_group_ppo", "group_ppo", {"train.timestep_selection": "segment_sample"},
+    ),
+    "early_window": (
+        "GRPO + KL trained only at the first (noisiest) 2 steps, Flow-GRPO-Fast / MixGRPO style",
+        "tiny", "sd15", {"train.timestep_selection": "early", "train.early_steps": 2},
+    ),
     "group_ppo_all": (
         "Group-PPO advantages, actor trained on every valid step with the segment advantage",
         "tiny_group_ppo", "group_ppo", {"train.timestep_selection": "all"},
@@ -90,7 +98,8 @@ METHODS = {
 # The variant whose sampling work every method copies.
 COMMON_VARIANT = {"tiny": "tiny_all", "sd": "sd15", "tiny-sd3": "tiny_sd3", "tiny-flux": "tiny_flux"}
 SHARED_FIELDS = (
-    "seed", "pretrained.model", "pretrained.revision", "mixed_precision", "use_lora", "lora_rank", "lora_alpha",
+    "seed", "eval_prompt_fn", "eval_images_per_prompt", "eval_batch_size", "eval_seed", "eval_grid_prompts",
+    "pretrained.model", "pretrained.revision", "mixed_precision", "use_lora", "lora_rank", "lora_alpha",
     "prompt_fn", "prompt_fn_kwargs", "reward_fn", "reward_weights", "reward_aggregation", "reward_workers",
     "sample", "train.batch_size", "train.gradient_accumulation_steps", "train.learning_rate",
     "train.num_inner_epochs", "train.cfg", "train.clip_range",
@@ -132,7 +141,8 @@ def model_family(model):
     return "tiny" if model in TINY_MODELS else "sd"
 
 
-def build_method_config(method, model, num_epochs, run_dir, reward_fn=None, sample_overrides=None, common_variant=None):
+def build_method_config(method, model, num_epochs, run_dir, reward_fn=None, sample_overrides=None, common_variant=None,
+                        seed=None, eval_freq=0):
     """The method's config: its variant, the common variant's sampling work, the method's fields.
 
     sample_overrides: {"num_steps": int, "batch_size": int, "num_batches_per_epoch": int, ...} applied
@@ -162,11 +172,13 @@ def build_method_config(method, model, num_epochs, run_dir, reward_fn=None, samp
         _set(config, field, value.to_dict() if hasattr(value, "to_dict") else value)
     for field, value in fields.items():
         _set(config, field, value)
+    if seed is not None:
+        config.seed = seed
     config.num_epochs = num_epochs
     config.logdir = os.path.dirname(run_dir)
     config.run_name = os.path.basename(run_dir)
     config.log_images_every = 0
-    config.eval_freq = 0
+    config.eval_freq = eval_freq
     config.save_freq = 0
     config.log_with = "none"
     config.resume_from = ""
@@ -304,6 +316,7 @@ def time_to_reach(rows, target, window=FINAL_WINDOW):
 
 def summarize(rows, config):
     """Per-method summary numbers (see DEFINITIONS) from its per-epoch metrics rows."""
+    rows = [row for row in rows if "reward_mean" in row]  # not the final evaluation's own row
     if not rows:
         raise ValueError("a run with no metrics rows cannot be summarized; did the run stop before its first epoch?")
     rewards = [row["reward_mean"] for row in rows]
@@ -602,6 +615,13 @@ def parse_args(argv=None):
                         help="where bench_<quick|full>.json/.md and runs/ go (default benchmarks/results)")
     parser.add_argument("--from-json", metavar="PATH", default=None, help="rebuild the summaries, targets and "
                         "markdown of a bench_<mode>.json from its per-epoch rows, without training")
+    parser.add_argument("--seeds", type=int, default=0, help="train every method with N seeds (seed, seed+1, ...) and "
+                        "summarize the fixed-noise evaluation reward over seeds (bench_seeds.json)")
+    parser.add_argument("--seed-start", type=int, default=None, help="first seed of --seeds (default: the config's)")
+    parser.add_argument("--eval-freq", type=int, default=None, help="evaluate every N epochs (default: 0, or 4 "
+                        "with --seeds)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None, help="merge bench_seeds JSON files "
+                        "(runs of other seeds) into one summary, without training")
     parser.add_argument("--profile", metavar="METHOD", default=None, help="profile one epoch of METHOD instead")
     parser.add_argument("--profiler", default="cprofile", choices=("cprofile", "torch"))
     parser.add_argument("--top", type=int, default=25, help="profile entries to print")
@@ -612,6 +632,8 @@ def parse_args(argv=None):
         parser.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
     if args.epochs is None:
         args.epochs = QUICK_EPOCHS if args.quick else FULL_EPOCHS
+    if args.eval_freq is None:
+        args.eval_freq = 4 if args.seeds else 0
     if args.epochs < 1:
         parser.error("--epochs must be >= 1")
     return args
@@ -656,6 +678,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.from_json:
         return rebuild(args.from_json, os.path.abspath(args.output_dir))
+    if args.merge:
+        return merge_seed_results(args.merge, os.path.abspath(args.output_dir))
     device = _select_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -667,6 +691,8 @@ def main(argv=None):
     try:
         if args.profile:
             return profile_method(args.profile, args, output_dir)
+        if args.seeds:
+            return run_seeds(args, argv, device, output_dir)
         return run_benchmark(args, argv, device, output_dir)
     finally:
         trainer_module._peak_rss_mb = original_peak_rss
@@ -716,6 +742,179 @@ def run_benchmark(args, argv, device, output_dir):
               f"{rows[-1]['reward_mean']:.4f}", flush=True)
     results = build_results(mode, settings, machine, runs)
     json_path, md_path, markdown = write_results(results, output_dir)
+    print(markdown)
+    print(f"[bench] written: {json_path}, {md_path}")
+    return results
+
+
+SEED_STATS = ("initial_reward", "final_reward", "time_to_reach_fraction", "reward_at_equal_wall",
+              "train_seconds_per_epoch", "epoch_seconds")
+SEED_DEFINITIONS = {
+    "initial_reward": "eval/reward_mean before any update (epoch 0)",
+    "final_reward": "eval/reward_mean of the final weights (the evaluation row of epoch num_epochs)",
+    "time_to_reach_fraction": "wall seconds (training epochs only, evaluation excluded) until the first evaluation "
+    "at or above ddpo's final_reward of the same seed, divided by ddpo's total wall seconds (runs that never reach "
+    "it are left out of the statistics; 'reached' counts them)",
+    "reward_at_equal_wall": "eval/reward_mean of the last evaluation whose weights took at most W wall seconds, W = the "
+    "smallest total wall time of all methods for that seed",
+    "train_seconds_per_epoch": "mean time/train", "epoch_seconds": "mean bench/epoch_seconds",
+}
+
+
+def seed_run_numbers(rows):
+    """(evaluations [(epoch, reward, wall seconds after that many epochs)], total wall, train s/epoch, epoch s)."""
+    train_rows = [row for row in rows if "reward_mean" in row]
+    walls = [0.0] + wall_seconds(train_rows)
+    evaluations = [(row["epoch"], row["eval/reward_mean"], walls[min(row["epoch"], len(walls) - 1)])
+                   for row in rows if "eval/reward_mean" in row]
+    return evaluations, walls[-1], _mean([row.get("time/train") for row in train_rows]), _mean(
+        [epoch_seconds(row) for row in train_rows])
+
+
+def _stats(values):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    mid = len(values) // 2
+    median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    return {"median": median, "min": values[0], "max": values[-1], "n": len(values)}
+
+
+def summarize_seeds(runs):
+    """runs: {method: {seed: rows}} -> {method: {stat: {median, min, max, n}}} (SEED_DEFINITIONS)."""
+    per_seed = {}
+    seeds = sorted({seed for by_seed in runs.values() for seed in by_seed})
+    for seed in seeds:
+        numbers = {m: seed_run_numbers(by_seed[seed]) for m, by_seed in runs.items() if seed in by_seed}
+        equal_wall = min(total for _, total, _, _ in numbers.values())
+        ddpo = numbers.get("ddpo")
+        for method, (evaluations, total, train_s, epoch_s) in numbers.items():
+            row = per_seed.setdefault(method, {}).setdefault(seed, {})
+            row["initial_reward"] = evaluations[0][1]
+            row["final_reward"] = evaluations[-1][1]
+            row["train_seconds_per_epoch"], row["epoch_seconds"] = train_s, epoch_s
+            row["reward_at_equal_wall"] = max((e for e in evaluations if e[2] <= equal_wall + 1e-9), key=lambda e: e[0])[1]
+            row["time_to_reach_fraction"] = None
+            if ddpo is not None:
+                target, ddpo_total = ddpo[0][-1][1], ddpo[1]
+                reached = next((wall for _, reward, wall in evaluations if reward >= target), None)
+                row["time_to_reach_fraction"] = None if reached is None else reached / ddpo_total
+    summary = {}
+    for method, by_seed in per_seed.items():
+        summary[method] = {stat: _stats([by_seed[s][stat] for s in by_seed]) for stat in SEED_STATS}
+        summary[method]["time_to_reach_fraction"]["reached"] = sum(
+            by_seed[s]["time_to_reach_fraction"] is not None for s in by_seed)
+    return summary, per_seed
+
+
+def render_seeds_markdown(results):
+    def cell(stat):
+        if stat["median"] is None:
+            return "-"
+        return f"{stat['median']:.3f} [{stat['min']:.3f}, {stat['max']:.3f}]"
+
+    seeds = results["seeds"]
+    lines = [
+        f"# Methods over seeds {seeds} (median [min, max]), {results['settings']['num_epochs']} epochs, "
+        f"task {results['settings']['common_variant']}",
+        "",
+        "| method | eval initial | eval final | eval at equal wall clock | time to ddpo's final / ddpo's wall (reached) "
+        "| train s / epoch | epoch s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for method, stats in results["summary"].items():
+        reach = stats["time_to_reach_fraction"]
+        lines.append(
+            f"| {method} | {cell(stats['initial_reward'])} | {cell(stats['final_reward'])} | "
+            f"{cell(stats['reward_at_equal_wall'])} | {cell(reach)} ({reach['reached']}/{len(seeds)}) | "
+            f"{cell(stats['train_seconds_per_epoch'])} | {cell(stats['epoch_seconds'])} |"
+        )
+    lines += ["", "Definitions:"] + [f"- {k}: {v}" for k, v in SEED_DEFINITIONS.items()]
+    for line in results.get("targets", []):
+        lines.append(f"- target: {line}")
+    return "\n".join(lines) + "\n"
+
+
+def seed_targets(summary):
+    """The issue's target: Group-PPO (either variant) reaches ddpo's final evaluation reward in at most 25% of ddpo's
+    wall clock, median over seeds."""
+    lines = []
+    for method in ("group_ppo_endpoints", "group_ppo_sampled"):
+        if method in summary:
+            stat = summary[method]["time_to_reach_fraction"]
+            median = stat["median"]
+            verdict = "not met (never reached)" if median is None else ("met" if median <= 0.25 else "not met")
+            lines.append(f"{method} reaches ddpo's final eval reward at {median if median is None else round(median, 3)} "
+                         f"of ddpo's wall clock (median; reached in {stat['reached']} seeds), bound 0.25: {verdict}")
+    return lines
+
+
+def write_seed_results(results, output_dir):
+    os.makedirs(output_dir, exist_ok=True)
+    stem = os.path.join(output_dir, "bench_seeds")
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=1, default=float)
+    markdown = render_seeds_markdown(results)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown)
+    return stem + ".json", stem + ".md", markdown
+
+
+def _seed_results(runs, settings, machine):
+    summary, per_seed = summarize_seeds(runs)
+    return {
+        "seeds": sorted({seed for by_seed in runs.values() for seed in by_seed}),
+        "summary": summary,
+        "per_seed": per_seed,
+        "targets": seed_targets(summary),
+        "definitions": SEED_DEFINITIONS,
+        "settings": settings,
+        "machine": machine,
+        "runs": runs,
+    }
+
+
+def run_seeds(args, argv, device, output_dir):
+    """Every method x every seed, in this process; bench_seeds.json / .md with the statistics over seeds."""
+    runs_root = os.path.join(output_dir, "runs", "seeds")
+    first_seed = args.seed_start if args.seed_start is not None else grpo.get_config(
+        args.common_variant or COMMON_VARIANT.get(args.model, COMMON_VARIANT[model_family(args.model)])).seed
+    seeds = list(range(first_seed, first_seed + args.seeds))
+    settings = {
+        "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": args.model, "num_epochs": args.epochs, "methods": args.methods, "seeds": seeds,
+        "eval_freq": args.eval_freq, "common_variant": args.common_variant,
+    }
+    runs = {method: {} for method in args.methods}
+    for seed in seeds:
+        for method in args.methods:
+            config = build_method_config(method, args.model, args.epochs, os.path.join(runs_root, f"{method}_{seed}"),
+                                         args.reward, _sample_overrides(args), args.common_variant, seed=seed,
+                                         eval_freq=args.eval_freq)
+            start = time.perf_counter()
+            rows, _ = run_method(config)
+            runs[method][seed] = rows
+            evaluations = [round(row["eval/reward_mean"], 3) for row in rows if "eval/reward_mean" in row]
+            print(f"[bench] seed {seed} {method}: {time.perf_counter() - start:.0f} s, eval {evaluations}", flush=True)
+    results = _seed_results(runs, settings, machine_info(device))
+    json_path, md_path, markdown = write_seed_results(results, output_dir)
+    print(markdown)
+    print(f"[bench] written: {json_path}, {md_path}")
+    return results
+
+
+def merge_seed_results(paths, output_dir):
+    """One bench_seeds.json from several (e.g. one process per seed)."""
+    runs, settings, machine = {}, None, None
+    for path in paths:
+        with open(path) as f:
+            part = json.load(f)
+        settings, machine = settings or part["settings"], machine or part["machine"]
+        for method, by_seed in part["runs"].items():
+            runs.setdefault(method, {}).update({int(seed): rows for seed, rows in by_seed.items()})
+    settings = dict(settings, seeds=sorted({s for by_seed in runs.values() for s in by_seed}), merged_from=list(paths))
+    results = _seed_results(runs, settings, machine)
+    json_path, md_path, markdown = write_seed_results(results, output_dir)
     print(markdown)
     print(f"[bench] written: {json_path}, {md_path}")
     return results

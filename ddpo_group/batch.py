@@ -35,7 +35,8 @@ class EpochBatch(Trajectories):
     sample_epoch        rewards (B_local,) float32; components {name: (B_local,)}
     compute_advantages  gathered (GatheredBatch); advantages (B_local, T); for an estimator that
                         needs_values: returns, old_values (critic values at sampling) and critic_mask
-                        (B_local, T); for one that defines_endpoints: endpoint_mask (B_local, T) bool
+                        (B_local, T); for one that defines_endpoints: endpoint_mask (B_local, T) bool and
+                        group_ids (B_local, T) int64 (segments 1, 2, ...; 0 on steps without density)
     """
 
     rewards: torch.Tensor | None = None
@@ -45,4 +46,5 @@ class EpochBatch(Trajectories):
     old_values: torch.Tensor | None = None
     critic_mask: torch.Tensor | None = None
     endpoint_mask: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
     gathered: GatheredBatch | None = field(default=None, metadata={"per_row": False})

@@ -16,7 +16,7 @@ from ddpo_group.diffusion.flow import SDE_TYPES
 from ddpo_group.plugins import PluginError, import_plugins
 from ddpo_group.rewards.combine import REWARD_AGGREGATIONS
 
-TIMESTEP_SELECTIONS = ("all", "fraction", "endpoints")
+TIMESTEP_SELECTIONS = ("all", "fraction", "endpoints", "segment_sample", "early")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LOG_WITH = ("none", "wandb", "tensorboard")
 OLD_LOG_PROBS = ("recompute", "sampled")
@@ -206,11 +206,12 @@ def check_config(config, num_processes=1, has_gpu=None):
     if not 0.0 < train.timestep_fraction <= 1.0:
         raise ConfigError(f"config.train.timestep_fraction={train.timestep_fraction} must be in (0, 1]")
     estimator = get_adv_estimator(algo.adv_estimator)
-    if train.timestep_selection == "endpoints" and not estimator.defines_endpoints:
+    if train.timestep_selection in ("endpoints", "segment_sample") and not estimator.defines_endpoints:
         raise ConfigError(
-            "config.train.timestep_selection='endpoints' needs an estimator that defines segment endpoints, "
-            f"such as algorithm.adv_estimator='group_ppo' (got {algo.adv_estimator!r})"
+            f"config.train.timestep_selection={train.timestep_selection!r} needs an estimator that defines segment "
+            f"endpoints, such as algorithm.adv_estimator='group_ppo' (got {algo.adv_estimator!r})"
         )
+    _positive(train.early_steps, "train.early_steps")
     if estimator.defines_endpoints and train.timestep_selection == "fraction":
         raise ConfigError(
             f"config.train.timestep_selection='fraction' contradicts algorithm.adv_estimator={algo.adv_estimator!r}, "

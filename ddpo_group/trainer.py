@@ -647,6 +647,7 @@ class Trainer:
                 metrics.update(grouping.grouping_metrics(endpoint_mask, mask, self.threshold.threshold))
                 self.threshold.update(endpoint_mask, mask)
                 samples.endpoint_mask = endpoint_mask[local]
+                samples.group_ids = info["group_ids"][local]
                 train_mask = endpoint_mask.to(mask.dtype) * mask
             samples.returns = returns[local]
             samples.old_values = values[local]
@@ -664,23 +665,44 @@ class Trainer:
         metrics["time/advantages"] = time.perf_counter() - start
 
     def _selected_steps(self, samples, rows, generator):
-        """Step indices (b, K) and their mask (b, K) for the trajectories `rows`."""
+        """Step indices (b, K), their mask (b, K) and loss weights (b, K) for the trajectories `rows`.
+
+        all: every step with a density; fraction: a random subset per trajectory (DDPO); endpoints: the
+        Group-PPO segment endpoints; segment_sample: one step drawn uniformly inside each Group-PPO
+        segment (shared by the micro-batch), weighted by len(segment) * K / T so that the token-mean over
+        the K drawn steps is an unbiased estimate of the token-mean over all T (exactly so for a loss
+        linear in the advantage, as vanilla PPO is); early: the first train.early_steps steps with a
+        density (the noisiest: Flow-GRPO-Fast / MixGRPO's window). Weights are 1 except for segment_sample.
+        """
         config = self.config
         mask = samples.mask[rows].float()
         b, T = mask.shape
         selection = config.train.timestep_selection
+        weights = None
+        valid_columns = samples.mask.any(dim=0).nonzero().flatten().cpu()
         if selection == "all":
             # the steps that have a density (every step for DDIM; the SDE window of a flow model)
-            columns = samples.mask.any(dim=0).nonzero().flatten().cpu()
+            idx = valid_columns.expand(b, len(valid_columns))
+        elif selection == "early":
+            columns = valid_columns[: config.train.early_steps]
             idx = columns.expand(b, len(columns))
         elif selection == "fraction":
             k = max(1, int(T * config.train.timestep_fraction))
             idx = torch.stack([torch.randperm(T, generator=generator)[:k] for _ in range(b)])
+        elif selection == "segment_sample":
+            group_ids = samples.group_ids.max(dim=0).values.cpu()  # segments are shared by the batch
+            segments = [(group_ids == g).nonzero().flatten() for g in range(1, int(group_ids.max()) + 1)]
+            segments = [steps for steps in segments if len(steps)]
+            columns = torch.stack([steps[torch.randint(len(steps), (1,), generator=generator)][0] for steps in segments])
+            lengths = torch.tensor([float(len(steps)) for steps in segments])
+            idx = columns.expand(b, len(columns))
+            weights = (lengths * len(segments) / lengths.sum()).expand(b, len(columns))
         else:
             columns = samples.endpoint_mask.any(dim=0).nonzero().flatten().cpu()
             idx = columns.expand(b, len(columns))
         idx = idx.to(mask.device)
-        return idx, mask.gather(1, idx)
+        weights = torch.ones(idx.shape, device=mask.device) if weights is None else weights.to(mask.device)
+        return idx, mask.gather(1, idx), weights
 
     def _step(self, model, samples, rows, step_index):
         """log pi(x_{t+1} | x_t, c), mean, std for trajectories `rows` at their steps step_index (b,).
@@ -706,13 +728,13 @@ class Trainer:
         for perm in permutations:
             for i in range(0, b_local, t.batch_size):
                 rows = perm[i : i + t.batch_size].to(samples.latents.device)
-                step_idx, step_mask = self._selected_steps(samples, rows, generator)
+                step_idx, step_mask, weights = self._selected_steps(samples, rows, generator)
                 plan.append(
                     MicroBatch(
                         rows=rows,
                         step_idx=step_idx,
                         step_mask=step_mask,
-                        advantages=samples.advantages[rows].gather(1, step_idx),
+                        advantages=samples.advantages[rows].gather(1, step_idx) * weights,
                         old_log_probs=samples.log_probs[rows].gather(1, step_idx).float(),
                     )
                 )

@@ -207,3 +207,41 @@ def test_from_json_rebuilds_the_same_tables_without_training(run, tmp_path):
     rebuilt = bench.main(["--from-json", str(out / "bench_quick.json"), "--output-dir", str(tmp_path)])
     assert rebuilt["methods"]["ddpo"]["summary"] == results["methods"]["ddpo"]["summary"]
     assert (tmp_path / "bench_quick.md").read_text() == markdown
+
+
+@pytest.fixture(scope="module")
+def seeds_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seeds")
+    bench.main([
+        "--model", "tiny", "--seeds", "2", "--epochs", "2", "--eval-freq", "1", "--num-steps", "2",
+        "--sample-batch-size", "8", "--num-batches", "1", "--methods", "ddpo,group_ppo_sampled,early_window",
+        "--output-dir", str(out),
+    ])
+    with open(out / "bench_seeds.json") as f:
+        return json.load(f), (out / "bench_seeds.md").read_text()
+
+
+def test_seeds_json_has_seeds_and_summary_statistics(seeds_run):
+    results, markdown = seeds_run
+    assert results["seeds"] == [42, 43]
+    for method in ("ddpo", "group_ppo_sampled", "early_window"):
+        stats = results["summary"][method]
+        for key in ("initial_reward", "final_reward", "time_to_reach_fraction", "train_seconds_per_epoch", "epoch_seconds"):
+            assert set(stats[key]) >= {"median", "min", "max"}
+        assert f"| {method} |" in markdown
+
+
+def test_seed_statistics_are_recomputed_from_the_evaluation_rows(seeds_run):
+    results, _ = seeds_run
+    for method, by_seed in results["runs"].items():
+        finals = []
+        for rows in by_seed.values():
+            evaluations = [row for row in rows if "eval/reward_mean" in row]
+            assert [row["epoch"] for row in evaluations] == [0, 1, 2]  # eval every epoch and the final weights
+            finals.append(evaluations[-1]["eval/reward_mean"])
+        stats = results["summary"][method]["final_reward"]
+        assert stats["min"] == pytest.approx(min(finals)) and stats["max"] == pytest.approx(max(finals))
+        assert stats["median"] == pytest.approx(sum(finals) / 2)  # the median of two values is their mean
+    # ddpo reaches its own final reward at or before its end: a fraction in [0, 1]
+    ddpo = results["summary"]["ddpo"]["time_to_reach_fraction"]
+    assert ddpo["reached"] == 2 and 0.0 <= ddpo["min"] <= ddpo["max"] <= 1.0

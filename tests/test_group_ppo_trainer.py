@@ -31,7 +31,7 @@ def run_group_ppo(tmp_path, actor_tokens, accumulation=MICRO_BATCHES):
             sample__num_steps=T,
             reward_fn="jpeg_compressibility",
             algorithm__adv_estimator="group_ppo",
-            train__timestep_selection="endpoints" if actor_tokens == "endpoints" else "all",
+            train__timestep_selection=actor_tokens,
             group_ppo__max_group_size=2,
             group_ppo__variance_threshold=THRESHOLD,
             group_ppo__min_threshold=MIN_THRESHOLD,
@@ -134,3 +134,32 @@ def test_adaptive_threshold_state_is_checkpointed(endpoints_run):
     expected = max(THRESHOLD * math.exp(THRESHOLD_LR * (compression - TARGET)), MIN_THRESHOLD)
     assert state["threshold"]["threshold"] == pytest.approx(expected, rel=1e-12)
     assert state["threshold"]["num_updates"] == 1
+
+
+def test_segment_sample_trains_one_step_inside_each_segment(tmp_path):
+    run = run_group_ppo(tmp_path, "segment_sample")
+    timesteps = run.samples.timesteps[0].tolist()
+    segments = [{timesteps[0], timesteps[1]}, {timesteps[2], timesteps[3]}]  # [0, 1], [2, 3] (length-limited)
+    assert len(run.grad_calls) == K * MICRO_BATCHES
+    for n, call in enumerate(run.grad_calls):
+        assert call[0] in segments[n % K]
+
+
+def test_early_selection_trains_the_first_steps_only(tmp_path):
+    from helpers import cheap as cheap_overrides
+
+    config = make_config(tmp_path, **cheap_overrides(sample__num_steps=4, train__timestep_selection="early",
+                                                     train__early_steps=2, reward_fn="jpeg_compressibility"))
+    trainer = Trainer(config)
+    calls = []
+    handle = trainer.trainable_module.register_forward_hook(
+        lambda module, args, kwargs, output: calls.append(int(torch.as_tensor(args[1]).flatten()[0]))
+        if torch.is_grad_enabled() else None,
+        with_kwargs=True,
+    )
+    try:
+        trainer.run()
+    finally:
+        handle.remove()
+    first_two = trainer.policy.pipeline.scheduler.timesteps[:2].tolist()
+    assert calls and set(calls) == set(first_two)

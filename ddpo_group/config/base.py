@@ -154,10 +154,15 @@ def get_config():
     train.clip_ratio_c = 3.0
     # Fraction of the timesteps trained per trajectory when timestep_selection == "fraction" (DDPO).
     train.timestep_fraction = 1.0
-    # Which denoising steps the actor trains: "all", "fraction" (a random subset, DDPO) or "endpoints"
-    # (the segment endpoints of an estimator that defines them: Group-PPO; with "all", Group-PPO trains
-    # every valid step with its segment advantage). The critic of Group-PPO trains at the endpoints.
+    # Which denoising steps the actor trains: "all", "fraction" (a random subset, DDPO), "endpoints" (the
+    # segment endpoints of an estimator that defines them: Group-PPO; with "all", Group-PPO trains every
+    # valid step with its segment advantage), "segment_sample" (one step drawn inside each Group-PPO
+    # segment, weighted by the segment's length: an unbiased estimate of the all-steps loss with K calls)
+    # or "early" (the first train.early_steps steps: the noisiest, as Flow-GRPO-Fast / MixGRPO train).
+    # The critic of Group-PPO trains at the endpoints.
     train.timestep_selection = "all"
+    # Steps trained with timestep_selection="early".
+    train.early_steps = 2
     # Policy loss: "vanilla" (PPO, asymmetric + dual clip), "gspo", "geo_mean" (GMPO).
     train.policy_loss = "vanilla"
     # Loss aggregation over (sample, step) tokens: "token-mean", "seq-mean-token-sum",

@@ -11,6 +11,8 @@
     tiny_ddpo       the DDPO baseline on the shapes-world model
     tiny_group_ppo  Group-PPO on the shapes-world model
     tiny_gae        PPO with a critic and GAE over timesteps on the shapes-world model
+    tiny_group_ppo_sampled  Group-PPO training one random step per segment (weighted) instead of its endpoint
+    tiny_early_window  GRPO + KL trained only at the 2 noisiest steps (Flow-GRPO-Fast / MixGRPO style)
     test            the random-weight tiny pipeline, a few seconds; for tests and smoke checks
     sd35            GRPO + KL on SD3.5-Medium (flow matching, SDE steps) with Flow-GRPO's settings, one GPU
     flux            GRPO + KL on FLUX.1-dev (flow matching, SDE steps), bf16, LoRA, one GPU
@@ -172,6 +174,21 @@ def tiny_group_ppo():
     return config
 
 
+def tiny_group_ppo_sampled():
+    """Group-PPO with one step drawn inside each segment (weighted by its length) instead of the endpoint."""
+    config = tiny_group_ppo()
+    config.train.timestep_selection = "segment_sample"
+    return config
+
+
+def tiny_early_window():
+    """GRPO + KL trained only at the 2 noisiest steps (Flow-GRPO-Fast / MixGRPO's window; 2 = Group-PPO's K here)."""
+    config = tiny_all()
+    config.train.timestep_selection = "early"
+    config.train.early_steps = 2
+    return config
+
+
 def tiny_gae():
     config = _tiny_common(base.get_config())
     config.algorithm.adv_estimator = "gae"
@@ -281,6 +298,8 @@ VARIANTS = {
     "tiny_ddpo": tiny_ddpo,
     "tiny_group_ppo": tiny_group_ppo,
     "tiny_gae": tiny_gae,
+    "tiny_group_ppo_sampled": tiny_group_ppo_sampled,
+    "tiny_early_window": tiny_early_window,
     "test": test,
     "sd35": sd35,
     "flux": flux,
