@@ -34,6 +34,8 @@ Definitions (also written into the JSON file):
 """
 
 import argparse
+import ast
+import concurrent.futures
 import cProfile
 import datetime
 import gc
@@ -44,6 +46,7 @@ import os
 import platform
 import pstats
 import shutil
+import subprocess
 import sys
 import time
 
@@ -94,6 +97,14 @@ METHODS = {
         "Group-PPO advantages, actor trained on every valid step with the segment advantage",
         "tiny_group_ppo", "group_ppo", {"train.timestep_selection": "all"},
     ),
+    "group_ppo_start": (
+        "Group-PPO advantages, actor trained at the first (noisiest) step of each segment",
+        "tiny_group_ppo", "group_ppo", {"train.timestep_selection": "segment_start"},
+    ),
+    "sde_window2": (
+        "GRPO + KL with noise only in the first 2 steps (an SDE window; ODE steps elsewhere), trained there",
+        "tiny", "sd15", {"sample.sde_window_size": 2},
+    ),
 }
 # The variant whose sampling work every method copies.
 COMMON_VARIANT = {"tiny": "tiny_all", "sd": "sd15", "tiny-sd3": "tiny_sd3", "tiny-flux": "tiny_flux"}
@@ -137,6 +148,32 @@ def _get(config, dotted):
     return node
 
 
+def parse_method_spec(spec):
+    """`[LABEL=]METHOD[:FIELD=VALUE]...` -> (label, method, {field: value}).
+
+    A spec is a method of METHODS with config fields changed, e.g.
+    `gp_w4=group_ppo_start:sample.sde_window_size=4:train.learning_rate=1e-4`; VALUE is read as a
+    Python literal (numbers, True, strings in quotes) or else kept as a string. Without LABEL the
+    whole spec is the label.
+    """
+    label, sep, rest = spec.partition("=")
+    if not sep or ":" in label:
+        label, rest = spec, spec
+    method, *assignments = rest.split(":")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r} in {spec!r}; choose from {list(METHODS)}")
+    fields = {}
+    for assignment in assignments:
+        field, eq, text = assignment.partition("=")
+        if not eq or not field:
+            raise ValueError(f"method spec {spec!r}: {assignment!r} is not FIELD=VALUE")
+        try:
+            fields[field] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            fields[field] = text
+    return label, method, fields
+
+
 def model_family(model):
     return "tiny" if model in TINY_MODELS else "sd"
 
@@ -145,13 +182,15 @@ def build_method_config(method, model, num_epochs, run_dir, reward_fn=None, samp
                         seed=None, eval_freq=0):
     """The method's config: its variant, the common variant's sampling work, the method's fields.
 
+    method: a name of METHODS or a spec (parse_method_spec) whose fields are applied last.
+
     sample_overrides: {"num_steps": int, "batch_size": int, "num_batches_per_epoch": int, ...} applied
     to every method alike (sample.*); train.batch_size shrinks to divide the epoch's trajectories.
     common_variant: the config/grpo.py variant the shared work comes from (default: tiny or sd15).
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}")
+    _, method, spec_fields = parse_method_spec(method)
     _, tiny_variant, sd_variant, fields = METHODS[method]
+    fields = {**fields, **spec_fields}
     family = model_family(model)
     config = grpo.get_config(tiny_variant if family == "tiny" else sd_variant)
     common = grpo.get_config(common_variant or COMMON_VARIANT.get(model, COMMON_VARIANT[family]))
@@ -622,14 +661,35 @@ def parse_args(argv=None):
                         "with --seeds)")
     parser.add_argument("--merge", nargs="+", metavar="JSON", default=None, help="merge bench_seeds JSON files "
                         "(runs of other seeds) into one summary, without training")
+    parser.add_argument("--jobs", type=int, default=1, help="with --seeds: run N (method, seed) trainings at once, each "
+                        "a process of its own with one CPU thread and no GPU (OMP_NUM_THREADS=1, CUDA_VISIBLE_DEVICES=), "
+                        "then merge their JSON; on a 16-core machine --jobs 16")
+    parser.add_argument("--run-timeout", type=float, default=0, help="with --jobs: seconds one training may take "
+                        "before it is stopped and reported as failed (0: no limit)")
+    parser.add_argument("--target", type=float, default=0.75, help="with --seeds: the evaluation reward whose first "
+                        "reaching is reported in epochs and seconds (default 0.75)")
+    parser.add_argument("--reference", default=None, help="with --seeds: the method (label) whose seconds to --target "
+                        "the others are divided by (e.g. grpo_kl)")
+    parser.add_argument("--calibrate", action="store_true", help="measure each method's cost alone: --epochs epochs, "
+                        "no evaluation, one after another in this process; writes calibration.json")
+    parser.add_argument("--calibration", metavar="JSON", default=None, help="with --seeds / --merge: a calibration.json "
+                        "whose per-method costs give the training seconds (instead of the times measured in runs that "
+                        "shared the CPU)")
     parser.add_argument("--profile", metavar="METHOD", default=None, help="profile one epoch of METHOD instead")
     parser.add_argument("--profiler", default="cprofile", choices=("cprofile", "torch"))
     parser.add_argument("--top", type=int, default=25, help="profile entries to print")
     args = parser.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods + ([args.profile] if args.profile else []) if m not in METHODS]
-    if unknown:
-        parser.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    for spec in args.methods + ([args.profile] if args.profile else []):
+        try:
+            parse_method_spec(spec)
+        except ValueError as err:
+            parser.error(str(err))
+    labels = [parse_method_spec(spec)[0] for spec in args.methods]
+    if len(set(labels)) != len(labels):
+        parser.error(f"two methods share a label in {labels}; give each spec its own LABEL=")
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
     if args.epochs is None:
         args.epochs = QUICK_EPOCHS if args.quick else FULL_EPOCHS
     if args.eval_freq is None:
@@ -679,7 +739,7 @@ def main(argv=None):
     if args.from_json:
         return rebuild(args.from_json, os.path.abspath(args.output_dir))
     if args.merge:
-        return merge_seed_results(args.merge, os.path.abspath(args.output_dir))
+        return merge_seed_results(args.merge, os.path.abspath(args.output_dir), args)
     device = _select_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -691,6 +751,8 @@ def main(argv=None):
     try:
         if args.profile:
             return profile_method(args.profile, args, output_dir)
+        if args.calibrate:
+            return run_calibration(args, argv, device, output_dir)
         if args.seeds:
             return run_seeds(args, argv, device, output_dir)
         return run_benchmark(args, argv, device, output_dir)
@@ -734,7 +796,8 @@ def run_benchmark(args, argv, device, output_dir):
         run_method(warm)
     runs = {}
     for i, method in enumerate(args.methods):
-        print(f"[bench] {i + 1}/{len(args.methods)} {method}: {METHODS[method][0]}; {args.epochs} epochs", flush=True)
+        print(f"[bench] {i + 1}/{len(args.methods)} {method}: {METHODS[parse_method_spec(method)[1]][0]}; "
+              f"{args.epochs} epochs", flush=True)
         start = time.perf_counter()
         rows, rss_at_start = run_method(configs[method])
         runs[method] = {"config": configs[method].to_dict(), "rows": rows, "rss_at_start_mb": rss_at_start}
@@ -747,28 +810,49 @@ def run_benchmark(args, argv, device, output_dir):
     return results
 
 
-SEED_STATS = ("initial_reward", "final_reward", "time_to_reach_fraction", "reward_at_equal_wall",
-              "train_seconds_per_epoch", "epoch_seconds")
+SEED_STATS = ("initial_reward", "final_reward", "best_reward", "time_to_reach_fraction", "reward_at_equal_wall",
+              "epochs_to_target", "seconds_to_target", "fraction_of_reference", "train_seconds_per_epoch",
+              "epoch_seconds")
 SEED_DEFINITIONS = {
     "initial_reward": "eval/reward_mean before any update (epoch 0)",
     "final_reward": "eval/reward_mean of the final weights (the evaluation row of epoch num_epochs)",
+    "best_reward": "the highest eval/reward_mean of the run",
     "time_to_reach_fraction": "wall seconds (training epochs only, evaluation excluded) until the first evaluation "
     "at or above ddpo's final_reward of the same seed, divided by ddpo's total wall seconds (runs that never reach "
     "it are left out of the statistics; 'reached' counts them)",
     "reward_at_equal_wall": "eval/reward_mean of the last evaluation whose weights took at most W wall seconds, W = the "
     "smallest total wall time of all methods for that seed",
-    "train_seconds_per_epoch": "mean time/train", "epoch_seconds": "mean bench/epoch_seconds",
+    "epochs_to_target": "training epochs before the first evaluation at or above --target (never: left out, see "
+    "'reached')",
+    "seconds_to_target": "training seconds (evaluation excluded) of those epochs: measured, or from --calibration",
+    "fraction_of_reference": "seconds_to_target / the --reference method's seconds_to_target of the same seed",
+    "train_seconds_per_epoch": "mean time/train", "epoch_seconds": "mean training seconds per epoch",
 }
 
 
-def seed_run_numbers(rows):
-    """(evaluations [(epoch, reward, wall seconds after that many epochs)], total wall, train s/epoch, epoch s)."""
+def epoch_cost(row, calibration=None):
+    """Training seconds of one epoch's row: measured (bench/epoch_seconds), or from a calibration entry.
+
+    A calibration entry {"fixed_seconds": s, "seconds_per_unet_call": c} (run_calibration) prices an epoch as
+    s + c x train/unet_calls of that epoch: sampling, rewards, advantages and the critic cost what they cost alone,
+    and the training pass what its batched model calls cost alone (Group-PPO's K may change between epochs).
+    """
+    if calibration is None:
+        return epoch_seconds(row)
+    return calibration["fixed_seconds"] + calibration["seconds_per_unet_call"] * row.get("train/unet_calls", 0)
+
+
+def seed_run_numbers(rows, calibration=None):
+    """(evaluations [(epoch, reward, training seconds after that many epochs)], total seconds, train s/epoch, epoch s)."""
     train_rows = [row for row in rows if "reward_mean" in row]
-    walls = [0.0] + wall_seconds(train_rows)
+    walls, total = [0.0], 0.0
+    for row in train_rows:
+        total += epoch_cost(row, calibration)
+        walls.append(total)
     evaluations = [(row["epoch"], row["eval/reward_mean"], walls[min(row["epoch"], len(walls) - 1)])
                    for row in rows if "eval/reward_mean" in row]
-    return evaluations, walls[-1], _mean([row.get("time/train") for row in train_rows]), _mean(
-        [epoch_seconds(row) for row in train_rows])
+    return evaluations, walls[-1], _mean([row.get("time/train") for row in train_rows]), (
+        walls[-1] / len(train_rows) if train_rows else None)
 
 
 def _stats(values):
@@ -780,55 +864,92 @@ def _stats(values):
     return {"median": median, "min": values[0], "max": values[-1], "n": len(values)}
 
 
-def summarize_seeds(runs):
-    """runs: {method: {seed: rows}} -> {method: {stat: {median, min, max, n}}} (SEED_DEFINITIONS)."""
+def summarize_seeds(runs, target=0.75, reference=None, calibration=None):
+    """runs: {method: {seed: rows}} -> ({method: {stat: {median, min, max, n}}}, per-seed numbers) (SEED_DEFINITIONS).
+
+    calibration: {method: calibration entry} (epoch_cost); methods without an entry use their measured times.
+    """
     per_seed = {}
+    calibration = calibration or {}
     seeds = sorted({seed for by_seed in runs.values() for seed in by_seed})
     for seed in seeds:
-        numbers = {m: seed_run_numbers(by_seed[seed]) for m, by_seed in runs.items() if seed in by_seed}
+        numbers = {m: seed_run_numbers(by_seed[seed], calibration.get(m)) for m, by_seed in runs.items() if seed in by_seed}
         equal_wall = min(total for _, total, _, _ in numbers.values())
         ddpo = numbers.get("ddpo")
         for method, (evaluations, total, train_s, epoch_s) in numbers.items():
             row = per_seed.setdefault(method, {}).setdefault(seed, {})
             row["initial_reward"] = evaluations[0][1]
             row["final_reward"] = evaluations[-1][1]
+            row["best_reward"] = max(e[1] for e in evaluations)
             row["train_seconds_per_epoch"], row["epoch_seconds"] = train_s, epoch_s
             row["reward_at_equal_wall"] = max((e for e in evaluations if e[2] <= equal_wall + 1e-9), key=lambda e: e[0])[1]
             row["time_to_reach_fraction"] = None
             if ddpo is not None:
-                target, ddpo_total = ddpo[0][-1][1], ddpo[1]
-                reached = next((wall for _, reward, wall in evaluations if reward >= target), None)
+                ddpo_target, ddpo_total = ddpo[0][-1][1], ddpo[1]
+                reached = next((wall for _, reward, wall in evaluations if reward >= ddpo_target), None)
                 row["time_to_reach_fraction"] = None if reached is None else reached / ddpo_total
+            hit = next(((epoch, wall) for epoch, reward, wall in evaluations if reward >= target), None)
+            row["epochs_to_target"], row["seconds_to_target"] = hit if hit else (None, None)
+            row["evaluations"] = [list(e) for e in evaluations]
+        if reference in numbers:
+            ref_seconds = per_seed[reference][seed]["seconds_to_target"]
+            for method in numbers:
+                seconds = per_seed[method][seed]["seconds_to_target"]
+                per_seed[method][seed]["fraction_of_reference"] = (
+                    seconds / ref_seconds if seconds is not None and ref_seconds else None)
     summary = {}
     for method, by_seed in per_seed.items():
-        summary[method] = {stat: _stats([by_seed[s][stat] for s in by_seed]) for stat in SEED_STATS}
+        summary[method] = {stat: _stats([by_seed[s].get(stat) for s in by_seed]) for stat in SEED_STATS}
         summary[method]["time_to_reach_fraction"]["reached"] = sum(
             by_seed[s]["time_to_reach_fraction"] is not None for s in by_seed)
+        summary[method]["epochs_to_target"]["reached"] = sum(by_seed[s]["epochs_to_target"] is not None for s in by_seed)
     return summary, per_seed
 
 
+def eval_at_budget(evaluations, seconds):
+    """eval/reward_mean of the last evaluation whose weights took at most `seconds` of training (None: none did)."""
+    done = [reward for _, reward, wall in evaluations if wall <= seconds + 1e-9]
+    return done[-1] if done else None
+
+
 def render_seeds_markdown(results):
-    def cell(stat):
+    def cell(stat, spec=".3f"):
         if stat["median"] is None:
             return "-"
-        return f"{stat['median']:.3f} [{stat['min']:.3f}, {stat['max']:.3f}]"
+        return f"{stat['median']:{spec}} [{stat['min']:{spec}}, {stat['max']:{spec}}]"
 
     seeds = results["seeds"]
+    settings = results["settings"]
+    target = settings.get("target", 0.75)
     lines = [
-        f"# Methods over seeds {seeds} (median [min, max]), {results['settings']['num_epochs']} epochs, "
-        f"task {results['settings']['common_variant']}",
+        f"# Methods over seeds {seeds} (median [min, max]), {settings['num_epochs']} epochs, "
+        f"task {settings['common_variant']}",
         "",
-        "| method | eval initial | eval final | eval at equal wall clock | time to ddpo's final / ddpo's wall (reached) "
-        "| train s / epoch | epoch s |",
-        "|---|---|---|---|---|---|---|",
+        f"Training seconds: {settings.get('seconds', 'measured in each run')}.",
+        "",
+        f"| method | eval initial | eval final | eval best | epochs to {target} (reached) | seconds to {target} "
+        f"| / {settings.get('reference') or 'reference'} | eval at equal wall clock | seconds / epoch |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for method, stats in results["summary"].items():
-        reach = stats["time_to_reach_fraction"]
+        reach = stats["epochs_to_target"]
         lines.append(
             f"| {method} | {cell(stats['initial_reward'])} | {cell(stats['final_reward'])} | "
-            f"{cell(stats['reward_at_equal_wall'])} | {cell(reach)} ({reach['reached']}/{len(seeds)}) | "
-            f"{cell(stats['train_seconds_per_epoch'])} | {cell(stats['epoch_seconds'])} |"
+            f"{cell(stats['best_reward'])} | {cell(reach, '.0f')} ({reach['reached']}/{len(results['per_seed'][method])}) | "
+            f"{cell(stats['seconds_to_target'], '.1f')} | {cell(stats['fraction_of_reference'], '.2f')} | "
+            f"{cell(stats['reward_at_equal_wall'])} | {cell(stats['epoch_seconds'], '.2f')} |"
         )
+    budgets = results.get("budgets") or []
+    if budgets:
+        lines += ["", "Evaluation reward at a training-time budget (median over seeds of the last evaluation within it):",
+                  "", "| method | " + " | ".join(f"{b:g} s" for b in budgets) + " |",
+                  "|---|" + "---|" * len(budgets)]
+        for method, by_seed in results["per_seed"].items():
+            cells = []
+            for budget in budgets:
+                stat = _stats([eval_at_budget(row["evaluations"], budget) for row in by_seed.values()])
+                cells.append(cell(stat))
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines += ["", "Definitions:"] + [f"- {k}: {v}" for k, v in SEED_DEFINITIONS.items()]
     for line in results.get("targets", []):
         lines.append(f"- target: {line}")
@@ -852,59 +973,147 @@ def seed_targets(summary):
 def write_seed_results(results, output_dir):
     os.makedirs(output_dir, exist_ok=True)
     stem = os.path.join(output_dir, "bench_seeds")
-    with open(stem + ".json", "w") as f:
-        json.dump(results, f, indent=1, default=float)
+    _write_atomic(stem + ".json", json.dumps(results, indent=1, default=float))
     markdown = render_seeds_markdown(results)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown)
+    _write_atomic(stem + ".md", markdown)
     return stem + ".json", stem + ".md", markdown
 
 
-def _seed_results(runs, settings, machine):
-    summary, per_seed = summarize_seeds(runs)
+def _write_atomic(path, text):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _budgets(runs_summary_per_seed):
+    """Four training-time budgets spread over the cheapest method's median total time."""
+    totals = [row["evaluations"][-1][2] for by_seed in runs_summary_per_seed.values() for row in by_seed.values()
+              if row["evaluations"]]
+    if not totals:
+        return []
+    top = min(totals)
+    return [round(top * f) for f in (0.25, 0.5, 0.75, 1.0)]
+
+
+def _seed_results(runs, settings, machine, calibration=None):
+    summary, per_seed = summarize_seeds(runs, settings.get("target", 0.75), settings.get("reference"), calibration)
     return {
         "seeds": sorted({seed for by_seed in runs.values() for seed in by_seed}),
         "summary": summary,
         "per_seed": per_seed,
+        "budgets": _budgets(per_seed),
         "targets": seed_targets(summary),
         "definitions": SEED_DEFINITIONS,
         "settings": settings,
         "machine": machine,
+        "calibration": calibration,
         "runs": runs,
     }
 
 
+def _load_calibration(path):
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)["methods"]
+
+
+def _seed_settings(args, argv, seeds):
+    return {
+        "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": args.model, "num_epochs": args.epochs, "methods": args.methods, "seeds": seeds,
+        "eval_freq": args.eval_freq, "common_variant": args.common_variant, "target": args.target,
+        "reference": args.reference, "jobs": args.jobs,
+        "seconds": f"priced by {args.calibration}" if args.calibration else "measured in each run",
+    }
+
+
 def run_seeds(args, argv, device, output_dir):
-    """Every method x every seed, in this process; bench_seeds.json / .md with the statistics over seeds."""
-    runs_root = os.path.join(output_dir, "runs", "seeds")
+    """Every method x every seed (here, or --jobs processes at once); bench_seeds.json / .md over seeds."""
     first_seed = args.seed_start if args.seed_start is not None else grpo.get_config(
         args.common_variant or COMMON_VARIANT.get(args.model, COMMON_VARIANT[model_family(args.model)])).seed
     seeds = list(range(first_seed, first_seed + args.seeds))
-    settings = {
-        "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": args.model, "num_epochs": args.epochs, "methods": args.methods, "seeds": seeds,
-        "eval_freq": args.eval_freq, "common_variant": args.common_variant,
-    }
-    runs = {method: {} for method in args.methods}
-    for seed in seeds:
-        for method in args.methods:
-            config = build_method_config(method, args.model, args.epochs, os.path.join(runs_root, f"{method}_{seed}"),
-                                         args.reward, _sample_overrides(args), args.common_variant, seed=seed,
-                                         eval_freq=args.eval_freq)
-            start = time.perf_counter()
-            rows, _ = run_method(config)
-            runs[method][seed] = rows
-            evaluations = [round(row["eval/reward_mean"], 3) for row in rows if "eval/reward_mean" in row]
-            print(f"[bench] seed {seed} {method}: {time.perf_counter() - start:.0f} s, eval {evaluations}", flush=True)
-    results = _seed_results(runs, settings, machine_info(device))
+    settings = _seed_settings(args, argv, seeds)
+    if args.jobs > 1:
+        runs = _run_seeds_in_processes(args, seeds, output_dir)
+    else:
+        runs_root = os.path.join(output_dir, "runs", "seeds")
+        runs = {parse_method_spec(spec)[0]: {} for spec in args.methods}
+        for seed in seeds:
+            for spec in args.methods:
+                label = parse_method_spec(spec)[0]
+                config = build_method_config(spec, args.model, args.epochs, os.path.join(runs_root, f"{label}_{seed}"),
+                                             args.reward, _sample_overrides(args), args.common_variant, seed=seed,
+                                             eval_freq=args.eval_freq)
+                start = time.perf_counter()
+                rows, _ = run_method(config)
+                runs[label][seed] = rows
+                evaluations = [round(row["eval/reward_mean"], 3) for row in rows if "eval/reward_mean" in row]
+                print(f"[bench] seed {seed} {label}: {time.perf_counter() - start:.0f} s, eval {evaluations}", flush=True)
+    results = _seed_results(runs, settings, machine_info(device), _load_calibration(args.calibration))
     json_path, md_path, markdown = write_seed_results(results, output_dir)
     print(markdown)
     print(f"[bench] written: {json_path}, {md_path}")
     return results
 
 
-def merge_seed_results(paths, output_dir):
-    """One bench_seeds.json from several (e.g. one process per seed)."""
+def _child_command(args, spec, seed, part_dir):
+    """The bench_training.py command that trains one (method spec, seed) and writes part_dir/bench_seeds.json."""
+    command = [sys.executable, os.path.abspath(__file__), "--seeds", "1", "--seed-start", str(seed), "--methods", spec,
+               "--epochs", str(args.epochs), "--eval-freq", str(args.eval_freq), "--model", args.model,
+               "--device", "cpu", "--threads", "1", "--target", str(args.target), "--output-dir", part_dir]
+    for flag, value in (("--common-variant", args.common_variant), ("--reward", args.reward),
+                        ("--num-steps", args.num_steps), ("--sample-batch-size", args.sample_batch_size),
+                        ("--num-batches", args.num_batches)):
+        if value is not None:
+            command += [flag, str(value)]
+    return command
+
+
+def _run_seeds_in_processes(args, seeds, output_dir):
+    """Each (method, seed) in a process of its own, args.jobs at once, one CPU thread each and no GPU; their
+    bench_seeds.json files are merged. A training that fails (or passes --run-timeout) is reported and left out."""
+    parts_root = os.path.join(output_dir, "parts")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    tasks = [(spec, seed) for seed in seeds for spec in args.methods]
+
+    def run_one(task):
+        spec, seed = task
+        label = parse_method_spec(spec)[0]
+        part_dir = os.path.join(parts_root, f"{label}_{seed}")
+        os.makedirs(part_dir, exist_ok=True)
+        start = time.perf_counter()
+        with open(os.path.join(part_dir, "log.txt"), "w") as log:
+            try:
+                code = subprocess.run(_child_command(args, spec, seed, part_dir), env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, timeout=args.run_timeout or None).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        return label, seed, part_dir, code, time.perf_counter() - start
+
+    runs = {parse_method_spec(spec)[0]: {} for spec in args.methods}
+    failed = []
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for label, seed, part_dir, code, seconds in pool.map(run_one, tasks):
+            path = os.path.join(part_dir, "bench_seeds.json")
+            if code != 0 or not os.path.exists(path):
+                failed.append(f"{label} seed {seed} (exit {code}; log {os.path.join(part_dir, 'log.txt')})")
+                print(f"[bench] FAILED {failed[-1]}", flush=True)
+                continue
+            with open(path) as f:
+                rows = json.load(f)["runs"][label][str(seed)]
+            runs[label][seed] = rows
+            evaluations = [round(row["eval/reward_mean"], 3) for row in rows if "eval/reward_mean" in row]
+            print(f"[bench] seed {seed} {label}: {seconds:.0f} s, eval {evaluations}", flush=True)
+    if failed:
+        print(f"[bench] {len(failed)} of {len(tasks)} trainings failed and are left out: {failed}", flush=True)
+    return {label: by_seed for label, by_seed in runs.items() if by_seed}
+
+
+def merge_seed_results(paths, output_dir, args=None):
+    """One bench_seeds.json from several (e.g. one process per seed, or studies run at different times)."""
     runs, settings, machine = {}, None, None
     for path in paths:
         with open(path) as f:
@@ -912,12 +1121,60 @@ def merge_seed_results(paths, output_dir):
         settings, machine = settings or part["settings"], machine or part["machine"]
         for method, by_seed in part["runs"].items():
             runs.setdefault(method, {}).update({int(seed): rows for seed, rows in by_seed.items()})
-    settings = dict(settings, seeds=sorted({s for by_seed in runs.values() for s in by_seed}), merged_from=list(paths))
-    results = _seed_results(runs, settings, machine)
+    settings = dict(settings, seeds=sorted({s for by_seed in runs.values() for s in by_seed}), merged_from=list(paths),
+                    methods=list(runs))
+    calibration = None
+    if args is not None:
+        settings["target"] = args.target
+        settings["reference"] = args.reference or settings.get("reference")
+        if args.calibration:
+            settings["seconds"] = f"priced by {args.calibration}"
+        calibration = _load_calibration(args.calibration)
+    results = _seed_results(runs, settings, machine, calibration)
     json_path, md_path, markdown = write_seed_results(results, output_dir)
     print(markdown)
     print(f"[bench] written: {json_path}, {md_path}")
     return results
+
+
+def run_calibration(args, argv, device, output_dir):
+    """Each method alone, --epochs epochs without evaluation, one after another: what an epoch costs on this machine.
+
+    For each method: fixed_seconds = mean over epochs 1.. of (epoch seconds - time/train) (sampling, rewards,
+    advantages, critic) and seconds_per_unet_call = mean over those epochs of time/train / train/unet_calls; epoch 0
+    (first calls) is left out when there are more epochs. Writes calibration.json (read by --calibration).
+    """
+    runs_root = os.path.join(output_dir, "runs", "calibration")
+    methods = {}
+    for spec in args.methods:
+        label = parse_method_spec(spec)[0]
+        config = build_method_config(spec, args.model, args.epochs, os.path.join(runs_root, label), args.reward,
+                                     _sample_overrides(args), args.common_variant)
+        rows, _ = run_method(config)
+        rows = [row for row in rows if "reward_mean" in row]
+        timed = rows[1:] if len(rows) > 1 else rows
+        calls = [row.get("train/unet_calls", 0) for row in timed]
+        train = [row.get("time/train", 0.0) for row in timed]
+        methods[label] = {
+            "fixed_seconds": _mean([epoch_seconds(row) - row.get("time/train", 0.0) for row in timed]),
+            "seconds_per_unet_call": sum(train) / sum(calls) if sum(calls) else 0.0,
+            "epoch_seconds": _mean([epoch_seconds(row) for row in timed]),
+            "unet_calls": _mean(calls),
+            "epochs_timed": len(timed),
+        }
+        print(f"[bench] calibration {label}: {methods[label]}", flush=True)
+    document = {
+        "command": "python benchmarks/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine_info(device),
+        "definitions": run_calibration.__doc__,
+        "methods": methods,
+    }
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "calibration.json")
+    _write_atomic(path, json.dumps(document, indent=1))
+    print(f"[bench] written: {path}")
+    return document
 
 
 if __name__ == "__main__":

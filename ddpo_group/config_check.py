@@ -11,12 +11,14 @@ types, reward aggregations) are checked against that registry, so a name registe
 import ml_collections
 
 from ddpo_group.algos.advantages import get_adv_estimator, registered_adv_estimators
+from ddpo_group.algos.grouping import ADVANTAGE_NORMS
 from ddpo_group.algos.losses import AGG_MODES, KL_TYPES, registered_policy_losses
 from ddpo_group.diffusion.flow import SDE_TYPES
 from ddpo_group.plugins import PluginError, import_plugins
 from ddpo_group.rewards.combine import REWARD_AGGREGATIONS
 
-TIMESTEP_SELECTIONS = ("all", "fraction", "endpoints", "segment_sample", "early")
+CRITIC_TRAIN_STEPS = ("endpoints", "all")
+TIMESTEP_SELECTIONS = ("all", "fraction", "endpoints", "segment_start", "segment_sample", "early")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LOG_WITH = ("none", "wandb", "tensorboard")
 OLD_LOG_PROBS = ("recompute", "sampled")
@@ -206,7 +208,7 @@ def check_config(config, num_processes=1, has_gpu=None):
     if not 0.0 < train.timestep_fraction <= 1.0:
         raise ConfigError(f"config.train.timestep_fraction={train.timestep_fraction} must be in (0, 1]")
     estimator = get_adv_estimator(algo.adv_estimator)
-    if train.timestep_selection in ("endpoints", "segment_sample") and not estimator.defines_endpoints:
+    if train.timestep_selection in ("endpoints", "segment_start", "segment_sample") and not estimator.defines_endpoints:
         raise ConfigError(
             f"config.train.timestep_selection={train.timestep_selection!r} needs an estimator that defines segment "
             f"endpoints, such as algorithm.adv_estimator='group_ppo' (got {algo.adv_estimator!r})"
@@ -249,6 +251,14 @@ def check_config(config, num_processes=1, has_gpu=None):
         )
     _positive(gp.min_threshold, "group_ppo.min_threshold")
     _positive(gp.max_group_size, "group_ppo.max_group_size")
+    _choice(gp.advantage_norm, ADVANTAGE_NORMS, "group_ppo.advantage_norm")
+    _choice(config.critic.train_steps, CRITIC_TRAIN_STEPS, "critic.train_steps")
+    _positive(config.critic.warmup_epochs, "critic.warmup_epochs", allow_zero=True)
+    if config.critic.warmup_epochs and not estimator.needs_values:
+        raise ConfigError(
+            f"config.critic.warmup_epochs={config.critic.warmup_epochs} needs a critic; "
+            f"algorithm.adv_estimator={algo.adv_estimator!r} has none (use gae or group_ppo, or set it to 0)"
+        )
     if not 0.0 <= gp.target_compression < 1.0:
         raise ConfigError(f"config.group_ppo.target_compression={gp.target_compression} must be in [0, 1)")
     if config.mixed_precision == "fp16" and has_gpu is False:

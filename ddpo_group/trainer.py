@@ -435,7 +435,8 @@ class Trainer:
                 self.compute_advantages(samples, metrics)
                 if config.debug_dump:
                     self._dump_debug(epoch, samples)
-                self.train_epoch(samples, epoch, metrics)
+                if epoch >= config.critic.warmup_epochs or self.critic is None:
+                    self.train_epoch(samples, epoch, metrics)
                 if self.critic is not None:
                     self.update_critic(samples, epoch, metrics)
                 self.log_epoch(epoch, samples, metrics)
@@ -639,7 +640,8 @@ class Trainer:
                 options["outcome_advantages"] = combined_outcome(adv_lib.get_adv_estimator("grpo"))
             if estimator.defines_endpoints:
                 gp = config.group_ppo
-                options.update(threshold=self.threshold.threshold, max_group_size=gp.max_group_size, eps=gp.eps, info=info)
+                options.update(threshold=self.threshold.threshold, max_group_size=gp.max_group_size, eps=gp.eps, info=info,
+                               advantage_norm=gp.advantage_norm)
             advantages, returns = estimator(rewards=rewards, prompt_ids=prompt_ids, mask=mask, values=values, **options)
             train_mask = mask
             if "endpoint_mask" in info:
@@ -648,7 +650,8 @@ class Trainer:
                 self.threshold.update(endpoint_mask, mask)
                 samples.endpoint_mask = endpoint_mask[local]
                 samples.group_ids = info["group_ids"][local]
-                train_mask = endpoint_mask.to(mask.dtype) * mask
+                if config.critic.train_steps == "endpoints":
+                    train_mask = endpoint_mask.to(mask.dtype) * mask
             samples.returns = returns[local]
             samples.old_values = values[local]
             samples.critic_mask = train_mask[local]
@@ -668,7 +671,8 @@ class Trainer:
         """Step indices (b, K), their mask (b, K) and loss weights (b, K) for the trajectories `rows`.
 
         all: every step with a density; fraction: a random subset per trajectory (DDPO); endpoints: the
-        Group-PPO segment endpoints; segment_sample: one step drawn uniformly inside each Group-PPO
+        Group-PPO segment endpoints; segment_start: the first (noisiest) step of each Group-PPO segment, with the
+        segment's advantage; segment_sample: one step drawn uniformly inside each Group-PPO
         segment (shared by the micro-batch), weighted by len(segment) * K / T so that the token-mean over
         the K drawn steps is an unbiased estimate of the token-mean over all T (exactly so for a loss
         linear in the advantage, as vanilla PPO is); early: the first train.early_steps steps with a
@@ -689,6 +693,11 @@ class Trainer:
         elif selection == "fraction":
             k = max(1, int(T * config.train.timestep_fraction))
             idx = torch.stack([torch.randperm(T, generator=generator)[:k] for _ in range(b)])
+        elif selection == "segment_start":
+            group_ids = samples.group_ids.max(dim=0).values.cpu()  # segments are shared by the batch
+            columns = [int((group_ids == g).nonzero()[0]) for g in range(1, int(group_ids.max()) + 1) if (group_ids == g).any()]
+            columns = torch.tensor(columns, dtype=torch.int64)
+            idx = columns.expand(b, len(columns))
         elif selection == "segment_sample":
             group_ids = samples.group_ids.max(dim=0).values.cpu()  # segments are shared by the batch
             segments = [(group_ids == g).nonzero().flatten() for g in range(1, int(group_ids.max()) + 1)]

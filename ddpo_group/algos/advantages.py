@@ -75,6 +75,7 @@ __all__ = [
     "compute_grpo_advantages",
     "compute_gae_advantages",
     "compute_rloo_advantages",
+    "group_normalize_step_advantages",
     "token_level_rewards_from_outcome",
 ]
 
@@ -282,6 +283,54 @@ def token_level_rewards_from_outcome(rewards: torch.Tensor, mask: torch.Tensor) 
     token_level_rewards = torch.zeros(mask.shape, dtype=dtype, device=rewards.device)
     token_level_rewards[torch.arange(mask.shape[0], device=rewards.device), last_step] = rewards.to(dtype)
     return token_level_rewards
+
+
+@torch.no_grad()
+def group_normalize_step_advantages(
+    advantages: torch.Tensor,
+    prompt_ids: Any,
+    mask: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-prompt baseline of per-step advantages: GRPO's normalisation, applied step by step.
+
+    For each step t and each group g of equal `prompt_ids`, over the trajectories i of g with
+    mask[i, t] = 1:  A'[i, t] = (A[i, t] - mean_g,t) / (std_g,t + eps)   (norm_by_std=True)
+                     A'[i, t] =  A[i, t] - mean_g,t                      (norm_by_std=False)
+    std is the population std (ddof = 0). As in ``compute_grpo_advantages`` a group with one valid
+    trajectory at step t gets mean 0 and std 1 there. A' = 0 where mask is 0.
+
+    With critic-free advantages (A[i, t] = R_i) this is exactly the GRPO advantage; with GAE
+    advantages A[i, t] ~ R_i - V(x_t) it subtracts what the whole group shares (the prompt's
+    difficulty) and keeps what the critic explains about each trajectory's own state.
+
+    Args:
+        advantages: (B, T) float.
+        prompt_ids: (B,) group keys (int64 tensor, numpy array or list of hashables).
+        mask: (B, T) 1 on valid steps.
+
+    Returns:
+        (B, T) tensor with the dtype of ``advantages``.
+    """
+    mask = _check_mask(mask)
+    advantages = _check_same_shape(advantages, mask, "advantages")
+    dtype = _float_dtype(advantages)
+    inverse = _group_index(prompt_ids, mask.shape[0], advantages.device)
+    num_groups = int(inverse.max()) + 1
+    valid = (mask != 0).to(torch.float64)
+    adv = advantages.to(torch.float64) * valid
+    zeros = torch.zeros(num_groups, mask.shape[1], dtype=torch.float64, device=advantages.device)
+    counts = zeros.index_add(0, inverse, valid)
+    means = zeros.index_add(0, inverse, adv) / counts.clamp(min=1)
+    variances = zeros.index_add(0, inverse, (adv - means[inverse]) ** 2 * valid) / counts.clamp(min=1)
+    single = counts <= 1
+    means = torch.where(single, torch.zeros_like(means), means)
+    stds = torch.where(single, torch.ones_like(variances), variances.sqrt())
+    out = adv - means[inverse]
+    if norm_by_std:
+        out = out / (stds[inverse] + eps)
+    return (out * valid).to(dtype)
 
 
 @torch.no_grad()

@@ -18,11 +18,13 @@ from ddpo_group.algos.advantages import (
     estimator_option,
     compute_gae_advantages,
     compute_grpo_advantages,
+    group_normalize_step_advantages,
     register_adv_est,
     token_level_rewards_from_outcome,
 )
 
 __all__ = [
+    "ADVANTAGE_NORMS",
     "AdaptiveThreshold",
     "compute_group_ppo_advantages",
     "find_group_endpoints",
@@ -30,6 +32,10 @@ __all__ = [
     "grouping_metrics",
     "segment_advantages",
 ]
+
+
+# group_ppo.advantage_norm: GAE's batch whitening only (Algorithm 2 as written), or a per-prompt baseline on top.
+ADVANTAGE_NORMS = ("whiten", "group")
 
 
 def _check_2d(name, tensor, shape=None):
@@ -317,27 +323,47 @@ def compute_group_ppo_advantages(
     gamma=1.0,
     lam=0.95,
     eps=1e-6,
+    advantage_norm="whiten",
+    prompt_ids=None,
+    norm_by_std=True,
 ):
-    """Group-PPO advantages: GAE (§3), Algorithm 2 grouping, then segment means.
+    """Group-PPO advantages: GAE, Algorithm 2 grouping, segment means, then (optionally) a per-prompt baseline.
 
     ::
 
-        A, returns = compute_gae_advantages(token_level_rewards, values, mask, gamma, lam)
+        A, returns = compute_gae_advantages(token_level_rewards, values, mask, gamma, lam)   # whitened over the batch
         endpoint_mask, group_ids = find_group_endpoints(A, outcome_advantages, mask, threshold, max_group_size, eps)
         segment_adv = segment_advantages(A, group_ids, mask)
+        if advantage_norm == "group":       # per prompt group and step (group_normalize_step_advantages)
+            segment_adv = (segment_adv - mean_g,t) / (std_g,t + 1e-6)
+
+    advantage_norm "whiten" is Algorithm 2 as written (GAE's batch whitening only). "group" gives
+    each prompt group its own baseline at every step, as GRPO does for outcome rewards: without it a
+    segment advantage also carries how hard the prompt is, which the group shares and no action
+    changed (docs/group_ppo.md).
 
     Args:
         token_level_rewards, values, mask: (B, T).
         outcome_advantages: (B,) or (B, T) grpo advantages of the same batch.
+        advantage_norm: "whiten" or "group".
+        prompt_ids: (B,) group keys, needed by "group".
+        norm_by_std: "group" divides by the group std (False: subtracts the mean only, Dr.GRPO style).
 
     Returns:
         (segment_adv (B, T), returns (B, T), endpoint_mask (B, T) bool, group_ids (B, T) int64).
     """
+    if advantage_norm not in ADVANTAGE_NORMS:
+        raise ValueError(f"advantage_norm must be one of {list(ADVANTAGE_NORMS)}, got {advantage_norm!r}")
+    if advantage_norm == "group" and prompt_ids is None:
+        raise ValueError("advantage_norm='group' needs prompt_ids (the prompt group of each trajectory)")
     advantages, returns = compute_gae_advantages(token_level_rewards, values, mask, gamma=gamma, lam=lam)
     endpoint_mask, group_ids = find_group_endpoints(
         advantages, outcome_advantages, mask, threshold, max_group_size, eps=eps
     )
-    return segment_advantages(advantages, group_ids, mask), returns, endpoint_mask, group_ids
+    segment_adv = segment_advantages(advantages, group_ids, mask)
+    if advantage_norm == "group":
+        segment_adv = group_normalize_step_advantages(segment_adv, prompt_ids, mask, norm_by_std=norm_by_std)
+    return segment_adv, returns, endpoint_mask, group_ids
 
 
 @register_adv_est("group_ppo", needs_values=True, needs_outcome_advantages=True, defines_endpoints=True)
@@ -356,7 +382,8 @@ def group_ppo_estimator(
     Options (explicit keyword > attribute/key of ``config`` > default):
     ``threshold`` (else ``variance_threshold``, 1.0; pass the AdaptiveThreshold's current
     value explicitly), ``max_group_size`` (16), ``eps`` (1e-6), ``gamma`` (1.0),
-    ``lam`` (0.95), ``norm_by_std`` (True, for the outcome advantages),
+    ``lam`` (0.95), ``norm_by_std`` (True, for the outcome advantages and the "group" norm),
+    ``advantage_norm`` ("whiten" or "group", see compute_group_ppo_advantages),
     ``outcome_advantages`` ((B,) or (B, T); computed with grpo from ``rewards`` and
     ``prompt_ids`` when absent) and ``info``: a dict that receives ``endpoint_mask`` and
     ``group_ids``.
@@ -393,6 +420,9 @@ def group_ppo_estimator(
         gamma=float(estimator_option("gamma", options, config, 1.0)),
         lam=float(estimator_option("lam", options, config, 0.95)),
         eps=float(estimator_option("eps", options, config, 1e-6)),
+        advantage_norm=estimator_option("advantage_norm", options, config, "whiten"),
+        prompt_ids=prompt_ids,
+        norm_by_std=bool(estimator_option("norm_by_std", options, config, True)),
     )
     info = options.get("info")
     if info is not None:

@@ -158,6 +158,7 @@ def get_config():
     # segment endpoints of an estimator that defines them: Group-PPO; with "all", Group-PPO trains every
     # valid step with its segment advantage), "segment_sample" (one step drawn inside each Group-PPO
     # segment, weighted by the segment's length: an unbiased estimate of the all-steps loss with K calls)
+    # "segment_start" (the first, noisiest step of each Group-PPO segment, with the segment's advantage)
     # or "early" (the first train.early_steps steps: the noisiest, as Flow-GRPO-Fast / MixGRPO train).
     # The critic of Group-PPO trains at the endpoints.
     train.timestep_selection = "all"
@@ -209,6 +210,12 @@ def get_config():
     # Critic passes per epoch over the samples.
     critic.num_epochs = 1
     critic.max_grad_norm = 1.0
+    # Steps whose returns the critic regresses on: "endpoints" (Group-PPO's segment endpoints, as Algorithm 2 is
+    # written; every valid step for gae) or "all" (every valid step, also for group_ppo: more data, same cost class).
+    critic.train_steps = "endpoints"
+    # Value-only epochs at the start: for this many epochs the critic trains and the actor does not (a warm-up, so
+    # that the first actor updates see a critic that has seen data). They sample and count as epochs.
+    critic.warmup_epochs = 0
 
     ###### Group-PPO (DESIGN section 4) ######
     config.group_ppo = group_ppo = ml_collections.ConfigDict()
@@ -220,6 +227,10 @@ def get_config():
     group_ppo.min_threshold = 0.1
     group_ppo.max_threshold = 10.0
     group_ppo.target_compression = 0.75
+    # Advantage normalisation after the segment means: "whiten" (GAE's whitening over the batch only, Algorithm 2
+    # as written) or "group" (then, per prompt group and step, subtract the group mean and divide by its std: a
+    # per-prompt baseline, as GRPO has).
+    group_ppo.advantage_norm = "whiten"
 
     ###### Prompts ######
     # Prompt source: a built-in set ("simple_animals", "imagenet_animals", "shapes") or a .txt/.json/.jsonl file.
