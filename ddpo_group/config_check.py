@@ -155,6 +155,7 @@ def check_config(config, num_processes=1, has_gpu=None):
     _positive(config.eval_freq, "eval_freq", allow_zero=True)
     _positive(config.eval_images_per_prompt, "eval_images_per_prompt")
     _positive(config.eval_grid_prompts, "eval_grid_prompts", allow_zero=True)
+    _positive(config.train.grad_share_every, "train.grad_share_every", allow_zero=True)
     _positive(config.eval_batch_size, "eval_batch_size", allow_zero=True)
     if sample.eta <= 0:
         raise ConfigError(

@@ -49,6 +49,7 @@ from ddpo_group.algos import grouping
 from ddpo_group.algos.losses import agg_loss, compute_value_loss, gaussian_kl, get_policy_loss, kl_penalty
 from ddpo_group.algos.stepwise import column_loss, grpo_loss
 from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.diagnostics import GradShare, StepAccumulator, advantage_step_stats, value_step_stats
 from ddpo_group.diffusion.policy import load_policy
 from ddpo_group.diffusion.sampling import window_noise_levels
 from ddpo_group.batch import EpochBatch, GatheredBatch
@@ -659,6 +660,9 @@ class Trainer:
         else:
             advantages = combined_outcome(estimator)
         advantages = advantages.clamp(-config.train.adv_clip_max, config.train.adv_clip_max)
+        metrics.update(advantage_step_stats(advantages, mask))
+        if estimator.needs_values:
+            metrics.update(value_step_stats(values, rewards, mask))
         samples.advantages = advantages[local]
         samples.gathered.advantages = advantages
         if estimator.uses_tracker:
@@ -787,7 +791,6 @@ class Trainer:
         t = config.train
         b_local = len(samples.prompts)
         info = {"loss": [], "policy_loss": [], "kl": [], "clipfrac": [], "approx_kl": [], "clipfrac_lower": []}
-        model_calls = model_steps = 0
         start = time.perf_counter()
         self.model.train()
         micro_batches = self._micro_batches(samples, epoch)
@@ -797,8 +800,47 @@ class Trainer:
             old_start = time.perf_counter()
             self._recompute_old_log_probs(samples, micro_batches[first_window:])
             metrics["time/old_log_probs"] = time.perf_counter() - old_start
-        sequence_loss = self.loss_couples_steps
         on_policy_ratio = []
+        num_steps = samples.mask.shape[1]
+        step_stats = StepAccumulator(num_steps, self.loss_config.clip_ratio_low, self.loss_config.clip_ratio_high)
+        measure_grads = bool(t.grad_share_every) and epoch % t.grad_share_every == 0
+        grad_share = GradShare(self.trainable_params, num_steps) if measure_grads else contextlib.nullcontext()
+        with grad_share:
+            self._train_micro_batches(samples, micro_batches, first_window, recompute, step_stats,
+                                      grad_share if measure_grads else None, info, on_policy_ratio)
+        metrics.update(step_stats.metrics())
+        if measure_grads:
+            metrics.update(grad_share.metrics())
+        model_calls = sum(mb.step_idx.shape[1] for mb in micro_batches)
+        model_steps = sum(mb.step_idx.numel() for mb in micro_batches)
+        metrics["time/train"] = time.perf_counter() - start
+        for key, values in info.items():
+            if values and key != "grad_norm":
+                metrics[key] = float(np.mean(values))
+        if info.get("grad_norm"):
+            metrics["grad_norm"] = float(np.mean(info["grad_norm"]))
+        # max |log pi_theta - log pi_old| before the first optimizer step: exactly 0 with "recompute"
+        metrics["train/on_policy_max_abs_log_ratio"] = max(on_policy_ratio)
+        noise = [mb.layout_noise for mb in micro_batches if mb.layout_noise is not None]
+        if noise:
+            # what recomputing removed: |log pi_old in the training layout - log pi stored at sampling|
+            metrics["train/layout_noise_max_abs_log_ratio"] = max(noise)
+        # batched forward+backward calls of the denoising model (the key keeps its first name, "unet")
+        metrics["train/unet_calls"] = model_calls
+        metrics["train/unet_steps_per_sample"] = model_steps / (b_local * t.num_inner_epochs)
+        metrics["train/skipped_steps"] = self.skipped_steps
+        metrics["train/global_step"] = self.global_step
+        if self.reference is not None:
+            metrics.update(self.reference.metrics())
+            metrics["ref/kl"] = metrics["kl"]
+
+    def _train_micro_batches(self, samples, micro_batches, first_window, recompute, step_stats, grad_share, info,
+                             on_policy_ratio):
+        """The stepwise update: each micro-batch's trained steps forward and backward one column at a time,
+        one clipped optimizer step per accumulation window (train_epoch's docstring)."""
+        config, acc = self.config, self.accelerator
+        t = config.train
+        sequence_loss = self.loss_couples_steps
         bad = False
         for n, mb in enumerate(tqdm(micro_batches, desc="training", leave=False, disable=not acc.is_main_process)):
             on_policy = recompute and n < first_window
@@ -822,14 +864,18 @@ class Trainer:
                 # DDP all-reduces on the last backward of the window only; forward and backward both run
                 # inside no_sync, and every rank runs the same number of columns.
                 sync = closes_window and k == num_columns - 1
+                if grad_share is not None:
+                    column = mb.step_idx[:, k]
+                    grad_share.step = int(column[0]) if bool((column == column[0]).all()) else None
                 with contextlib.nullcontext() if sync else acc.no_sync(self.model):
                     log_prob, kl, finite = self._train_column(samples, mb, k, base, window_len, on_policy)
+                if grad_share is not None:
+                    grad_share.close_column()
                 bad = bad or not finite
                 live[:, k] = log_prob
                 if kl is not None:
                     kl_mat[:, k] = kl
-                model_calls += 1
-                model_steps += len(mb.rows)
+            step_stats.add(mb.step_idx, mb.old_log_probs, live, mb.advantages, mb.step_mask)
             if n < first_window:
                 on_policy_ratio.append(_max_abs_diff(live, mb.old_log_probs, mb.step_mask))
             if on_policy:
@@ -851,26 +897,6 @@ class Trainer:
                 if step["grad_norm"] is not None:
                     info.setdefault("grad_norm", []).append(step["grad_norm"])
                 bad = False
-        metrics["time/train"] = time.perf_counter() - start
-        for key, values in info.items():
-            if values and key != "grad_norm":
-                metrics[key] = float(np.mean(values))
-        if info.get("grad_norm"):
-            metrics["grad_norm"] = float(np.mean(info["grad_norm"]))
-        # max |log pi_theta - log pi_old| before the first optimizer step: exactly 0 with "recompute"
-        metrics["train/on_policy_max_abs_log_ratio"] = max(on_policy_ratio)
-        noise = [mb.layout_noise for mb in micro_batches if mb.layout_noise is not None]
-        if noise:
-            # what recomputing removed: |log pi_old in the training layout - log pi stored at sampling|
-            metrics["train/layout_noise_max_abs_log_ratio"] = max(noise)
-        # batched forward+backward calls of the denoising model (the key keeps its first name, "unet")
-        metrics["train/unet_calls"] = model_calls
-        metrics["train/unet_steps_per_sample"] = model_steps / (b_local * t.num_inner_epochs)
-        metrics["train/skipped_steps"] = self.skipped_steps
-        metrics["train/global_step"] = self.global_step
-        if self.reference is not None:
-            metrics.update(self.reference.metrics())
-            metrics["ref/kl"] = metrics["kl"]
 
     def _train_column(self, samples, mb, k, base, window_len, on_policy):
         """Forward and backward of step column k of micro-batch `mb`.

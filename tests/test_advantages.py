@@ -17,6 +17,7 @@ from ddpo_group.algos.advantages import (
     compute_grpo_advantages,
     compute_rloo_advantages,
     get_adv_estimator,
+    group_normalize_step_advantages,
     register_adv_est,
     registered_adv_estimators,
     token_level_rewards_from_outcome,
@@ -363,3 +364,44 @@ def test_importing_the_registry_has_no_side_effects():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "['gae', 'grpo', 'rloo']"
+
+
+def reference_group_step_norm(advantages, prompt_ids, mask, norm_by_std=True, eps=EPS):
+    """Plain-Python per-prompt baseline, step by step: GRPO's formula on column t of each group's valid rows."""
+    B, T = len(advantages), len(advantages[0])
+    out = [[0.0] * T for _ in range(B)]
+    for t in range(T):
+        groups = {}
+        for i in range(B):
+            if mask[i][t]:
+                groups.setdefault(prompt_ids[i], []).append(advantages[i][t])
+        for i in range(B):
+            if not mask[i][t]:
+                continue
+            members = groups[prompt_ids[i]]
+            mean, std = (0.0, 1.0) if len(members) == 1 else (statistics.fmean(members), statistics.pstdev(members))
+            out[i][t] = (advantages[i][t] - mean) / (std + eps) if norm_by_std else advantages[i][t] - mean
+    return out
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_group_step_normalisation_matches_python_loop_with_holes(norm_by_std):
+    generator = torch.Generator().manual_seed(3)
+    advantages = torch.randn(7, 5, generator=generator, dtype=torch.float64)
+    prompt_ids = [0, 1, 0, 2, 1, 0, 1]  # prompt 2 has one trajectory
+    mask = torch.ones(7, 5)
+    mask[1, 4] = mask[4, 4] = 0  # at step 4, prompt 1 has one valid trajectory left
+    mask[:, 0] = 0  # a step without a density
+    result = group_normalize_step_advantages(advantages, torch.tensor(prompt_ids), mask, norm_by_std=norm_by_std)
+    expected = reference_group_step_norm(advantages.tolist(), prompt_ids, mask.tolist(), norm_by_std)
+    torch.testing.assert_close(result, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+
+
+def test_group_step_normalisation_of_outcome_rewards_is_grpo():
+    # A[i, t] = R_i on every valid step: the per-step baseline is the GRPO advantage itself
+    rewards = torch.tensor([0.1, 0.9, 0.4, 0.7, 0.2, 0.2])
+    prompt_ids = torch.tensor([5, 5, 5, 8, 8, 8])
+    mask = torch.ones(6, 3)
+    grpo, _ = compute_grpo_advantages(rewards, prompt_ids, mask)
+    result = group_normalize_step_advantages(rewards[:, None].expand(6, 3), prompt_ids, mask)
+    torch.testing.assert_close(result, grpo, rtol=1e-6, atol=1e-7)

@@ -245,3 +245,35 @@ def test_seed_statistics_are_recomputed_from_the_evaluation_rows(seeds_run):
     # ddpo reaches its own final reward at or before its end: a fraction in [0, 1]
     ddpo = results["summary"]["ddpo"]["time_to_reach_fraction"]
     assert ddpo["reached"] == 2 and 0.0 <= ddpo["min"] <= ddpo["max"] <= 1.0
+
+
+def test_method_specs_name_a_method_and_change_fields():
+    label, method, fields = bench.parse_method_spec("w4=group_ppo_start:sample.sde_window_size=4:group_ppo.advantage_norm=group")
+    assert (label, method) == ("w4", "group_ppo_start")
+    assert fields == {"sample.sde_window_size": 4, "group_ppo.advantage_norm": "group"}
+    assert bench.parse_method_spec("ddpo") == ("ddpo", "ddpo", {})
+    config = bench.build_method_config("w4=group_ppo_start:sample.sde_window_size=4:train.learning_rate=1e-4",
+                                       "tiny", 1, "/tmp/unused/w4")
+    assert config.sample.sde_window_size == 4 and config.train.learning_rate == 1e-4
+    assert config.train.timestep_selection == "segment_start"
+    with pytest.raises(ValueError, match="unknown method"):
+        bench.parse_method_spec("x=nope:train.learning_rate=1")
+
+
+def test_parallel_jobs_train_each_method_and_seed_in_its_own_process_and_merge(tmp_path):
+    results = bench.main([
+        "--model", "tiny", "--seeds", "2", "--epochs", "1", "--eval-freq", "1", "--num-steps", "2",
+        "--sample-batch-size", "8", "--num-batches", "1", "--jobs", "2", "--target", "-1",
+        "--methods", "ddpo,w1=sde_window2:sample.sde_window_size=1", "--reference", "ddpo", "--output-dir", str(tmp_path),
+    ])
+    assert results["seeds"] == [42, 43] and set(results["runs"]) == {"ddpo", "w1"}
+    for label in ("ddpo", "w1"):
+        for seed in (42, 43):
+            log = (tmp_path / "parts" / f"{label}_{seed}" / "log.txt").read_text()
+            assert (tmp_path / "parts" / f"{label}_{seed}" / "bench_seeds.json").exists(), log
+    # the window run trains one step per trajectory: its training rows say so
+    rows = [row for row in results["runs"]["w1"][42] if "steps/trained" in row]
+    assert rows and all(sum(row["steps/trained"]) == 1 for row in rows)
+    # every run reaches a target of -1 at its first evaluation (epoch 0, no training seconds yet)
+    assert results["summary"]["w1"]["epochs_to_target"]["median"] == 0
+    assert results["per_seed"]["w1"][42]["seconds_to_target"] == 0.0

@@ -23,11 +23,12 @@ T, K, MICRO_BATCHES = 4, 2, 2  # 4 trajectories / train.batch_size 2
 THRESHOLD, MIN_THRESHOLD, THRESHOLD_LR, TARGET = 2e-9, 1e-9, 0.01, 0.75
 
 
-def run_group_ppo(tmp_path, actor_tokens, accumulation=MICRO_BATCHES):
+def run_group_ppo(tmp_path, actor_tokens, accumulation=MICRO_BATCHES, **overrides):
     # accumulation = MICRO_BATCHES: one optimizer step per epoch, so pi_old needs no extra pass
     config = make_config(
         tmp_path,
         **cheap(
+            **overrides,
             sample__num_steps=T,
             reward_fn="jpeg_compressibility",
             algorithm__adv_estimator="group_ppo",
@@ -41,10 +42,11 @@ def run_group_ppo(tmp_path, actor_tokens, accumulation=MICRO_BATCHES):
         ),
     )
     trainer = Trainer(config)
-    record = types.SimpleNamespace(in_train=False, grad_calls=[], samples=None)
+    record = types.SimpleNamespace(in_train=False, grad_calls=[], samples=None, epoch=None,
+                                   counted_epoch=config.num_epochs - 1, critic_masks=[])
 
     def count_calls(module, args, kwargs, output):
-        if record.in_train and torch.is_grad_enabled():
+        if record.in_train and torch.is_grad_enabled() and record.epoch == record.counted_epoch:
             timesteps = args[1] if len(args) > 1 else kwargs["timestep"]
             record.grad_calls.append(sorted(set(torch.as_tensor(timesteps).flatten().tolist())))
 
@@ -53,19 +55,28 @@ def run_group_ppo(tmp_path, actor_tokens, accumulation=MICRO_BATCHES):
 
     def recording_train_epoch(samples, epoch, metrics):
         record.samples = samples
+        record.epoch = epoch
         record.in_train = True
         try:
             return train_epoch(samples, epoch, metrics)
         finally:
             record.in_train = False
 
+    update_critic = trainer.update_critic
+
+    def recording_update_critic(samples, epoch, metrics):
+        record.critic_masks.append(samples.critic_mask.clone())
+        return update_critic(samples, epoch, metrics)
+
     trainer.train_epoch = recording_train_epoch
+    trainer.update_critic = recording_update_critic
     try:
         trainer.run()
     finally:
         handle.remove()
     record.run_dir = trainer.run_dir
-    record.metrics = read_metrics(trainer.run_dir)[0]
+    record.rows = read_metrics(trainer.run_dir)
+    record.metrics = record.rows[0]
     return record
 
 
@@ -163,3 +174,25 @@ def test_early_selection_trains_the_first_steps_only(tmp_path):
         handle.remove()
     first_two = trainer.policy.pipeline.scheduler.timesteps[:2].tolist()
     assert calls and set(calls) == set(first_two)
+
+
+def test_segment_start_trains_the_first_step_of_each_segment(tmp_path):
+    run = run_group_ppo(tmp_path, "segment_start")
+    timesteps = run.samples.timesteps[0].tolist()
+    # segments [0, 1], [2, 3] (length-limited): their first steps are 0 and 2
+    assert run.grad_calls == [[timesteps[0]], [timesteps[2]]] * MICRO_BATCHES
+    assert run.metrics["steps/trained"] == [1, 0, 1, 0]
+
+
+def test_critic_trains_at_endpoints_or_at_every_valid_step(endpoints_run, tmp_path):
+    assert endpoints_run.critic_masks[0].bool().cpu().equal(endpoints_run.samples.endpoint_mask.bool().cpu())
+    run = run_group_ppo(tmp_path, "endpoints", critic__train_steps="all")
+    assert run.critic_masks[0].cpu().equal(run.samples.mask.cpu())
+
+
+def test_critic_warmup_epochs_train_the_critic_and_not_the_actor(tmp_path):
+    run = run_group_ppo(tmp_path, "endpoints", num_epochs=2, critic__warmup_epochs=1)
+    warmup, trained = run.rows[0], run.rows[1]
+    assert "train/unet_calls" not in warmup and "steps/trained" not in warmup
+    assert math.isfinite(warmup["critic/value_loss"]) and len(run.critic_masks) == 2
+    assert trained["train/unet_calls"] == K * MICRO_BATCHES and run.grad_calls  # epoch 1 trains the actor

@@ -252,3 +252,32 @@ def test_group_ppo_is_registered_and_reports_grouping():
     assert returns.tolist() == [[1.0] * 4, [-1.0] * 4]
     assert info["group_ids"].tolist() == [[1, 1, 2, 2]] * 2
     assert endpoints_of(info["endpoint_mask"]) == [1, 3]
+
+
+def test_group_advantage_norm_gives_each_prompt_its_own_baseline_per_step():
+    # V = 0, gamma = lam = 1: raw GAE A_t = R_i, whitened over the batch; one segment of the 3 steps
+    # (max_group_size 3, threshold so low that only the length closes a segment). Prompt a: R = 1, 3;
+    # prompt b: R = 10, 10. The per-prompt baseline removes the batch whitening's affine map:
+    # prompt a -> (R - 2) / (1 + 1e-6) = -1, +1 (up to eps); prompt b: equal rewards -> 0.
+    rewards = torch.tensor([1.0, 3.0, 10.0, 10.0], dtype=torch.float64)
+    mask = torch.ones(4, 3)
+    token_level_rewards = torch.zeros(4, 3, dtype=torch.float64)
+    token_level_rewards[:, -1] = rewards
+    segment_adv, _, _, group_ids = compute_group_ppo_advantages(
+        token_level_rewards, torch.zeros(4, 3, dtype=torch.float64), mask, torch.tensor([-1.0, 1.0, 0.0, 0.0]),
+        1e-9, 3, gamma=1.0, lam=1.0, advantage_norm="group", prompt_ids=torch.tensor([0, 0, 1, 1]),
+    )
+    assert group_ids.tolist() == [[1, 1, 1]] * 4
+    whitened_gap = 2.0 / (torch.tensor([1.0, 3.0, 10.0, 10.0] * 3).var() + 1e-8).sqrt()  # R_a gap after whitening
+    half = float(whitened_gap) / 2
+    expected = torch.tensor([[-half / (half + 1e-6)] * 3, [half / (half + 1e-6)] * 3, [0.0] * 3, [0.0] * 3],
+                            dtype=torch.float64)
+    torch.testing.assert_close(segment_adv, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_group_advantage_norm_needs_prompt_ids_and_a_known_name():
+    args = (torch.zeros(2, 2), torch.zeros(2, 2), torch.ones(2, 2), torch.zeros(2), 1.0, 2)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        compute_group_ppo_advantages(*args, advantage_norm="group")
+    with pytest.raises(ValueError, match="advantage_norm"):
+        compute_group_ppo_advantages(*args, advantage_norm="per_prompt")

@@ -180,6 +180,9 @@ def get_config():
     # alpha 1.0 is a hard sync; freq 0 never updates (the reference stays the initial policy).
     train.reference_model_mixup_alpha = 1.0
     train.reference_update_freq = 0
+    # Measure steps/grad_share (each denoising step's share of the policy gradient's norm, ddpo_group/diagnostics.py)
+    # every this many epochs (0: never). It costs one squared norm per trainable parameter per backward, no copy.
+    train.grad_share_every = 1
     # (trajectory, step) pairs per critic call when computing values without gradients; 0: all at once.
     train.eval_micro_batch_size = 0
 
