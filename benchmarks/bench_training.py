@@ -81,25 +81,30 @@ METHODS = {
         "GRPO advantages + reference KL (gaussian), all timesteps",
         "tiny", "sd15", {},
     ),
+    "group_ppo": (
+        "Group-PPO's default: noise only at the first step (a 1-step SDE window), trained there, "
+        "GAE advantages normalised per prompt, reference KL",
+        "tiny_group_ppo", "group_ppo", {"sample.sde_window_size": 1, "sample.sde_window_start": 0},
+    ),
     "group_ppo_endpoints": (
-        "Group-PPO: critic + GAE + timestep grouping, actor trained on segment endpoints",
-        "tiny_group_ppo", "group_ppo", {"train.timestep_selection": "endpoints"},
+        "Group-PPO as Algorithm 2 is written: noise everywhere, critic + GAE + grouping, trained on endpoints",
+        "tiny_group_ppo_alg2", "group_ppo_alg2", {"train.timestep_selection": "endpoints"},
     ),
     "group_ppo_sampled": (
-        "Group-PPO advantages, actor trained at one step drawn inside each segment (weighted by its length)",
-        "tiny_group_ppo", "group_ppo", {"train.timestep_selection": "segment_sample"},
+        "Algorithm 2's advantages, actor trained at one step drawn inside each segment (weighted by its length)",
+        "tiny_group_ppo_alg2", "group_ppo_alg2", {"train.timestep_selection": "segment_sample"},
     ),
     "early_window": (
         "GRPO + KL trained only at the first (noisiest) 2 steps, Flow-GRPO-Fast / MixGRPO style",
         "tiny", "sd15", {"train.timestep_selection": "early", "train.early_steps": 2},
     ),
     "group_ppo_all": (
-        "Group-PPO advantages, actor trained on every valid step with the segment advantage",
-        "tiny_group_ppo", "group_ppo", {"train.timestep_selection": "all"},
+        "Algorithm 2's advantages, actor trained on every valid step with the segment advantage",
+        "tiny_group_ppo_alg2", "group_ppo_alg2", {"train.timestep_selection": "all"},
     ),
     "group_ppo_start": (
-        "Group-PPO advantages, actor trained at the first (noisiest) step of each segment",
-        "tiny_group_ppo", "group_ppo", {"train.timestep_selection": "segment_start"},
+        "Algorithm 2's advantages, actor trained at the first (noisiest) step of each segment",
+        "tiny_group_ppo_alg2", "group_ppo_alg2", {"train.timestep_selection": "segment_start"},
     ),
     "sde_window2": (
         "GRPO + KL with noise only in the first 2 steps (an SDE window; ODE steps elsewhere), trained there",

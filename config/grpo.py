@@ -3,7 +3,8 @@
     accelerate launch scripts/train.py --config config/grpo.py:NAME     # from a checkout
     ddpo-group-train --config NAME                                     # installed, any directory
 
-NAME is one of sd15 (default), ddpo, group_ppo, tiny, tiny_one_prompt, tiny_ddpo, tiny_group_ppo,
+NAME is one of sd15 (default), ddpo, group_ppo, group_ppo_alg2, tiny, tiny_one_prompt, tiny_ddpo, tiny_group_ppo,
+tiny_group_ppo_alg2,
 tiny_gae, test; `ddpo-group-train --help` lists them with one line each.
 """
 
