@@ -162,12 +162,26 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
         help="prompts to show best/worst samples for (default: the 3 whose mean reward changed most)",
     )
     parser.add_argument("--top-k", type=int, default=4, help="best and worst samples shown per prompt (default 4)")
+    parser.add_argument(
+        "--steps-png", metavar="PNG", default=None,
+        help="instead of the report, write the per-step heat maps (epoch x step) of RUN_DIR (and --compare) to PNG",
+    )
+    parser.add_argument(
+        "--steps-keys", nargs="+", metavar="KEY", default=None,
+        help="with --steps-png: the steps/* metrics to draw (default: all logged), e.g. steps/trained steps/grad_share",
+    )
+    parser.add_argument("--names", nargs="+", metavar="NAME", default=None, help="with --steps-png: column titles")
     args = parser.parse_args(argv)
 
-    from ddpo_group.inspect import write_report
+    from ddpo_group.inspect import write_report, write_step_heatmaps
 
     try:
-        path = write_report(args.run_dir, output=args.output, compare=args.compare, prompts=args.prompts, top_k=args.top_k)
+        if args.steps_png:
+            runs = [args.run_dir] + ([args.compare] if args.compare else [])
+            path = write_step_heatmaps(runs, args.steps_png, keys=args.steps_keys, names=args.names)
+        else:
+            path = write_report(args.run_dir, output=args.output, compare=args.compare, prompts=args.prompts,
+                                top_k=args.top_k)
     except ValueError as err:
         print(f"ddpo-group-inspect: error: {err}", file=sys.stderr)
         return 2

@@ -253,6 +253,108 @@ def plot_times(runs: Sequence[RunData]) -> bytes | None:
     return _figure_png(fig)
 
 
+STEP_LABELS = {
+    "steps/trained": "trained (1) or not (0)",
+    "steps/adv_mean": "advantage mean",
+    "steps/adv_std": "advantage std",
+    "steps/grad_share": "share of the policy gradient",
+    "steps/approx_kl": "approx_kl (k1)",
+    "steps/clipfrac": "clipfrac",
+    "steps/ratio_std": "ratio std",
+    "steps/value_error": "critic (V - R)^2",
+    "steps/explained_variance": "critic explained variance",
+}
+
+
+def step_matrix(metrics: Sequence[dict], key: str) -> tuple[list[float], list[list[float]]]:
+    """(epochs, rows) of a per-step metric (docs/diagnostics.md): one row per epoch row that logged a list
+    for `key`, one float per denoising step, NaN where the step had nothing to measure (null); rows padded
+    with NaN to the longest. ([], []) when no row logged it (runs from before the per-step metrics)."""
+    epochs, rows = [], []
+    for i, row in enumerate(metrics):
+        values = row.get(key)
+        if not isinstance(values, list):
+            continue
+        x = _number(row.get("epoch"))
+        epochs.append(i if x is None else x)
+        rows.append([float("nan") if _number(v) is None else float(v) for v in values])
+    width = max((len(r) for r in rows), default=0)
+    return epochs, [r + [float("nan")] * (width - len(r)) for r in rows]
+
+
+def step_keys(runs: Sequence[RunData]) -> list[str]:
+    """The per-step metrics some run logged with at least one number, in STEP_LABELS' order."""
+    return [
+        key for key in STEP_LABELS
+        if any(any(math.isfinite(v) for r in step_matrix(run.metrics, key)[1] for v in r) for run in runs)
+    ]
+
+
+def plot_step_heatmaps(runs: Sequence[RunData], keys: Sequence[str] | None = None) -> bytes | None:
+    """One PNG of epoch x step heat maps: a row per per-step metric, a column per run (step 0, the noisiest,
+    on top; grey = nothing measured there). None when no run logged per-step metrics."""
+    keys = [k for k in (keys if keys is not None else step_keys(runs)) if k in STEP_LABELS]
+    keys = [k for k in keys if any(step_matrix(run.metrics, k)[0] for run in runs)]
+    if not keys:
+        return None
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(3.6 * len(runs) + 0.6, 1.9 * len(keys) + 0.4), layout="constrained")
+    axes = fig.subplots(len(keys), len(runs), squeeze=False)
+    for row, key in enumerate(keys):
+        for col, run in enumerate(runs):
+            ax = axes[row][col]
+            epochs, matrix = step_matrix(run.metrics, key)
+            ax.tick_params(labelsize=7)
+            if row == 0:
+                ax.set_title(run.name, fontsize=9)
+            if col == 0:
+                ax.set_ylabel(f"{STEP_LABELS[key]}\nstep", fontsize=8)
+            if row == len(keys) - 1:
+                ax.set_xlabel("epoch", fontsize=8)
+            if not epochs:
+                ax.text(0.5, 0.5, "not logged", ha="center", va="center", fontsize=8, transform=ax.transAxes)
+                ax.set_xticks([])
+                ax.set_yticks([])
+                continue
+            data = np.ma.masked_invalid(np.array(matrix, dtype=float).T)  # steps x epochs
+            cmap = colormaps["RdBu_r" if key == "steps/adv_mean" else "viridis"].with_extremes(bad="0.85")
+            kwargs = {}
+            if key in ("steps/trained", "steps/grad_share", "steps/clipfrac"):
+                kwargs = {"vmin": 0.0, "vmax": 1.0}
+            elif data.count():
+                low, high = float(data.min()), float(data.max())
+                if high - low <= 1e-4 * max(abs(low), abs(high), 1.0):
+                    # constant up to rounding (a group-normalised advantage's mean and std): no colour noise
+                    low, high = low - 0.5 * max(abs(low), 1e-3), high + 0.5 * max(abs(high), 1e-3)
+                if key == "steps/adv_mean":
+                    bound = max(abs(low), abs(high))
+                    low, high = -bound, bound
+                kwargs = {"vmin": low, "vmax": high}
+            x0, x1 = (epochs[0] - 0.5, epochs[-1] + 0.5) if len(epochs) > 1 else (epochs[0] - 0.5, epochs[0] + 0.5)
+            image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap,
+                              extent=(x0, x1, data.shape[0] - 0.5, -0.5), **kwargs)
+            bar = fig.colorbar(image, ax=ax, shrink=0.9)
+            bar.ax.tick_params(labelsize=7)
+            bar.formatter.set_useOffset(False)
+            bar.update_ticks()
+    return _figure_png(fig)
+
+
+def _steps_section(runs: Sequence[RunData]) -> str:
+    png = plot_step_heatmaps(runs)
+    header = "<h2>Per-step view</h2>"
+    if png is None:
+        return header + "<p>no per-step metrics (steps/*) in this run: it was written before they were logged</p>"
+    return (
+        header + "<p>Each panel is epoch (x) by denoising step (y, 0 = the noisiest, on top); grey cells had "
+        "nothing to measure (no density, not trained, no critic). What each quantity means: docs/diagnostics.md "
+        "in the ddpo-group repository.</p>" + _img(_png_data_uri(png), "per-step heat maps", "wide")
+    )
+
+
 def _mean_reward_by_prompt(records: Sequence[dict]) -> dict[str, float]:
     sums: dict[str, list[float]] = {}
     for record in records:
@@ -516,6 +618,7 @@ td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
 .col { flex: 1; min-width: 0; }
 .panels { display: flex; flex-wrap: wrap; gap: 0.5em; }
 img.grid { max-width: 100%; image-rendering: pixelated; }
+img.wide { max-width: 100%; }
 img.sample { width: 96px; image-rendering: pixelated; }
 .row { display: flex; flex-wrap: wrap; gap: 6px; }
 figure { margin: 0; font-size: 0.8em; text-align: center; width: 100px; overflow-wrap: anywhere; }
@@ -569,6 +672,7 @@ def build_report(
         _evaluation_section(runs),
         _config_section(runs),
         _curves_section(runs),
+        _steps_section(runs),
         _grids_section(runs),
         _prompts_section(runs, chosen, top_k),
     ]
@@ -576,6 +680,35 @@ def build_report(
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{_e(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
     )
+
+
+def write_step_heatmaps(run_dirs: Sequence[str | os.PathLike], output: str | os.PathLike,
+                        keys: Sequence[str] | None = None, names: Sequence[str] | None = None) -> Path:
+    """Write the per-step heat maps of one or more runs (a column each) as one PNG, atomically.
+
+    keys: "steps/..." metrics to draw (default: every one some run logged); names: column titles."""
+    from ddpo_group.grids import atomic_write
+
+    runs = [load_run(path) for path in run_dirs]
+    for run, name in zip(runs, names or []):
+        run.name = name
+    unknown = [k for k in keys or [] if k not in STEP_LABELS]
+    if unknown:
+        raise ValueError(f"steps keys {unknown!r} unknown; choose from {list(STEP_LABELS)}")
+    png = plot_step_heatmaps(runs, keys)
+    if png is None:
+        raise ValueError(
+            f"no per-step metrics (steps/*) in {', '.join(str(r.path) for r in runs)}: "
+            "runs written before they were logged have none; train again with this version"
+        )
+    output = Path(output)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(png)
+
+    atomic_write(output, write)
+    return output
 
 
 def write_report(

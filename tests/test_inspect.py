@@ -203,3 +203,55 @@ def test_report_images_load_in_headless_chromium(compare_report, tmp_path):
     assert len(images) == text.count("<img") > 0
     broken = [alt for complete, width, alt in images if not (complete and width > 0)]
     assert broken == []
+
+
+def _step_run(run_dir, rows):
+    run_dir.mkdir(parents=True)
+    write_metrics(run_dir, rows)
+    return run_dir
+
+
+def test_step_matrix_nan_for_null_pads_and_skips_rows_without_lists():
+    from ddpo_group.inspect import step_matrix
+
+    rows = [
+        {"epoch": 0, "reward_mean": 0.1},  # a row from before the per-step metrics
+        {"epoch": 1, "steps/adv_std": [1.0, None, 0.5]},
+        {"epoch": 2, "steps/adv_std": [2.0, 3.0]},  # a shorter trajectory
+    ]
+    epochs, matrix = step_matrix(rows, "steps/adv_std")
+    assert epochs == [1, 2]
+    assert matrix[0][0] == 1.0 and np.isnan(matrix[0][1]) and matrix[0][2] == 0.5
+    assert matrix[1][:2] == [2.0, 3.0] and np.isnan(matrix[1][2])
+    assert step_matrix(rows, "steps/grad_share") == ([], [])
+
+
+def test_step_heatmaps_png_for_per_step_runs_and_report_section(tmp_path):
+    from PIL import Image
+
+    from ddpo_group.inspect import write_step_heatmaps
+
+    rows = [
+        {"epoch": e, "reward_mean": 0.5, "steps/trained": [1, 0, 0], "steps/adv_mean": [0.0, None, None],
+         "steps/grad_share": [1.0, None, None], "steps/explained_variance": [0.0, 0.4, 0.8]}
+        for e in range(4)
+    ]
+    one_step = [{"epoch": e, "steps/trained": [1], "steps/adv_std": [1.0]} for e in range(2)]  # 1-step trajectory
+    run = _step_run(tmp_path / "gp", rows)
+    short = _step_run(tmp_path / "one", one_step)
+    out = write_step_heatmaps([run, short], tmp_path / "steps.png", names=["GP", "one step"])
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.size[0] > 300
+    html = build_report(run)
+    assert "Per-step view" in html and "per-step heat maps" in html
+
+
+def test_step_heatmaps_of_an_old_run_is_a_clear_error_and_report_still_builds(tmp_path, capsys):
+    old = _step_run(tmp_path / "old", [{"epoch": 0, "reward_mean": 0.3}, {"epoch": 1, "reward_mean": 0.4}])
+    assert "no per-step metrics" in build_report(old)
+    assert inspect_main([str(old), "--steps-png", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "no per-step metrics" in err and str(old) in err
+    assert not (tmp_path / "x.png").exists()
+    assert inspect_main([str(old), "--steps-png", str(tmp_path / "x.png"), "--steps-keys", "steps/nope"]) == 2
+    assert "steps/nope" in capsys.readouterr().err
