@@ -39,6 +39,7 @@ import concurrent.futures
 import cProfile
 import datetime
 import gc
+import gzip
 import io
 import json
 import math
@@ -1118,10 +1119,11 @@ def _run_seeds_in_processes(args, seeds, output_dir):
 
 
 def merge_seed_results(paths, output_dir, args=None):
-    """One bench_seeds.json from several (e.g. one process per seed, or studies run at different times)."""
+    """One bench_seeds.json from several (e.g. one process per seed, or studies run at different times); a path
+    ending in .gz is read gzip-compressed (how large committed studies are kept)."""
     runs, settings, machine = {}, None, None
     for path in paths:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
             part = json.load(f)
         settings, machine = settings or part["settings"], machine or part["machine"]
         for method, by_seed in part["runs"].items():

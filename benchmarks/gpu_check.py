@@ -12,7 +12,7 @@ nothing, so only precision, speed and memory are checked. For each dtype:
                   dtype, batch `--sample-batch` (8), `--sample-steps` (50) steps, CFG 5, eta 1
     UNet fwd+bwd  the bare cost of one training forward + backward of the LoRA UNet on a micro-batch
                   of `--train-batch` (4) trajectories with CFG (8 rows), under autocast
-    variants      one epoch of config/grpo.py:sd15, :ddpo and :group_ppo (LoRA, `--steps` denoising
+    variants      one epoch of config/grpo.py:sd15, :ddpo, :group_ppo and :group_ppo_alg2 (LoRA, `--steps` denoising
                   steps, reward jpeg_compressibility, one optimizer step per epoch), read back from
                   metrics.jsonl: the on-policy max |log ratio| before the first optimizer step,
                   approx_kl and clipfrac (all three must be exactly 0), the layout noise that
@@ -46,7 +46,7 @@ from ddpo_group.diffusion.sampling import sample_trajectories  # noqa: E402
 from ddpo_group.trainer import train  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-VARIANTS = ("sd15", "ddpo", "group_ppo")
+VARIANTS = ("sd15", "ddpo", "group_ppo", "group_ppo_alg2")
 MODELS = {"sd15": "random-sd15", "tiny": "tiny"}
 PROMPTS = ["a photo of a cat", "a photo of a dog", "a red circle", "a blue square"]
 

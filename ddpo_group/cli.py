@@ -148,7 +148,8 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
         "best and worst samples) for a run directory written by the trainer.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (logdir/run_name) containing metrics.jsonl")
-    parser.add_argument("--compare", metavar="RUN_DIR2", default=None, help="a second run to show side by side")
+    parser.add_argument("--compare", metavar="RUN_DIR2", nargs="+", default=None,
+                        help="a second run to show side by side (with --steps-png: one or more)")
     parser.add_argument(
         "--output",
         default=None,
@@ -177,11 +178,14 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.steps_png:
-            runs = [args.run_dir] + ([args.compare] if args.compare else [])
+            runs = [args.run_dir] + (args.compare or [])
             path = write_step_heatmaps(runs, args.steps_png, keys=args.steps_keys, names=args.names)
         else:
-            path = write_report(args.run_dir, output=args.output, compare=args.compare, prompts=args.prompts,
-                                top_k=args.top_k)
+            if args.compare and len(args.compare) > 1:
+                raise ValueError(f"--compare: the report compares two runs, got {len(args.compare) + 1}; "
+                                 "more runs side by side only with --steps-png")
+            path = write_report(args.run_dir, output=args.output, compare=args.compare[0] if args.compare else None,
+                                prompts=args.prompts, top_k=args.top_k)
     except ValueError as err:
         print(f"ddpo-group-inspect: error: {err}", file=sys.stderr)
         return 2

@@ -247,6 +247,21 @@ def test_seed_statistics_are_recomputed_from_the_evaluation_rows(seeds_run):
     assert ddpo["reached"] == 2 and 0.0 <= ddpo["min"] <= ddpo["max"] <= 1.0
 
 
+def test_merge_reads_plain_and_gzip_parts_into_the_same_summary(seeds_run, tmp_path):
+    import gzip
+
+    results, _ = seeds_run
+    first = dict(results, runs={"ddpo": results["runs"]["ddpo"]})
+    second = dict(results, runs={m: r for m, r in results["runs"].items() if m != "ddpo"})
+    (tmp_path / "a.json").write_text(json.dumps(first))
+    with gzip.open(tmp_path / "b.json.gz", "wt") as f:
+        json.dump(second, f)
+    merged = bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json.gz"), "--output-dir", str(tmp_path / "m")])
+    assert set(merged["runs"]) == set(results["runs"])
+    for method in results["runs"]:
+        assert merged["summary"][method]["final_reward"] == results["summary"][method]["final_reward"]
+
+
 def test_method_specs_name_a_method_and_change_fields():
     label, method, fields = bench.parse_method_spec("w4=group_ppo_start:sample.sde_window_size=4:group_ppo.advantage_norm=group")
     assert (label, method) == ("w4", "group_ppo_start")

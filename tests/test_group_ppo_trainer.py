@@ -196,3 +196,37 @@ def test_critic_warmup_epochs_train_the_critic_and_not_the_actor(tmp_path):
     assert "train/unet_calls" not in warmup and "steps/trained" not in warmup
     assert math.isfinite(warmup["critic/value_loss"]) and len(run.critic_masks) == 2
     assert trained["train/unet_calls"] == K * MICRO_BATCHES and run.grad_calls  # epoch 1 trains the actor
+
+
+def test_the_default_design_samples_noise_and_trains_only_at_the_first_step(tmp_path):
+    # tiny_group_ppo's fields (docs/group_ppo.md): a 1-step SDE window at step 0, segment_start, per-prompt norm
+    from ddpo_group.config import grpo
+
+    default = grpo.get_config("tiny_group_ppo")
+    fields = {
+        "sample__sde_window_size": default.sample.sde_window_size,
+        "sample__sde_window_start": default.sample.sde_window_start,
+        "group_ppo__advantage_norm": default.group_ppo.advantage_norm,
+    }
+    assert fields == {"sample__sde_window_size": 1, "sample__sde_window_start": 0, "group_ppo__advantage_norm": "group"}
+    assert default.train.timestep_selection == "segment_start" and default.train.use_kl_loss
+    run = run_group_ppo(tmp_path, default.train.timestep_selection, **fields)
+    # only step 0 has a density (the others are eta-0 DDIM steps): it alone is trained, once per micro-batch
+    assert run.samples.mask.cpu().tolist() == [[1, 0, 0, 0]] * 4
+    assert run.grad_calls == [[run.samples.timesteps[0, 0].item()]] * MICRO_BATCHES
+    assert run.metrics["steps/trained"] == [1, 0, 0, 0]
+    # per-prompt normalised: each prompt group's advantages at step 0 have mean 0
+    advantages = run.samples.advantages[:, 0].cpu()
+    for prompt in run.samples.prompt_ids.unique():
+        group = advantages[run.samples.prompt_ids.cpu() == prompt]
+        assert abs(float(group.mean())) < 1e-5
+
+
+def test_algorithm2_variant_is_algorithm2_as_written():
+    from ddpo_group.config import grpo
+
+    for name in ("tiny_group_ppo_alg2", "group_ppo_alg2"):
+        config = grpo.get_config(name)
+        assert config.algorithm.adv_estimator == "group_ppo" and config.train.timestep_selection == "endpoints"
+        assert config.sample.sde_window_size == 0 and config.group_ppo.advantage_norm == "whiten"
+        assert not config.train.use_kl_loss and not config.train.use_reference_model

@@ -242,6 +242,11 @@ def test_step_heatmaps_png_for_per_step_runs_and_report_section(tmp_path):
     out = write_step_heatmaps([run, short], tmp_path / "steps.png", names=["GP", "one step"])
     with Image.open(out) as image:
         assert image.format == "PNG" and image.size[0] > 300
+    # the CLI: three runs side by side in one picture; the report itself compares two at most
+    assert inspect_main([str(run), "--compare", str(short), str(run), "--steps-png", str(tmp_path / "3.png")]) == 0
+    with Image.open(tmp_path / "3.png") as three:
+        assert three.size[0] > image.size[0]
+    assert inspect_main([str(run), "--compare", str(short), str(run)]) == 2
     html = build_report(run)
     assert "Per-step view" in html and "per-step heat maps" in html
 
