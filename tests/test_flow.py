@@ -125,3 +125,23 @@ def test_bad_input_is_named():
         sde_step_with_logprob(ddim, x, ddim.timesteps[0], x)
     with pytest.raises(ValueError, match="grid"):
         sde_step_with_logprob(s, x, 123.456, x)
+
+
+@pytest.mark.parametrize("kind", ["sde", "cps", "dance"])
+def test_given_sigmas_equal_the_lookup_on_the_scheduler_grid(kind):
+    s = scheduler(6)
+    x = torch.randn(3, 4, 2, 2, generator=torch.Generator().manual_seed(5))
+    v = torch.randn(3, 4, 2, 2, generator=torch.Generator().manual_seed(6))
+    steps = [0, 2, 5]
+    grid = s.sigmas.float()
+    prev, log_prob, mean, std = sde_step_with_logprob(s, v, s.timesteps[steps], x, noise_level=0.7, sde_type=kind,
+                                                      generator=torch.Generator().manual_seed(7))
+    given = (grid[steps], grid[[i + 1 for i in steps]], grid[1].expand(3))
+    s.set_timesteps(3)  # the scheduler's grid no longer holds these steps: the given sigmas are all that is read
+    _, lp, mean_given, std_given = sde_step_with_logprob(s, v, torch.zeros(3), x, noise_level=0.7, sde_type=kind,
+                                                         prev_sample=prev, sigmas=given)
+    assert torch.equal(lp, log_prob) and torch.equal(mean_given, mean) and torch.equal(std_given, std)
+    with pytest.raises(ValueError, match="sigmas must be three"):
+        sde_step_with_logprob(s, v, torch.zeros(3), x, sigmas=(grid[:2], grid[1:3], grid[:2]))
+    with pytest.raises(ValueError, match="sigma_next <= sigma"):
+        sde_step_with_logprob(s, v, torch.zeros(3), x, sigmas=given[1:2] + given[0:1] + given[2:])

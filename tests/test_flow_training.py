@@ -48,6 +48,25 @@ def test_rescoring_with_unchanged_weights_is_exact(family, sde_type):
         assert torch.equal(trajectory_log_probs(pipeline, trajectories, guidance, 0.5), trajectories.log_probs)
 
 
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_rescoring_uses_the_trajectories_grid_when_the_scheduler_has_another(family):
+    # a user's evaluation or a second pipeline call between sampling and training resets the scheduler's grid;
+    # the first timestep (1000) is on every grid, so a lookup on the scheduler would silently score it wrongly
+    build, guidance = BUILDERS[family]
+    pipeline = build(seed=0)
+    policy = policy_for(pipeline)
+    trajectories = policy.sample(PROMPTS, 4, guidance, 0.7, generator=torch.Generator().manual_seed(1))
+    sampled_grid = pipeline.scheduler.sigmas.clone()  # the grid the scheduler held while sampling
+    assert torch.equal(trajectories.sigmas, sampled_grid.float().expand(2, 5)) and sampled_grid[-1] == 0
+    # another grid: after sigma = 1 its next sigma differs (FLUX's scheduler shifts by the image size, mu)
+    pipeline.scheduler.set_timesteps(7, **({"mu": 0.5} if pipeline.scheduler.config.use_dynamic_shifting else {}))
+    assert pipeline.scheduler.sigmas[1] != sampled_grid[1]
+    rows = torch.arange(2)
+    for k in range(4):
+        log_prob, _, _ = policy.step_log_prob(policy.trainable_module, trajectories, rows, torch.full((2,), k), guidance, 0.7)
+        assert torch.equal(log_prob, trajectories.log_probs[:, k])
+
+
 @pytest.mark.parametrize("variant", ["tiny_sd3", "tiny_flux"])
 @pytest.mark.parametrize("estimator", ["grpo", "group_ppo"])
 def test_two_epochs_of_each_tiny_flow_variant_train(tmp_path, variant, estimator):

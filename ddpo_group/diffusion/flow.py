@@ -71,6 +71,7 @@ def sde_step_with_logprob(
     sde_type="sde",
     prev_sample=None,
     generator=None,
+    sigmas=None,
 ):
     """One flow-matching step x_t -> x_{t+1} with its Gaussian log-probability (module docstring).
 
@@ -83,6 +84,10 @@ def sde_step_with_logprob(
         sde_type: "sde" (Flow-GRPO), "cps" or "dance" (DanceGRPO).
         prev_sample: x_{t+1} to score instead of drawing one.
         generator: torch.Generator for the noise (``randn_tensor``), when drawing.
+        sigmas: (sigma, sigma_next, sigma_1), each (B,): the step's own grid values (sigma_1 = the grid's
+            second sigma, used in the sde step's denominator at sigma = 1). Trajectories store their grid and
+            pass it here, so re-scoring never reads the scheduler, whose grid a later ``set_timesteps`` (an
+            evaluation, another pipeline call) may have changed. None: looked up on the scheduler's grid.
 
     Returns:
         prev_sample, log_prob (B,) (0 where std = 0), prev_sample_mean, std_dev_t (B, 1, ...) the
@@ -101,9 +106,19 @@ def sde_step_with_logprob(
     dtype = step_dtype(sample.dtype)
     x = sample.to(dtype)
     v = model_output.to(dtype)
-    sigma, sigma_next, sigma_1 = _sigmas(scheduler, timestep, x.shape[0], x.device, dtype)
+    if sigmas is None:
+        sigma, sigma_next, sigma_1 = _sigmas(scheduler, timestep, x.shape[0], x.device, dtype)
+        sigma_1 = torch.full((x.shape[0],), sigma_1, device=x.device, dtype=dtype)
+    else:
+        sigma, sigma_next, sigma_1 = (torch.as_tensor(v).to(device=x.device, dtype=dtype).reshape(-1) for v in sigmas)
+        if not sigma.shape == sigma_next.shape == sigma_1.shape == (x.shape[0],):
+            raise ValueError(f"sigmas must be three (B,) = ({x.shape[0]},) tensors, got "
+                             f"{[tuple(v.shape) for v in (sigma, sigma_next, sigma_1)]}")
+        if bool((sigma_next > sigma).any()) or bool((sigma <= 0).any()):
+            raise ValueError("sigmas: a flow step goes from sigma > 0 to sigma_next <= sigma")
     sigma = _left_broadcast(sigma, x.shape)
     sigma_next = _left_broadcast(sigma_next, x.shape)
+    sigma_1 = _left_broadcast(sigma_1, x.shape)
     dt = sigma_next - sigma
     a = noise_level
 
@@ -114,7 +129,7 @@ def sde_step_with_logprob(
         mean = (1 - sigma_next) * x0_hat + torch.sqrt((sigma_next**2 - std**2).clamp(min=0)) * eps_hat
     else:
         if sde_type == "sde":
-            denominator = 1 - torch.where(sigma == 1, torch.full_like(sigma, sigma_1), sigma)
+            denominator = 1 - torch.where(sigma == 1, sigma_1, sigma)
             g = a * torch.sqrt(sigma / denominator)
         else:
             g = torch.full_like(sigma, a)

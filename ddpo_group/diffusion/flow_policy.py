@@ -130,12 +130,13 @@ class FlowMatchingPolicy(DiffusionPolicy):
         cond = self._encode(prompts, negative_prompt, guidance_scale, device)
         latents = self._initial_latents(batch_size, device, generator)
         timesteps = self._set_timesteps(num_steps, device)
+        grid = self.pipeline.scheduler.sigmas.detach().to(device, torch.float32).unsqueeze(0).repeat(batch_size, 1)
         all_latents, log_probs, stds = [latents], [], []
         for i, t in enumerate(tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False)):
             velocity = self._velocity(model, latents, t.expand(batch_size), cond, guidance_scale)
             latents, log_prob, _, std = sde_step_with_logprob(
                 self.pipeline.scheduler, velocity, t, latents, noise_level=levels[i], sde_type=self.sde_type,
-                generator=generator if levels[i] > 0 else None,
+                generator=generator if levels[i] > 0 else None, sigmas=(grid[:, i], grid[:, i + 1], grid[:, 1]),
             )
             all_latents.append(latents)
             log_probs.append(log_prob)
@@ -152,14 +153,19 @@ class FlowMatchingPolicy(DiffusionPolicy):
             prompt_ids=prompt_ids,
             pooled_prompt_embeds=cond["pooled_prompt_embeds"],
             negative_pooled_prompt_embeds=cond.get("negative_pooled_prompt_embeds"),
+            sigmas=grid,
         )
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
-        """log pi(x_{t+1} | x_t, c), mean, std of trajectories `rows` at their steps `step_index` (b,), noise level eta."""
+        """log pi(x_{t+1} | x_t, c), mean, std of trajectories `rows` at their steps `step_index` (b,), noise level eta.
+
+        The step's sigmas come from the trajectories' own grid (batch.sigmas), never from the scheduler's."""
+        if batch.sigmas is None:
+            raise ValueError("these trajectories carry no sigma grid (batch.sigmas): sample them with a flow policy")
         latents = batch.latents[rows]
         ar = torch.arange(len(rows), device=latents.device)
-        self._set_timesteps(batch.timesteps.shape[1], latents.device)
         timesteps = batch.timesteps[rows][ar, step_index]
+        grid = batch.sigmas[rows].to(latents.device)
         cond = {
             name: None if getattr(batch, name) is None else getattr(batch, name)[rows]
             for name in ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
@@ -168,6 +174,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
         _, log_prob, mean, std = sde_step_with_logprob(
             self.pipeline.scheduler, velocity, timesteps, latents[ar, step_index], noise_level=eta,
             sde_type=self.sde_type, prev_sample=latents[ar, step_index + 1],
+            sigmas=(grid[ar, step_index], grid[ar, step_index + 1], grid[:, 1]),
         )
         return log_prob, mean, std
 

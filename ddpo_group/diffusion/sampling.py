@@ -39,7 +39,9 @@ class Trajectories:
     negative_prompt_embeds (B, L, D) or None (no guidance); mask (B, T) float, 0 where
     std_dev_t == 0; prompts list of B str; prompt_ids (B,) int64 (the GRPO group key);
     pooled_prompt_embeds, negative_pooled_prompt_embeds (B, D') or None: the pooled text
-    embeddings of families that condition on them (SD3, FLUX; None for SD 1.x / 2.x).
+    embeddings of families that condition on them (SD3, FLUX; None for SD 1.x / 2.x); sigmas (B, T+1)
+    float32: the flow families' noise grid the trajectory was sampled on (None for DDIM), so that
+    re-scoring uses the trajectory's own grid whatever the scheduler holds by then.
 
     ``index``, ``to`` and ``cat`` carry every declared field, those of subclasses too: a tensor
     field is indexed on dim 0, a dict field value by value, a field declared with
@@ -57,6 +59,7 @@ class Trajectories:
     prompt_ids: torch.Tensor
     pooled_prompt_embeds: torch.Tensor | None = None
     negative_pooled_prompt_embeds: torch.Tensor | None = None
+    sigmas: torch.Tensor | None = None
 
     def __len__(self):
         return self.latents.shape[0]
