@@ -171,6 +171,17 @@ def check_config(config, num_processes=1, has_gpu=None):
             f"config.pretrained.model={config.pretrained.model!r} steps with DDIM (its noise is sample.eta): "
             "set sample.sde_type=''"
         )
+    if config.train.kl_type == "flow_grpo" and config.pretrained.model in StableDiffusionPolicy.offline_models:
+        raise ConfigError(
+            f"config.train.kl_type='flow_grpo' is Flow-GRPO's KL of a flow-matching step; "
+            f"config.pretrained.model={config.pretrained.model!r} steps with DDIM: use train.kl_type='gaussian'"
+        )
+    _positive(config.train.skip_last_steps, "train.skip_last_steps", allow_zero=True)
+    if config.train.skip_last_steps >= sample.num_steps:
+        raise ConfigError(
+            f"config.train.skip_last_steps={config.train.skip_last_steps} leaves no step of sample.num_steps="
+            f"{sample.num_steps} to train: use at most {sample.num_steps - 1}"
+        )
     _choice(sample.sde_window, SDE_WINDOWS, "sample.sde_window")
     if sample.sde_type == "cps" and sample.eta > 1.0:
         raise ConfigError(

@@ -330,6 +330,12 @@ class Trainer:
         module = self.policy.prepare(
             acc.device, inference_dtype, config.use_lora, config.lora_rank, config.lora_alpha or None
         )
+        if config.train.kl_type == "flow_grpo" and not self.policy.supports_flow_grpo_kl:
+            raise ConfigError(
+                f"config.train.kl_type='flow_grpo' is Flow-GRPO's KL of a flow-matching step; "
+                f"config.pretrained.model={config.pretrained.model!r} is a {self.policy.family} model: "
+                "use train.kl_type='gaussian'"
+            )
         self.trainable_module = module
         self.trainable_params = [p for p in module.parameters() if p.requires_grad]
         if config.train.use_8bit_adam:
@@ -579,6 +585,10 @@ class Trainer:
         results = [self.reward_runner.result(future, config.reward_timeout) for future in futures]
         metrics["time/reward"] = time.perf_counter() - start
         samples = EpochBatch.cat(batches)
+        skip = config.train.skip_last_steps
+        if skip:
+            # the last steps keep their log-probs but carry no density for training (train.skip_last_steps)
+            samples.mask[:, samples.mask.shape[1] - skip :] = 0
         rewards = np.concatenate([r[0] for r in results])
         components = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
         device = acc.device
@@ -921,6 +931,9 @@ class Trainer:
                 ref_log_prob, ref_mean, _ = self._step(self.reference, samples, mb.rows, mb.step_idx[:, k])
             if t.kl_type == "gaussian":
                 kl = gaussian_kl(mean.float(), ref_mean.float(), std.float())
+            elif t.kl_type == "flow_grpo":
+                kl_std = self.policy.flow_grpo_kl_std(samples, mb.rows, mb.step_idx[:, k], std.float())
+                kl = gaussian_kl(mean.float(), ref_mean.float(), kl_std)
             else:
                 kl = kl_penalty(log_prob, ref_log_prob.float(), t.kl_type)
             kl = torch.where(valid, kl, torch.zeros_like(kl))

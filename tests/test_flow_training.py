@@ -1,6 +1,8 @@
 """Flow-matching families (SD3, FLUX) end to end on the tiny pipelines: noise 0 reproduces the
 pipeline, re-scoring is exact, every algorithm trains, LoRA exports, ODE/SDE windows, bad input."""
 
+import math
+
 import pytest
 import torch
 
@@ -166,6 +168,9 @@ def test_window_noise_levels():
         (dict(sample__sde_window_size=9), "sample.sde_window_size"),
         (dict(sample__sde_window_size=2, sample__sde_window_start=3), "sample.sde_window_start"),
         (dict(sample__sde_window="moving"), "sample.sde_window"),
+        (dict(train__kl_type="flow-grpo"), "train.kl_type"),
+        (dict(train__skip_last_steps=4), "train.skip_last_steps"),
+        (dict(train__skip_last_steps=-1), "train.skip_last_steps"),
     ],
 )
 def test_bad_flow_settings_are_named_before_a_model_loads(tmp_path, overrides, field):
@@ -185,3 +190,56 @@ def _saved_tiny(tmp_path):
     path = tmp_path / "tiny_sd"
     build_tiny_pipeline_sd(seed=0).save_pretrained(str(path))
     return path
+
+
+@pytest.mark.parametrize("sde_type", ["sde", "dance", "cps"])
+def test_flow_grpo_kl_is_flow_grpos_formula(sde_type):
+    # Flow-GRPO (scripts/train_sd3.py): kl = mean_dims (mu - mu_ref)^2 / (2 std_dev_t^2), std_dev_t the noise level
+    # g before its sqrt(-dt) factor: sde g = a sqrt(sigma / (1 - sigma)) (sigma = 1: sigmas[1] below), dance g = a;
+    # its cps std_dev_t is the step's std sigma' sin(a pi / 2)
+    from ddpo_group.algos.losses import gaussian_kl
+
+    a = 0.7 if sde_type != "cps" else 0.5
+    pipeline = build_tiny_sd3_pipeline(seed=0)
+    policy = policy_for(pipeline)
+    policy.configure(sde_type=sde_type)
+    trajectories = policy.sample(PROMPTS, 4, 4.5, a, generator=torch.Generator().manual_seed(2))
+    reference = build_tiny_sd3_pipeline(seed=1).transformer  # another model: the means differ
+    rows = torch.arange(2)
+    grid = trajectories.sigmas[0].double()
+    for k in range(3):
+        steps = torch.full((2,), k)
+        _, mean, std = policy.step_log_prob(policy.trainable_module, trajectories, rows, steps, 4.5, a)
+        _, ref_mean, _ = policy.step_log_prob(reference, trajectories, rows, steps, 4.5, a)
+        ours = gaussian_kl(mean, ref_mean, policy.flow_grpo_kl_std(trajectories, rows, steps, std))
+        sigma, sigma_next = float(grid[k]), float(grid[k + 1])
+        if sde_type == "sde":
+            g = a * math.sqrt(sigma / (1 - (float(grid[1]) if sigma == 1 else sigma)))
+        elif sde_type == "dance":
+            g = a
+        else:
+            g = sigma_next * math.sin(a * math.pi / 2)
+        expected = ((mean.double() - ref_mean.double()) ** 2).flatten(1).mean(1) / (2 * g * g)
+        torch.testing.assert_close(ours.double(), expected, rtol=1e-4, atol=0)
+        if sde_type != "cps":  # the exact Gaussian KL is 1/|dt| times larger
+            exact = gaussian_kl(mean, ref_mean, std).double()
+            torch.testing.assert_close(exact * (sigma - sigma_next), expected, rtol=1e-4, atol=0)
+
+
+def test_flow_grpo_kl_on_a_ddim_model_is_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match="train.kl_type"):
+        check_config(make_config(tmp_path, variant="test", train__kl_type="flow_grpo"))
+
+
+def test_the_flow_presets_use_flow_grpos_kl_scale_and_never_train_the_last_step(tmp_path):
+    from ddpo_group.config import grpo
+
+    for name in ("sd35", "flux"):
+        config = grpo.get_config(name)
+        assert config.train.kl_type == "flow_grpo" and config.train.skip_last_steps == 1
+    run_dir = train(make_config(tmp_path, variant="tiny_sd3", **cheap(
+        sample__num_steps=4, train__kl_type="flow_grpo", train__skip_last_steps=1, train__use_reference_model=True,
+        train__use_kl_loss=True, train__beta=0.04)))
+    row = read_metrics(run_dir)[0]
+    assert row["steps/trained"] == [1, 1, 1, 0]
+    assert row["steps/approx_kl"][-1] is None and math.isfinite(row["kl"])

@@ -51,8 +51,10 @@ __all__ = [
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 # The KL of one diffusion step the trainer can add to the loss: the exact Gaussian KL of two steps
-# (`gaussian_kl`, from the two means and the shared std) or a `kl_penalty` estimator on log-probs.
-KL_TYPES = ("gaussian",) + KL_KINDS
+# (`gaussian_kl`, from the two means and the shared std), Flow-GRPO's scale of it for flow models
+# ("flow_grpo": `gaussian_kl` with the step's noise level before its sqrt|dt| factor in place of the std;
+# docs/flow.md), or a `kl_penalty` estimator on log-probs.
+KL_TYPES = ("gaussian", "flow_grpo") + KL_KINDS
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSS_REGISTRY: dict[str, PolicyLoss] = {}

@@ -172,8 +172,14 @@ def get_config():
     # Add beta * KL(pi_theta || pi_ref) to the loss (GRPO).
     train.use_kl_loss = False
     train.beta = 0.0
-    # KL of one step: "gaussian" (exact KL of the two Gaussian steps, the default), "k1", "abs", "k2", "k3".
+    # KL of one step: "gaussian" (exact KL of the two Gaussian steps, the default), "flow_grpo" (flow models:
+    # Flow-GRPO's scale, ||mu - mu_ref||^2 / (2 g^2) with g the noise level before the sqrt|dt| factor, i.e. the
+    # exact KL times |dt|; docs/flow.md), "k1", "abs", "k2", "k3".
     train.kl_type = "gaussian"
+    # Never train the last N steps of a trajectory: they keep their log-probs but get mask 0, like a step
+    # without density. The last step's std is the smallest and its log-ratio the most sensitive; Flow-GRPO
+    # trains timestep_fraction 0.99 of its steps (never the last) and DanceGRPO drops it: the flow presets use 1.
+    train.skip_last_steps = 0
     # Keep a reference policy (needed by use_kl_loss, logged as ref/kl otherwise).
     train.use_reference_model = False
     # Reference mixup: every reference_update_freq optimizer steps, ref <- alpha * theta + (1 - alpha) * ref.
@@ -220,7 +226,7 @@ def get_config():
     # that the first actor updates see a critic that has seen data). They sample and count as epochs.
     critic.warmup_epochs = 0
 
-    ###### Group-PPO (DESIGN section 4) ######
+    ###### Group-PPO (docs/group_ppo.md) ######
     config.group_ppo = group_ppo = ml_collections.ConfigDict()
     group_ppo.variance_threshold = 1.0
     group_ppo.max_group_size = 16

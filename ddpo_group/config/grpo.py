@@ -277,8 +277,11 @@ def sd35():
     config.algorithm.adv_estimator = "grpo"
     config.train.use_reference_model = True
     config.train.use_kl_loss = True
-    config.train.beta = 0.04  # Flow-GRPO geneval_sd3: KL weight 0.04
-    config.train.kl_type = "gaussian"  # Flow-GRPO's KL is ||mu - mu_ref||^2 / (2 sigma^2), the exact Gaussian KL
+    config.train.beta = 0.04  # Flow-GRPO geneval_sd3: KL weight 0.04, on its scale of the KL:
+    # ||mu - mu_ref||^2 / (2 g^2) with g the noise level before the sqrt|dt| factor (scripts/train_sd3.py), the
+    # exact Gaussian KL times |dt|; with kl_type="gaussian" the same beta would weigh it 1/|dt| (4x-100x) more
+    config.train.kl_type = "flow_grpo"
+    config.train.skip_last_steps = 1  # Flow-GRPO trains timestep_fraction 0.99 of the steps: never the last
     return config
 
 

@@ -7,7 +7,7 @@ sigma' = sigmas[i+1] < sigma, dt = sigma' - sigma < 0 and the model's estimates
     x0_hat = x - sigma v,      eps_hat = x + (1 - sigma) v,
 
 the deterministic Euler (ODE) step of the pipeline is x + v dt. Three stochastic steps of the
-same marginals have a Gaussian density N(mean, std^2 I) (DESIGN section 11), a = noise level:
+same marginals have a Gaussian density N(mean, std^2 I) (docs/flow.md), a = noise level:
 
     sde   (Flow-GRPO)    g = a sqrt(sigma / (1 - sigma))   (at sigma = 1: sigmas[1] in the denominator)
                          mean = x (1 + g^2 dt / (2 sigma)) + v (1 + g^2 (1 - sigma) / (2 sigma)) dt

@@ -53,6 +53,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
 
     pipeline_class = None
     default_max_sequence_length = 256
+    supports_flow_grpo_kl = True
 
     def __init__(self, pipeline):
         super().__init__(pipeline)
@@ -177,6 +178,18 @@ class FlowMatchingPolicy(DiffusionPolicy):
             sigmas=(grid[ar, step_index], grid[ar, step_index + 1], grid[:, 1]),
         )
         return log_prob, mean, std
+
+    def flow_grpo_kl_std(self, batch, rows, step_index, std):
+        """Flow-GRPO's std of the KL term (its train_sd3.py: ||mu - mu_ref||^2 / (2 std_dev_t^2), mean over dims):
+        the noise level g of the step before the sqrt|dt| factor, std / sqrt(sigma - sigma') for "sde" and
+        "dance" (std = g sqrt|dt|), the step's std itself for "cps" (Flow-GRPO's cps std has no dt factor).
+        gaussian_kl with it is the exact KL times |dt| (sde, dance). (b, 1, ..., 1) like `std`."""
+        if self.sde_type == "cps":
+            return std
+        grid = batch.sigmas[rows].to(std.device)
+        ar = torch.arange(len(rows), device=std.device)
+        dt = (grid[ar, step_index] - grid[ar, step_index + 1]).to(std.dtype)
+        return std / dt.sqrt().reshape((-1,) + (1,) * (std.dim() - 1))
 
     def _decode(self, latents):
         vae = self.pipeline.vae

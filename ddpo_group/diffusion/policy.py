@@ -47,6 +47,8 @@ class DiffusionPolicy:
     family = "abstract"
     offline_models = ()
     pipeline_class_names = ()
+    # whether `flow_grpo_kl_std` applies (train.kl_type="flow_grpo"): flow-matching families only
+    supports_flow_grpo_kl = False
 
     def __init__(self, pipeline):
         if not self.supports(pipeline):
@@ -80,6 +82,13 @@ class DiffusionPolicy:
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
         raise NotImplementedError
+
+    def flow_grpo_kl_std(self, batch, rows, step_index, std):
+        """The std that makes gaussian_kl Flow-GRPO's KL of a step (train.kl_type="flow_grpo"); flow families."""
+        raise ValueError(
+            f"config.train.kl_type='flow_grpo' is Flow-GRPO's KL of a flow-matching step; the {self.family} family "
+            "steps with DDIM: use train.kl_type='gaussian'"
+        )
 
     def save_trainable(self, module, output_dir, use_lora):
         raise NotImplementedError
