@@ -101,6 +101,10 @@ def _choice(value, choices, field):
         raise ConfigError(f"config.{field}={value!r} is not one of {list(choices)}")
 
 
+# The fixed evaluation draws this many images per prompt at most, at every evaluation.
+MAX_EVAL_IMAGES_PER_PROMPT = 1024
+
+
 def _positive(value, field, allow_zero=False):
     if value is None or (value < 0 if allow_zero else value <= 0):
         bound = ">= 0" if allow_zero else "> 0"
@@ -154,6 +158,12 @@ def check_config(config, num_processes=1, has_gpu=None):
     _positive(config.log_images_every, "log_images_every", allow_zero=True)
     _positive(config.eval_freq, "eval_freq", allow_zero=True)
     _positive(config.eval_images_per_prompt, "eval_images_per_prompt")
+    if config.eval_images_per_prompt > MAX_EVAL_IMAGES_PER_PROMPT:
+        raise ConfigError(
+            f"config.eval_images_per_prompt={config.eval_images_per_prompt}: every evaluation would draw that many "
+            f"images for each prompt; use at most {MAX_EVAL_IMAGES_PER_PROMPT} (the standard error of a mean over "
+            "1024 rewards in [0, 1] is below 0.016), or score a checkpoint once with scripts/evaluate.py"
+        )
     _positive(config.eval_grid_prompts, "eval_grid_prompts", allow_zero=True)
     _positive(config.train.grad_share_every, "train.grad_share_every", allow_zero=True)
     _positive(config.eval_batch_size, "eval_batch_size", allow_zero=True)

@@ -140,7 +140,14 @@ def read_sample_records(run: RunData, epoch: int) -> list[dict]:
             raise ValueError(f"{path}: record {i} must be an object with at least 'prompt' and 'reward'")
         record = dict(record)
         image = record.get("image")
-        record["image_path"] = path.parent / image if image else None
+        record["image_path"] = None
+        if image:
+            image_path = (path.parent / str(image)).resolve()
+            if not image_path.is_relative_to(run.path.resolve()):
+                # a samples file names images of its run only: nothing outside the run directory is embedded
+                record["outside"] = str(image)
+            else:
+                record["image_path"] = image_path
         out.append(record)
     return out
 
@@ -572,7 +579,10 @@ def _grids_section(runs: Sequence[RunData]) -> str:
 def _sample_cell(record: dict) -> str:
     advantage = _number(record.get("advantage"))
     caption = f"r={record['reward']:.3f} a={'n/a' if advantage is None else f'{advantage:+.2f}'}"
-    image = _file_img(record.get("image_path"), f"sample {record.get('index', '')}", "sample")
+    if record.get("outside"):
+        image = f'<span class="missing">not shown: {_e(record["outside"])} is outside the run directory</span>'
+    else:
+        image = _file_img(record.get("image_path"), f"sample {record.get('index', '')}", "sample")
     return f'<figure>{image}<figcaption>{_e(caption)}</figcaption></figure>'
 
 

@@ -45,6 +45,18 @@ class PromptRecord:
     metadata: dict = dataclasses.field(default_factory=dict)
 
 
+# Invisible characters a prompt must not start or end with: zero-width space / joiners, word joiner, BOM.
+_INVISIBLE = "\u200b\u200c\u200d\u2060\ufeff"
+
+
+def clean_prompt(text: str) -> str:
+    """The prompt without surrounding whitespace and invisible characters ("" when nothing else is left)."""
+    previous = None
+    while previous != text:
+        previous, text = text, text.strip().strip(_INVISIBLE)
+    return text
+
+
 def _record(item: Any, where: str) -> PromptRecord:
     """PromptRecord from a string, a PromptRecord or a dict with a "prompt" field."""
     if isinstance(item, PromptRecord):
@@ -58,9 +70,9 @@ def _record(item: Any, where: str) -> PromptRecord:
         metadata = {key: value for key, value in item.items() if key != "prompt"}
     else:
         raise ValueError(f"{where}: expected a string or an object with a 'prompt' field, got {type(item).__name__}")
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not isinstance(prompt, str) or not clean_prompt(prompt):
         raise ValueError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r}")
-    return PromptRecord(prompt.strip(), metadata)
+    return PromptRecord(clean_prompt(prompt), metadata)
 
 
 def _resolve_path(path: str) -> str:
@@ -73,16 +85,17 @@ def _resolve_path(path: str) -> str:
 
 
 def load_text(path: str) -> list[PromptRecord]:
-    """One prompt a line; blank lines and lines starting with # are skipped; metadata {}."""
-    with open(path, encoding="utf-8") as f:
-        lines = [line.strip() for line in f]
+    """One prompt a line; blank lines (also of invisible characters only) and lines starting with # are skipped;
+    metadata {}. A UTF-8 byte-order mark is dropped."""
+    with open(path, encoding="utf-8-sig") as f:
+        lines = [clean_prompt(line) for line in f]
     return [PromptRecord(line, {}) for line in lines if line and not line.startswith("#")]
 
 
 def load_jsonl(path: str) -> list[PromptRecord]:
     """One JSON record a line (blank lines skipped); errors name the file and the 1-based line."""
     records = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -97,7 +110,7 @@ def load_jsonl(path: str) -> list[PromptRecord]:
 
 def load_json(path: str) -> list[PromptRecord]:
     """A JSON list of records, or an object whose "prompts" field is that list."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         try:
             data = json.load(f)
         except json.JSONDecodeError as exc:

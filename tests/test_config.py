@@ -33,7 +33,8 @@ def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
-VARIANTS = ["sd15", "ddpo", "group_ppo", "tiny", "tiny_ddpo", "tiny_group_ppo", "tiny_gae", "test"]
+VARIANTS = ["sd15", "ddpo", "group_ppo", "group_ppo_alg2", "tiny", "tiny_ddpo", "tiny_group_ppo", "tiny_group_ppo_alg2",
+            "tiny_gae", "test", "sd35", "flux"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -144,3 +145,9 @@ def test_train_help_names_the_variants_and_the_defaults_file():
     for name in ("sd15", "tiny", "tiny_group_ppo", "test"):
         assert f"  {name} " in result.stdout
     assert "ddpo_group/config/base.py" in result.stdout.replace("\\", "/")
+
+
+def test_eval_images_per_prompt_is_bounded(tmp_path, no_model_loading):
+    message = _assert_rejected(tmp_path, make_config(tmp_path, eval_images_per_prompt=10000), "eval_images_per_prompt")
+    assert "1024" in message and "scripts/evaluate.py" in message
+    check_config(make_config(tmp_path, eval_images_per_prompt=1024))

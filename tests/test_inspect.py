@@ -260,3 +260,18 @@ def test_step_heatmaps_of_an_old_run_is_a_clear_error_and_report_still_builds(tm
     assert not (tmp_path / "x.png").exists()
     assert inspect_main([str(old), "--steps-png", str(tmp_path / "x.png"), "--steps-keys", "steps/nope"]) == 2
     assert "steps/nope" in capsys.readouterr().err
+
+
+def test_report_never_embeds_a_file_outside_the_run_directory(tmp_path):
+    run = make_run(tmp_path / "run", seed=0)
+    secret = tmp_path / "secret.png"
+    secret.write_bytes((run / "samples" / "epoch_0002" / "005.png").read_bytes() + b"SECRET")
+    samples = run / "samples" / "epoch_0002.json"
+    document = json.loads(samples.read_text())
+    records = document["records"] if isinstance(document, dict) else document
+    for record in records:
+        record["image"] = "../../secret.png"
+    samples.write_text(json.dumps(document))
+    html = build_report(run, prompts=["a green triangle"], top_k=1)
+    assert data_uri(secret) not in html
+    assert "../../secret.png is outside the run directory" in html

@@ -142,3 +142,18 @@ def test_prompt_plugin_function_from_a_file(tmp_path):
 
 def test_a_list_of_prompts_is_accepted():
     assert load_prompts(["a", {"prompt": "b", "k": 1}]) == [PromptRecord("a", {}), PromptRecord("b", {"k": 1})]
+
+
+def test_a_bom_and_invisible_only_lines_are_not_prompts(tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_bytes("\ufeffa red circle\n\u200b\u200b\n \u2060 \nzero\u200b width inside stays\n\u200ba blue square\u200d\n".encode("utf-8"))
+    assert [r.prompt for r in load_prompts(str(text))] == [
+        "a red circle", "zero\u200b width inside stays", "a blue square"
+    ]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_bytes('\ufeff{"prompt": "a red circle"}\n'.encode("utf-8"))
+    assert [r.prompt for r in load_prompts(str(jsonl))] == ["a red circle"]
+    as_json = tmp_path / "p.json"
+    as_json.write_bytes('\ufeff["a cat", "\u200b"]'.encode("utf-8"))
+    with pytest.raises(ValueError, match=r"record 1.*non-empty"):
+        load_prompts(str(as_json))
