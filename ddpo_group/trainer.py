@@ -306,10 +306,22 @@ class Trainer:
         if acc.is_main_process:
             os.makedirs(self.run_dir, exist_ok=True)
             _write_json_atomic(os.path.join(self.run_dir, "config.json"), config.to_dict())
-            if self._resume_changes:
+            failed_path = os.path.join(self.run_dir, "failed.json")
+            previous_failure = None
+            if self._resume_checkpoint and os.path.exists(failed_path):
+                # the run goes on: its earlier failure moves into resumes.jsonl, failed.json marks this attempt only
+                with contextlib.suppress(OSError, ValueError):
+                    with open(failed_path) as f:
+                        previous_failure = json.load(f)
+                previous_failure = previous_failure or {"error": "unreadable failed.json"}
+            if self._resume_changes or previous_failure:
                 with open(os.path.join(self.run_dir, "resumes.jsonl"), "a") as f:
                     record = {"epoch": self.first_epoch, "changed": self._resume_changes}
+                    if previous_failure:
+                        record["previous_failure"] = previous_failure
                     f.write(json.dumps(record, default=str) + "\n")
+                if previous_failure:
+                    os.remove(failed_path)
         acc.wait_for_everyone()
         self.stop_requested = False
 
@@ -330,6 +342,11 @@ class Trainer:
         module = self.policy.prepare(
             acc.device, inference_dtype, config.use_lora, config.lora_rank, config.lora_alpha or None
         )
+        if config.sample.negative_prompt and self.policy.family == "flux":
+            raise ConfigError(
+                f"config.sample.negative_prompt={config.sample.negative_prompt!r}: FLUX.1 has no classifier-free "
+                "guidance, so a negative prompt would be ignored; set sample.negative_prompt=''"
+            )
         if config.train.kl_type == "flow_grpo" and not self.policy.supports_flow_grpo_kl:
             raise ConfigError(
                 f"config.train.kl_type='flow_grpo' is Flow-GRPO's KL of a flow-matching step; "

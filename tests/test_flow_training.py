@@ -243,3 +243,9 @@ def test_the_flow_presets_use_flow_grpos_kl_scale_and_never_train_the_last_step(
     row = read_metrics(run_dir)[0]
     assert row["steps/trained"] == [1, 1, 1, 0]
     assert row["steps/approx_kl"][-1] is None and math.isfinite(row["kl"])
+
+
+def test_a_negative_prompt_for_flux_is_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match="sample.negative_prompt"):
+        Trainer(make_config(tmp_path, variant="tiny_flux", **cheap(sample__negative_prompt="blurry")))
+    assert not (tmp_path / "r").exists()

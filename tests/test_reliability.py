@@ -252,3 +252,31 @@ def test_prompts_in_other_encodings_name_the_file(tmp_path):
     path.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match="latin1.jsonl.*UTF-8"):
         load_prompts(str(path))
+
+
+def test_a_successful_resume_moves_the_earlier_failure_into_resumes_jsonl(tmp_path):
+    flag = tmp_path / "fail_now"
+    plugin = tmp_path / "flaky_reward.py"
+    plugin.write_text(textwrap.dedent(f'''
+        import os
+        from ddpo_group.rewards.registry import register_reward
+
+        SEEN = {str(tmp_path / "seen")!r}
+
+        @register_reward("flaky")
+        def flaky(images, prompts, metadata):  # fails from its second epoch on while the flag exists
+            value = float("nan") if os.path.exists({str(flag)!r}) and os.path.exists(SEEN) else 0.5
+            open(SEEN, "w").close()
+            return [value] * len(prompts), {{}}
+    '''))
+    config = make_config(tmp_path, **cheap(plugins=str(plugin), reward_fn="flaky", num_epochs=2, save_freq=1))
+    flag.write_text("")
+    with pytest.raises(RewardError):
+        train(config)
+    assert json.loads((tmp_path / "r" / "failed.json").read_text())["epoch"] == 1  # after checkpoint_1
+    flag.unlink()
+    train(make_config(tmp_path, **cheap(plugins=str(plugin), reward_fn="flaky", num_epochs=2, save_freq=1,
+                                        resume_from=str(tmp_path / "r"))))
+    assert not (tmp_path / "r" / "failed.json").exists()
+    resumes = [json.loads(line) for line in (tmp_path / "r" / "resumes.jsonl").read_text().splitlines()]
+    assert resumes[-1]["previous_failure"]["epoch"] == 1 and "flaky" in resumes[-1]["previous_failure"]["error"]
