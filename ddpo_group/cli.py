@@ -62,6 +62,40 @@ def _resolve_config_argument(argv: list[str]) -> list[str]:
     return out
 
 
+def _config_value(argv: Sequence[str]) -> str | None:
+    """The value of --config NAME / --config=NAME, None when not given."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.partition("=")[2]
+    return None
+
+
+def _unknown_variant(argv: Sequence[str]) -> str | None:
+    """A one-line error for a --config naming no built-in variant (NAME, or grpo.py:NAME), else None."""
+    import difflib
+    import os
+
+    from ddpo_group.config import grpo
+
+    value = _config_value(argv)
+    if value is None:
+        return None
+    path, _, name = value.rpartition(":") if ".py:" in value else ("", "", value)
+    if path and os.path.basename(path) != "grpo.py":
+        return None  # a user's own config file: its get_config judges the argument
+    if not path and (value.endswith(".py") or os.path.exists(value)):
+        return None
+    if name in grpo.VARIANTS:
+        return None
+    hint = difflib.get_close_matches(name, list(grpo.VARIANTS), n=1)
+    return (
+        f"unknown config variant {name!r} (--config {value})" + (f"; did you mean {hint[0]!r}?" if hint else "")
+        + f" The built-in variants: {', '.join(grpo.VARIANTS)} (ddpo-group-train --help)"
+    )
+
+
 def _override_fields(argv: Sequence[str]) -> list[str]:
     """The dotted field names of the --config.FIELD=VALUE (or --config.FIELD VALUE) arguments."""
     return [arg[len("--config."):].split("=", 1)[0] for arg in argv if arg.startswith("--config.")]
@@ -109,7 +143,7 @@ def train_main(argv: Sequence[str] | None = None) -> None:
         sys.exit(0)
     debug = os.environ.get("DDPO_GROUP_DEBUG", "").lower() in ("1", "true", "yes")
     overrides = _override_fields(argv[1:])
-    problem = _unknown_override(overrides)
+    problem = _unknown_variant(argv[1:]) or _unknown_override(overrides)
     if problem:
         sys.exit(f"ddpo-group-train: error: {problem}")
 

@@ -112,6 +112,17 @@ def test_unknown_variant_on_the_command_line(tmp_path):
     assert "'nope'" in result.stderr
     assert "tiny" in result.stderr and "test" in result.stderr  # the variants to choose from
     assert not any(tmp_path.iterdir())
+    assert len(result.stderr.strip().splitlines()) == 1  # one line, no traceback
+
+
+@pytest.mark.parametrize("argument", ["tinyy", "config/grpo.py:tinyy"])
+def test_a_misspelt_variant_is_one_line_with_the_closest_name(argument):
+    from ddpo_group.cli import _unknown_variant
+
+    message = _unknown_variant(["--config", argument])
+    assert "'tinyy'" in message and "did you mean 'tiny'?" in message and "\n" not in message
+    assert _unknown_variant([f"--config={argument.replace('tinyy', 'tiny')}"]) is None
+    assert _unknown_variant(["--config", "my_configs.py:anything"]) is None  # a user's file judges its own argument
 
 
 def test_train_runs_from_any_directory_with_a_built_in_variant_name(tmp_path):
