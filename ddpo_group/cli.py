@@ -157,14 +157,23 @@ def train_main(argv: Sequence[str] | None = None) -> None:
         config_flags.DEFINE_config_file("config", default, "Training configuration: NAME or FILE.py[:VARIANT].")
 
     def main(_):
-        from ddpo_group.trainer import train
+        import json
+
+        from ddpo_group.trainer import STOPPED_FILE, train
 
         try:
-            train(flags.FLAGS.config, overrides=overrides)
+            run_dir = train(flags.FLAGS.config, overrides=overrides)
         except Exception as err:
             if debug:
                 raise
             sys.exit(f"ddpo-group-train: error: {one_line(err)}")
+        stopped = os.path.join(run_dir, STOPPED_FILE)
+        if os.path.exists(stopped):  # a signal stopped it: not a finished run (exit 128 + signal, as the shell does)
+            with open(stopped) as f:
+                info = json.load(f)
+            print(f"ddpo-group-train: stopped by signal {info.get('signal')} after epoch {info.get('epoch')}, "
+                  f"checkpoint written; resume with {info.get('resume')}", file=sys.stderr)
+            sys.exit(128 + int(info.get("signal") or 0) if info.get("signal") else 1)
 
     try:
         app.run(main, argv=_resolve_config_argument(argv))

@@ -63,6 +63,10 @@ CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 
 
+# Written into the run directory when a signal stopped the run before num_epochs; removed when it resumes.
+STOPPED_FILE = "stopped.json"
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the path and the fix."""
 
@@ -306,6 +310,8 @@ class Trainer:
         if acc.is_main_process:
             os.makedirs(self.run_dir, exist_ok=True)
             _write_json_atomic(os.path.join(self.run_dir, "config.json"), config.to_dict())
+            with contextlib.suppress(FileNotFoundError):  # a stopped run that goes on is no longer stopped
+                os.remove(os.path.join(self.run_dir, STOPPED_FILE))
             failed_path = os.path.join(self.run_dir, "failed.json")
             previous_failure = None
             if self._resume_checkpoint and os.path.exists(failed_path):
@@ -323,7 +329,7 @@ class Trainer:
                 if previous_failure:
                     os.remove(failed_path)
         acc.wait_for_everyone()
-        self.stop_requested = False
+        self.stop_requested, self.stop_signal = False, None
 
     def _build_models(self):
         config, acc = self.config, self.accelerator
@@ -474,6 +480,12 @@ class Trainer:
                     self.evaluate(epoch, metrics)
                     self._write_metrics_row(metrics)
             self.save_checkpoint(epoch)
+            if epoch < config.num_epochs and acc.is_main_process:
+                # stopped by a signal before num_epochs: say so in the run directory (the CLI exits non-zero)
+                _write_json_atomic(os.path.join(self.run_dir, STOPPED_FILE), {
+                    "epoch": epoch, "signal": self.stop_signal, "time": datetime.datetime.now().isoformat(),
+                    "resume": f"--config.resume_from={self.run_dir}",
+                })
         except BaseException as err:
             failed = True
             self._mark_failed(epoch, err)
@@ -544,6 +556,7 @@ class Trainer:
                 logging.shutdown()
                 os._exit(128 + signum)
             self.stop_requested = True
+            self.stop_signal = signum
             logger.warning("signal %d: finishing the current phase, then writing a final checkpoint", signum)
 
         self._previous_handlers = {}

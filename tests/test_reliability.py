@@ -280,3 +280,4 @@ def test_a_successful_resume_moves_the_earlier_failure_into_resumes_jsonl(tmp_pa
     assert not (tmp_path / "r" / "failed.json").exists()
     resumes = [json.loads(line) for line in (tmp_path / "r" / "resumes.jsonl").read_text().splitlines()]
     assert resumes[-1]["previous_failure"]["epoch"] == 1 and "flaky" in resumes[-1]["previous_failure"]["error"]
+

@@ -336,7 +336,9 @@ def test_sigterm_writes_a_final_checkpoint_and_exits(tmp_path):
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    assert returncode == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    # not a finished run: exit 128 + SIGTERM as the shell reports it, stopped.json marks the run, one line says how to go on
+    log_text = (tmp_path / "log.txt").read_text()
+    assert returncode == 128 + signal.SIGTERM, log_text[-3000:]
     epochs_done = len(read_metrics(run_dir))
     assert 1 <= epochs_done < 50
     checkpoints = os.listdir(run_dir / "checkpoints")
@@ -344,6 +346,13 @@ def test_sigterm_writes_a_final_checkpoint_and_exits(tmp_path):
     state = read_json(run_dir / "checkpoints" / f"checkpoint_{epochs_done}" / "trainer_state.json")
     assert state["epoch"] == epochs_done
     assert state["global_step"] == 2 * epochs_done
+    stopped = read_json(run_dir / "stopped.json")
+    assert stopped["signal"] == signal.SIGTERM and stopped["epoch"] == epochs_done
+    assert f"resume with --config.resume_from={run_dir}" in log_text
+    # a resume that finishes clears the mark
+    train(make_config(tmp_path, num_epochs=epochs_done + 1, save_freq=0, sample__num_steps=2, log_images_every=0,
+                      train__use_reference_model=False, train__use_kl_loss=False, resume_from=str(run_dir)))
+    assert not (run_dir / "stopped.json").exists()
 
 
 # per-step backward = whole-loss gradient
