@@ -1,4 +1,4 @@
-"""Group-PPO: endpoint grouping over denoising timesteps (DESIGN §4, Algorithm 2).
+"""Group-PPO: endpoint grouping over denoising timesteps (Algorithm 2; docs/group_ppo.md).
 
 A trajectory of T denoising steps is cut into consecutive segments. A segment grows while
 the per-step advantages inside it vary little compared with how much the outcome
@@ -242,7 +242,7 @@ class AdaptiveThreshold:
 
     @classmethod
     def from_config(cls, group_config):
-        """Build from the ``config.group_ppo`` block (fields of DESIGN §4)."""
+        """Build from the ``config.group_ppo`` block (docs/group_ppo.md)."""
         return cls(
             threshold=group_config.variance_threshold,
             lr=group_config.threshold_lr,
@@ -285,7 +285,7 @@ class AdaptiveThreshold:
 
 
 def grouping_metrics(endpoint_mask, mask, threshold):
-    """Logged grouping statistics of one batch (DESIGN §4).
+    """Logged grouping statistics of one batch (docs/group_ppo.md).
 
     With N valid steps and K endpoints over the batch, and R trajectories with valid steps:
 
