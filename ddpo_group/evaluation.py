@@ -24,13 +24,15 @@ def sample_generator(seed, prompt_index, image_index):
 
 @torch.no_grad()
 def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, guidance_scale, eta, seed=1234,
-             batch_size=32, accelerator=None, grid_prompts=0):
+             batch_size=32, accelerator=None, grid_prompts=0, should_stop=None):
     """Rewards of `images_per_prompt` fixed-noise images of every prompt record.
 
     Args:
         policy: a DiffusionPolicy; model: the module to sample with (None: the policy's).
         records: PromptRecords; reward_fn: a CombinedReward (``build_reward_fn``).
         grid_prompts: keep the images of the first this many prompts (for a grid), on the main process.
+        should_stop: a callable asked before each batch of a one-process evaluation; when it says True the
+            evaluation ends there and returns None (a stop signal need not wait for the whole evaluation).
 
     Returns: {"reward_mean", "reward_std", "components": {name: mean}, "per_prompt": (P,) means,
     "rewards": (P, J) array, "images": (k*J, 3, H, W) CPU tensor or None, "grid_prompts": their prompts}.
@@ -40,6 +42,8 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
     mine = pairs[rank::world]
     results = []
     for start in range(0, len(mine), batch_size):
+        if should_stop is not None and world == 1 and start > 0 and should_stop():
+            return None  # several processes finish the evaluation: each must reach the gather below
         chunk = mine[start : start + batch_size]
         prompts = [records[i].prompt for i, _ in chunk]
         generators = [sample_generator(seed, i, j) for i, j in chunk]

@@ -459,6 +459,8 @@ class Trainer:
                 metrics = {"epoch": epoch}
                 if config.eval_freq and epoch % config.eval_freq == 0:
                     self.evaluate(epoch, metrics)  # the weights after `epoch` epochs, before this epoch's update
+                    if self._should_stop():
+                        break
                 samples = self.sample_epoch(epoch, metrics)
                 if self._should_stop():
                     break
@@ -478,7 +480,8 @@ class Trainer:
                 if config.eval_freq:  # the final weights, a row of their own
                     metrics = {"epoch": epoch, "eval_only": True}
                     self.evaluate(epoch, metrics)
-                    self._write_metrics_row(metrics)
+                    if "eval/reward_mean" in metrics:  # not when a stop signal interrupted it
+                        self._write_metrics_row(metrics)
             self.save_checkpoint(epoch)
             if epoch < config.num_epochs and acc.is_main_process:
                 # stopped by a signal before num_epochs: say so in the run directory (the CLI exits non-zero)
@@ -510,8 +513,11 @@ class Trainer:
             self.policy, self.trainable_module, self.eval_prompts, self.reward_fn, config.eval_images_per_prompt,
             config.sample.num_steps, config.sample.guidance_scale, config.sample.eta, seed=config.eval_seed,
             batch_size=config.eval_batch_size or config.sample.batch_size, accelerator=acc,
-            grid_prompts=config.eval_grid_prompts,
+            grid_prompts=config.eval_grid_prompts, should_stop=lambda: self.stop_requested,
         )
+        if result is None:  # stopped by a signal between evaluation batches: no partial numbers are logged
+            logger.warning("evaluation of epoch %d interrupted by a stop signal", epoch)
+            return
         metrics["eval/reward_mean"] = result["reward_mean"]
         metrics["eval/reward_std"] = result["reward_std"]
         for name, value in result["components"].items():

@@ -281,3 +281,26 @@ def test_a_successful_resume_moves_the_earlier_failure_into_resumes_jsonl(tmp_pa
     resumes = [json.loads(line) for line in (tmp_path / "r" / "resumes.jsonl").read_text().splitlines()]
     assert resumes[-1]["previous_failure"]["epoch"] == 1 and "flaky" in resumes[-1]["previous_failure"]["error"]
 
+
+def test_a_stop_signal_during_an_evaluation_stops_between_its_batches(tmp_path):
+    calls = tmp_path / "calls"
+    plugin = tmp_path / "signalling_reward.py"
+    plugin.write_text(textwrap.dedent(f'''
+        import os, signal
+        from ddpo_group.rewards.registry import register_reward
+
+        @register_reward("signals_once")
+        def signals_once(images, prompts, metadata):  # the first call is the epoch-0 evaluation's first batch
+            with open({str(calls)!r}, "a") as f:
+                f.write("x")
+            if os.path.getsize({str(calls)!r}) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return [0.5] * len(prompts), {{}}
+    '''))
+    config = make_config(tmp_path, **cheap(plugins=str(plugin), reward_fn="signals_once", num_epochs=3, eval_freq=1,
+                                           eval_images_per_prompt=4, eval_batch_size=2))
+    run_dir = train(config)
+    # 2 evaluation images per batch, many batches: the stop came after the first, no training epoch ran
+    assert calls.read_text() == "x"
+    assert json.loads((tmp_path / "r" / "stopped.json").read_text())["epoch"] == 0
+    assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl")) or not read_metrics(run_dir)
