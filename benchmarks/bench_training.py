@@ -107,6 +107,22 @@ METHODS = {
         "Algorithm 2's advantages, actor trained at the first (noisiest) step of each segment",
         "tiny_group_ppo_alg2", "group_ppo_alg2", {"train.timestep_selection": "segment_start"},
     ),
+    "nft": (
+        "DiffusionNFT: forward-process matching loss of implicit positive / negative policies weighted by the "
+        "outcome's optimality r, no log-probs (docs/forward.md)",
+        "tiny_nft", "sd15", {
+            "train.objective": "nft", "train.use_reference_model": False, "train.use_kl_loss": False,
+            "train.beta": 0.0, "forward.num_timesteps": 9, "forward.nft_beta": 1.0, "forward.weighting": "adaptive",
+        },
+    ),
+    "awm": (
+        "Advantage-weighted matching: PPO's clipped ratio of forward-process matching losses with the outcome "
+        "advantage, no log-probs (docs/forward.md)",
+        "tiny_awm", "sd15", {
+            "train.objective": "awm", "train.use_reference_model": False, "train.use_kl_loss": False,
+            "train.beta": 0.0, "train.clip_range": 1.0, "forward.num_timesteps": 4, "forward.weighting": "uniform",
+        },
+    ),
     "sde_window2": (
         "GRPO + KL with noise only in the first 2 steps (an SDE window; ODE steps elsewhere), trained there",
         "tiny", "sd15", {"sample.sde_window_size": 2},

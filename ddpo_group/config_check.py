@@ -22,6 +22,7 @@ TIMESTEP_SELECTIONS = ("all", "fraction", "endpoints", "segment_start", "segment
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LOG_WITH = ("none", "wandb", "tensorboard")
 OLD_LOG_PROBS = ("recompute", "sampled")
+OBJECTIVES = ("stepwise", "nft", "awm")
 SDE_WINDOWS = ("fixed", "random", "sliding")
 # Sub-configs whose keys are the user's own (kwargs, reward names).
 FREE_FORM_FIELDS = ("prompt_fn_kwargs", "reward_weights", "reward_kwargs")
@@ -111,6 +112,43 @@ def _positive(value, field, allow_zero=False):
         raise ConfigError(f"config.{field}={value!r} must be {bound}")
 
 
+def _check_forward(config):
+    """The forward-process objectives (train.objective 'nft' / 'awm'): what they use, and what they cannot."""
+    from ddpo_group.algos.forward import WEIGHTINGS
+    from ddpo_group.algos.losses import get_policy_loss
+
+    train, forward = config.train, config.forward
+    objective = f"config.train.objective={train.objective!r}"
+    estimator = get_adv_estimator(config.algorithm.adv_estimator)
+    if estimator.needs_values:
+        raise ConfigError(
+            f"{objective} trains on outcome advantages; algorithm.adv_estimator={config.algorithm.adv_estimator!r} "
+            "needs a critic over reverse-process steps: use grpo, rloo or ddpo"
+        )
+    if train.objective == "awm" and get_policy_loss(train.policy_loss).couples_steps:
+        raise ConfigError(
+            f"config.train.policy_loss={train.policy_loss!r} couples the steps of a trajectory; AWM's ratio is one "
+            "per (sample, timestep): use train.policy_loss='vanilla'"
+        )
+    if train.skip_last_steps:
+        raise ConfigError(f"config.train.skip_last_steps applies to train.objective='stepwise'; {objective}: set it to 0")
+    _choice(forward.weighting, WEIGHTINGS, "forward.weighting")
+    _positive(forward.num_timesteps, "forward.num_timesteps", allow_zero=True)
+    if forward.num_timesteps > config.sample.num_steps:
+        raise ConfigError(
+            f"config.forward.num_timesteps={forward.num_timesteps} exceeds the sampling grid's sample.num_steps="
+            f"{config.sample.num_steps}; use at most {config.sample.num_steps} (0: all)"
+        )
+    if not 0.0 < forward.nft_beta <= 1.0:
+        raise ConfigError(f"config.forward.nft_beta={forward.nft_beta} must be in (0, 1] (DiffusionNFT's beta)")
+    _positive(forward.old_decay_rate, "forward.old_decay_rate", allow_zero=True)
+    if not 0.0 <= forward.old_decay_max < 1.0:
+        raise ConfigError(
+            f"config.forward.old_decay_max={forward.old_decay_max} must be in [0, 1): at 1 the sampling model "
+            "would never follow the policy"
+        )
+
+
 def check_config(config, num_processes=1, has_gpu=None):
     """Raise ConfigError naming the field for a config that cannot run; returns the config.
 
@@ -167,10 +205,15 @@ def check_config(config, num_processes=1, has_gpu=None):
     _positive(config.eval_grid_prompts, "eval_grid_prompts", allow_zero=True)
     _positive(config.train.grad_share_every, "train.grad_share_every", allow_zero=True)
     _positive(config.eval_batch_size, "eval_batch_size", allow_zero=True)
-    if sample.eta <= 0:
+    _choice(train.objective, OBJECTIVES, "train.objective")
+    forward_objective = train.objective != "stepwise"
+    if forward_objective:
+        _check_forward(config)
+    if sample.eta < 0 or (sample.eta == 0 and not forward_objective):
         raise ConfigError(
             f"config.sample.eta={sample.eta} gives deterministic steps with no log-probability (DDIM's eta, "
-            "or a flow model's noise level); RL needs eta > 0 (1.0 is the usual DDIM value)"
+            "or a flow model's noise level); RL needs eta > 0 (1.0 is the usual DDIM value); only the "
+            "forward-process objectives (train.objective='nft' or 'awm') may sample deterministically"
         )
     _choice(sample.sde_type, ("",) + SDE_TYPES, "sample.sde_type")
     from ddpo_group.diffusion.sd import StableDiffusionPolicy

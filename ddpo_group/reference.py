@@ -9,6 +9,10 @@ the trainable parameters only, swapped in with `torch.func.functional_call` (the
 weights are shared with the policy). With LoRA the mixup acts on the adapter factors A and
 B; the low-rank update B A of the reference is then not exactly the mix of the two updates
 (it is bilinear in the factors), as in every LoRA-based mixup.
+
+The same class holds the lagged sampling ("old") model of the forward-process objectives
+(docs/forward.md): always a copy of the trainable parameters (``copy=True``; with LoRA the
+adapter weights only), moved towards the policy by ``mixup(alpha)`` with the method's schedule.
 """
 
 import torch
@@ -19,7 +23,7 @@ from ddpo_group.diffusion.lora import disabled_adapters
 class ReferencePolicy:
     """Callable like the UNet: `ref(sample, t, encoder_hidden_states=...)` runs pi_ref without gradients."""
 
-    def __init__(self, unet, use_lora, mixup_alpha=1.0, update_freq=0):
+    def __init__(self, unet, use_lora, mixup_alpha=1.0, update_freq=0, copy=False):
         if not 0.0 < mixup_alpha <= 1.0:
             raise ValueError(f"train.reference_model_mixup_alpha must be in (0, 1], got {mixup_alpha}")
         if update_freq < 0:
@@ -27,7 +31,7 @@ class ReferencePolicy:
         self.unet = unet
         self.mixup_alpha = float(mixup_alpha)
         self.update_freq = int(update_freq)
-        self.uses_disabled_adapters = bool(use_lora) and self.update_freq == 0
+        self.uses_disabled_adapters = bool(use_lora) and self.update_freq == 0 and not copy
         self.params = {}
         if not self.uses_disabled_adapters:
             self.params = {
@@ -44,13 +48,17 @@ class ReferencePolicy:
         return torch.func.functional_call(self.unet, self.params, args, kwargs, strict=False)
 
     @torch.no_grad()
-    def mixup(self):
-        """theta_ref <- alpha * theta + (1 - alpha) * theta_ref on the trainable parameters."""
+    def mixup(self, alpha=None):
+        """theta_ref <- alpha * theta + (1 - alpha) * theta_ref on the trainable parameters (alpha: default mixup_alpha)."""
         if self.uses_disabled_adapters:
             return
+        alpha = self.mixup_alpha if alpha is None else float(alpha)
         current = dict(self.unet.named_parameters())
         for name, ref_param in self.params.items():
-            ref_param.mul_(1.0 - self.mixup_alpha).add_(current[name].detach().to(ref_param.dtype), alpha=self.mixup_alpha)
+            if alpha == 1.0:
+                ref_param.copy_(current[name].detach())
+            else:
+                ref_param.mul_(1.0 - alpha).add_(current[name].detach().to(ref_param.dtype), alpha=alpha)
         self.num_syncs += 1
         self.steps_since_sync = 0
 

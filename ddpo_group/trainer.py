@@ -401,6 +401,11 @@ class Trainer:
             self.reference = ReferencePolicy(
                 self.trainable_module, config.use_lora, t.reference_model_mixup_alpha, t.reference_update_freq
             )
+        self.forward_update = None
+        if t.objective != "stepwise":  # DiffusionNFT / AWM: a forward-process update (docs/forward.md)
+            from ddpo_group.forward_training import ForwardUpdate
+
+            self.forward_update = ForwardUpdate(self)
         self.loss_config = LossConfig(
             clip_ratio=t.clip_range,
             clip_ratio_low=t.clip_ratio_low if t.clip_ratio_low is not None else t.clip_range,
@@ -467,7 +472,9 @@ class Trainer:
                 self.compute_advantages(samples, metrics)
                 if config.debug_dump:
                     self._dump_debug(epoch, samples)
-                if epoch >= config.critic.warmup_epochs or self.critic is None:
+                if self.forward_update is not None:
+                    self.forward_update.train_epoch(samples, epoch, metrics)
+                elif epoch >= config.critic.warmup_epochs or self.critic is None:
                     self.train_epoch(samples, epoch, metrics)
                 if self.critic is not None:
                     self.update_critic(samples, epoch, metrics)
@@ -610,6 +617,9 @@ class Trainer:
                     generator=generator,
                     prompt_ids=torch.as_tensor(local, dtype=torch.int64),
                     negative_prompt=s.negative_prompt,
+                    # the forward-process objectives sample with their lagged model and keep the clean latents only
+                    model=None if self.forward_update is None else self.forward_update.sampling_model,
+                    keep_steps=self.forward_update is None,
                 )
             # rewards of this batch run in the thread pool while the next batch samples
             futures.append(
@@ -621,6 +631,9 @@ class Trainer:
         results = [self.reward_runner.result(future, config.reward_timeout) for future in futures]
         metrics["time/reward"] = time.perf_counter() - start
         samples = EpochBatch.cat(batches)
+        if self.forward_update is not None:
+            # one outcome "token" per sample: the advantages are (B, 1), trained at any timestep
+            samples.mask = torch.ones(len(samples.prompts), 1, device=samples.latents.device)
         skip = config.train.skip_last_steps
         if skip:
             # the last steps keep their log-probs but carry no density for training (train.skip_last_steps)
@@ -1111,17 +1124,17 @@ class Trainer:
                 "trackers": {name: tracker.state_dict() for name, tracker in self.trackers.items()},
                 "threshold": self.threshold.state_dict(),
             }
-            if self.reference is not None:
-                ref_state = self.reference.state_dict()
-                if ref_state["params"]:
+            for name, holder in self._weight_copies().items():
+                copy_state = holder.state_dict()
+                if copy_state["params"]:
                     from safetensors.torch import save_file
 
                     try:
-                        save_file(ref_state["params"], os.path.join(tmp, "reference.safetensors"))
+                        save_file(copy_state["params"], os.path.join(tmp, f"{name}.safetensors"))
                     except (OSError, RuntimeError) as err:
                         shutil.rmtree(tmp, ignore_errors=True)
                         raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
-                state["reference"] = {k: v for k, v in ref_state.items() if k != "params"}
+                state[name] = {k: v for k, v in copy_state.items() if k != "params"}
             try:
                 _write_json_atomic(os.path.join(tmp, TRAINER_STATE), state)
             except OSError as err:
@@ -1134,6 +1147,15 @@ class Trainer:
             logger.info("checkpoint written: %s", final)
         acc.wait_for_everyone()
         return final
+
+    def _weight_copies(self):
+        """The weight copies a checkpoint holds beside the model: {file stem: holder with state_dict()}."""
+        copies = {}
+        if self.reference is not None:
+            copies["reference"] = self.reference
+        if self.forward_update is not None:
+            copies["old_model"] = self.forward_update.old
+        return copies
 
     def _prune_checkpoints(self, root):
         limit = self.config.num_checkpoint_limit
@@ -1159,19 +1181,21 @@ class Trainer:
             if name in self.trackers:
                 self.trackers[name].load_state_dict(tracker_state)
         self.threshold.load_state_dict(state["threshold"])
-        if self.reference is not None and "reference" in state:
-            ref_state = dict(state["reference"])
-            path = os.path.join(checkpoint, "reference.safetensors")
+        for name, holder in self._weight_copies().items():
+            if name not in state:
+                continue
+            copy_state = dict(state[name])
+            path = os.path.join(checkpoint, f"{name}.safetensors")
             try:
                 if os.path.exists(path):
                     from safetensors.torch import load_file
 
-                    ref_state["params"] = load_file(path)
-                self.reference.load_state_dict(ref_state)
+                    copy_state["params"] = load_file(path)
+                holder.load_state_dict(copy_state)
             except Exception as err:
                 raise CheckpointError(
-                    f"could not load the reference model {path}: {err}; delete checkpoint {checkpoint} or point "
-                    "config.resume_from at an earlier checkpoint_N"
+                    f"could not load the {name.replace('_', ' ')} {path}: {err}; delete checkpoint {checkpoint} or "
+                    "point config.resume_from at an earlier checkpoint_N"
                 ) from err
         if self.accelerator.is_main_process:
             _truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.first_epoch)

@@ -35,12 +35,22 @@ A * grad ||prediction - target||^2 with the sign that lowers the loss of good sa
 that of bad ones. The ratio's denominator is the same quantity under pi_old with the same
 (t, eps) (the trainer recomputes it before the first optimizer step).
 
+Weighting of a squared error (``weighted_error``; both methods; ``x0_scale`` c (B,) is the family's factor
+with x0_hat - x_0 = -c (prediction - target): sigma for flow matching, sqrt((1 - abar) / abar) for eps):
+
+    "uniform"   ||prediction - target||^2, the papers' equations in the family's target space
+    "x0"        c^2 ||prediction - target||^2 = ||x0_hat - x_0||^2 (AWM's "t**2" weighting for flow models)
+    "adaptive"  ||x0_hat - x_0||^2 / sg(mean |x0_hat - x_0|), DiffusionNFT's reference code (its adaptive
+                loss weighting; the denominator is clamped at 1e-5 and carries no gradient)
+
 Pure math: no trainer, no I/O.
 """
 
 import torch
 
-__all__ = ["nft_optimality", "nft_loss", "matching_log_prob", "squared_error"]
+__all__ = ["WEIGHTINGS", "nft_optimality", "nft_loss", "matching_log_prob", "squared_error", "weighted_error"]
+
+WEIGHTINGS = ("uniform", "x0", "adaptive")
 
 
 def squared_error(prediction, target):
@@ -50,6 +60,27 @@ def squared_error(prediction, target):
     return diff.pow(2).flatten(1).mean(dim=1)
 
 
+def weighted_error(prediction, target, x0_scale=None, weighting="uniform"):
+    """The squared error of each sample under `weighting` (module docstring), (B,) float32 or wider.
+
+    x0_scale: (B,) the family's c (``policy.forward_noise``); needed unless weighting is "uniform".
+    """
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    if weighting == "uniform":
+        return squared_error(prediction, target)
+    if x0_scale is None:
+        raise ValueError(f"weighting={weighting!r} needs x0_scale (the family's x0 factor)")
+    dtype = torch.promote_types(prediction.dtype, torch.float32)
+    c = x0_scale.to(dtype)
+    error = squared_error(prediction, target) * c**2  # ||x0_hat - x_0||^2, mean over dims
+    if weighting == "x0":
+        return error
+    diff = (prediction.to(dtype) - target.to(dtype)).detach()
+    scale = (diff.abs().flatten(1).mean(dim=1) * c.abs()).clamp(min=1e-5)
+    return error / scale
+
+
 def nft_optimality(advantages, adv_clip_max):
     """r = clip(A / (2 * adv_clip_max) + 1/2, 0, 1): A = +-adv_clip_max maps to 1 / 0, A = 0 to 1/2. (B,)"""
     if not adv_clip_max > 0:
@@ -57,7 +88,7 @@ def nft_optimality(advantages, adv_clip_max):
     return (advantages / (2.0 * adv_clip_max) + 0.5).clamp(0.0, 1.0)
 
 
-def nft_loss(prediction, old_prediction, target, optimality, beta):
+def nft_loss(prediction, old_prediction, target, optimality, beta, x0_scale=None, weighting="uniform"):
     """DiffusionNFT's loss of each sample, (B,) (module docstring).
 
         plus  = beta * prediction + (1 - beta) * old_prediction
@@ -76,6 +107,8 @@ def nft_loss(prediction, old_prediction, target, optimality, beta):
         target: (B, ...) the family's training target.
         optimality: (B,) r in [0, 1].
         beta: float in (0, 1].
+        x0_scale, weighting: how each of the two squared errors is weighted (``weighted_error``); the
+            default is the paper's equation.
     """
     if not 0.0 < beta <= 1.0:
         raise ValueError(f"beta (the NFT guidance strength) must be in (0, 1], got {beta}")
@@ -83,9 +116,11 @@ def nft_loss(prediction, old_prediction, target, optimality, beta):
     plus = beta * prediction + (1.0 - beta) * old_prediction
     minus = (1.0 + beta) * old_prediction - beta * prediction
     r = optimality.to(torch.promote_types(prediction.dtype, torch.float32))
-    return (r * squared_error(plus, target) + (1.0 - r) * squared_error(minus, target)) / beta
+    positive = weighted_error(plus, target, x0_scale, weighting)
+    negative = weighted_error(minus, target, x0_scale, weighting)
+    return (r * positive + (1.0 - r) * negative) / beta
 
 
-def matching_log_prob(prediction, target):
-    """AWM's surrogate log-likelihood of a clean sample at one (t, eps): -||prediction - target||^2, (B,)."""
-    return -squared_error(prediction, target)
+def matching_log_prob(prediction, target, x0_scale=None, weighting="uniform"):
+    """AWM's surrogate log-likelihood of a clean sample at one (t, eps): -||prediction - target||^2 (weighted), (B,)."""
+    return -weighted_error(prediction, target, x0_scale, weighting)

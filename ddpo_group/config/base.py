@@ -192,6 +192,31 @@ def get_config():
     # (trajectory, step) pairs per critic call when computing values without gradients; 0: all at once.
     train.eval_micro_batch_size = 0
 
+    # What the update optimises. "stepwise": the policy losses on reverse-process steps above (GRPO, DDPO,
+    # Group-PPO: log-probs of the sampled steps). "nft" (DiffusionNFT) and "awm" (advantage-weighted matching):
+    # forward-process objectives trained on the clean samples with the family's matching loss, no log-probs;
+    # sampling keeps no per-step latents and may be deterministic (sample.eta 0). Settings: config.forward;
+    # docs/forward.md. The stepwise-only fields (timestep_selection, old_log_probs, kl_type, ...) do not apply.
+    train.objective = "stepwise"
+
+    ###### Forward-process objectives (train.objective "nft" / "awm"; docs/forward.md) ######
+    config.forward = forward = ml_collections.ConfigDict()
+    # Timesteps of the sampling grid trained per sample per inner epoch, drawn without replacement with fresh
+    # noise each (0: all of them). DiffusionNFT trains int(0.99 * num_steps) of them.
+    forward.num_timesteps = 0
+    # DiffusionNFT's guidance strength beta in (0, 1]: v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v.
+    forward.nft_beta = 1.0
+    # Weight of each squared error: "uniform" (the papers' equations, in the family's target space), "x0"
+    # (the error of the implied x0: sigma^2 |dv|^2 for flow models), "adaptive" (DiffusionNFT's reference
+    # code: the x0 error over its own detached mean absolute value).
+    forward.weighting = "uniform"
+    # The sampling ("old") model lags the policy: after every epoch old <- d old + (1 - d) theta with
+    # d = min(old_decay_rate * optimizer steps so far, old_decay_max); 0 and 0: old = theta (on-policy).
+    # DiffusionNFT's default schedule: rate 0.001, max 0.5. It is a copy of the trainable weights (LoRA: the
+    # adapter weights only) and is checkpointed.
+    forward.old_decay_rate = 0.001
+    forward.old_decay_max = 0.5
+
     ###### Algorithm ######
     config.algorithm = algorithm = ml_collections.ConfigDict()
     # Advantage estimator: "ddpo" (PerPromptStatTracker with history), "grpo" (group statistics of

@@ -13,11 +13,14 @@
     tiny_group_ppo  Group-PPO on the main job's task: noise and training at the segment's first step, per-prompt baseline, KL
     tiny_group_ppo_alg2  Group-PPO on the main job's task as Algorithm 2 is written (its reward falls; docs/group_ppo.md)
     tiny_gae        PPO with a critic and GAE over timesteps on the shapes-world model
+    tiny_nft        DiffusionNFT (forward process, no log-probs) on the main job's task and evaluation
+    tiny_awm        advantage-weighted matching (forward process, PPO ratio of matching losses) on the main job's task
     tiny_group_ppo_sampled  Algorithm 2 training one random step per segment (weighted) instead of its endpoint
     tiny_early_window  GRPO + KL trained only at the 2 noisiest steps (Flow-GRPO-Fast / MixGRPO style)
     test            the random-weight tiny pipeline, a few seconds; for tests and smoke checks
     sd35            GRPO + KL on SD3.5-Medium (flow matching, SDE steps) with Flow-GRPO's settings, one GPU
     flux            GRPO + KL on FLUX.1-dev (flow matching, SDE steps), bf16, LoRA, one GPU
+    sd35_nft        DiffusionNFT on SD3.5-Medium with the paper's settings (CFG-free, deterministic sampler), one GPU
     tiny_sd3        a random-weight tiny SD3 pipeline (flow matching), seconds; tests and smoke checks
     tiny_flux       a random-weight tiny FLUX pipeline (flow matching), seconds; tests and smoke checks
 """
@@ -229,6 +232,42 @@ def tiny_gae():
     return config
 
 
+def tiny_nft():
+    """DiffusionNFT (docs/forward.md) on the main job's prompts, sampler and evaluation: the paper's objective
+    settings (NVlabs/DiffusionNFT config/nft.py: beta 1, int(0.99 T) timesteps per sample, the adaptive
+    weighting of its reference code, the old model's decay schedule 0.001 per step up to 0.5), no KL (the paper's
+    KL weight is 1e-4). The sampler stays the main job's (DDIM eta 1, CFG 3) so the evaluation is the same."""
+    config = tiny()
+    config.train.objective = "nft"
+    config.train.use_reference_model = False
+    config.train.use_kl_loss = False
+    config.train.beta = 0.0
+    config.forward.num_timesteps = 9
+    config.forward.nft_beta = 1.0
+    config.forward.weighting = "adaptive"
+    config.forward.old_decay_rate = 0.001
+    config.forward.old_decay_max = 0.5
+    config.train.learning_rate = 2e-4
+    return config
+
+
+def tiny_awm():
+    """Advantage-weighted matching (docs/forward.md) on the main job's prompts, sampler and evaluation: the
+    clipped ratio of matching losses with the outcome advantage (scxue/advantage_weighted_matching config: a
+    clip range of 1, 6 of 14 timesteps trained: 4 of 10 here), uniform weighting, no KL; the old model follows
+    DiffusionNFT's schedule."""
+    config = tiny()
+    config.train.objective = "awm"
+    config.train.use_reference_model = False
+    config.train.use_kl_loss = False
+    config.train.beta = 0.0
+    config.train.clip_range = 1.0
+    config.forward.num_timesteps = 4
+    config.forward.weighting = "uniform"
+    config.train.learning_rate = 2e-4
+    return config
+
+
 def test():
     """Random-weight tiny pipeline, two epochs of a few seconds: what the tests run."""
     config = _tiny_common(base.get_config())
@@ -301,6 +340,30 @@ def flux():
     return config
 
 
+def sd35_nft():
+    """DiffusionNFT on SD3.5-Medium with the paper's settings (NVlabs/DiffusionNFT config/nft.py, sd3_geneval):
+    CFG-free sampling and training (guidance 1), a deterministic sampler (here the Euler ODE: noise 0; the paper
+    uses a 2nd-order DPM solver), 10 steps of which int(0.99 * 10) = 9 trained per sample, beta 1, adaptive
+    weighting, the old model's decay 0.001 per step up to 0.5, KL weight 1e-4 to the base model, lr 3e-4,
+    one optimizer step per epoch, LoRA r32 / alpha 64, 24 images per prompt at 512 px."""
+    config = sd35()
+    config.train.objective = "nft"
+    config.sample.guidance_scale = 1.0
+    config.sample.eta = 0.0
+    config.train.cfg = False
+    config.train.skip_last_steps = 0
+    config.train.kl_type = "gaussian"  # not read by the forward objectives: their KL is ||v - v_ref||^2
+    config.train.beta = 1e-4
+    config.forward.num_timesteps = 9
+    config.forward.nft_beta = 1.0
+    config.forward.weighting = "adaptive"
+    config.forward.old_decay_rate = 0.001
+    config.forward.old_decay_max = 0.5
+    config.train.learning_rate = 3e-4
+    config.train.gradient_accumulation_steps = 6  # 48 samples of 8 per micro-batch: one optimizer step per epoch
+    return config
+
+
 def _tiny_flow(model):
     config = test()
     config.pretrained.model = model
@@ -337,11 +400,14 @@ VARIANTS = {
     "tiny_group_ppo": tiny_group_ppo,
     "tiny_group_ppo_alg2": tiny_group_ppo_alg2,
     "tiny_gae": tiny_gae,
+    "tiny_nft": tiny_nft,
+    "tiny_awm": tiny_awm,
     "tiny_group_ppo_sampled": tiny_group_ppo_sampled,
     "tiny_early_window": tiny_early_window,
     "test": test,
     "sd35": sd35,
     "flux": flux,
+    "sd35_nft": sd35_nft,
     "tiny_sd3": tiny_sd3,
     "tiny_flux": tiny_flux,
 }

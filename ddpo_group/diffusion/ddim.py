@@ -91,6 +91,7 @@ def ddim_step_with_logprob(
     prev_sample=None,
     generator=None,
     variance_noise=None,
+    with_log_prob=True,
 ):
     """One DDIM step x_t -> x_{t+1} (diffusers' "prev sample") with its Gaussian log-probability.
 
@@ -105,6 +106,7 @@ def ddim_step_with_logprob(
             (``randn_tensor(model_output.shape, generator)``, only when eta > 0), so the
             same generator gives the same sample as ``DDIMScheduler.step``.
         variance_noise: optional (B, C, H, W) standard normal noise to use instead of drawing.
+        with_log_prob: False skips the density (log_prob is None): a sampler whose trainer reads no log-probs.
 
     Formula (see the module docstring): x_{t+1} = mu + sigma_t * z with z ~ N(0, I), and
     log_prob = mean over non-batch dims of log N(x_{t+1}; mu, sigma_t^2); 0 where sigma_t = 0.
@@ -165,6 +167,6 @@ def ddim_step_with_logprob(
             prev_sample = prev_sample_mean
     prev_sample = prev_sample.to(dtype)
 
-    log_prob = gaussian_log_prob(prev_sample, prev_sample_mean, std_dev_t)
+    log_prob = gaussian_log_prob(prev_sample, prev_sample_mean, std_dev_t) if with_log_prob else None
     std_dev_t = std_dev_t[(slice(None),) + (slice(0, 1),) * (sample.ndim - 1)]
     return prev_sample, log_prob, prev_sample_mean, std_dev_t

@@ -72,6 +72,7 @@ def sde_step_with_logprob(
     prev_sample=None,
     generator=None,
     sigmas=None,
+    with_log_prob=True,
 ):
     """One flow-matching step x_t -> x_{t+1} with its Gaussian log-probability (module docstring).
 
@@ -88,6 +89,7 @@ def sde_step_with_logprob(
             second sigma, used in the sde step's denominator at sigma = 1). Trajectories store their grid and
             pass it here, so re-scoring never reads the scheduler, whose grid a later ``set_timesteps`` (an
             evaluation, another pipeline call) may have changed. None: looked up on the scheduler's grid.
+        with_log_prob: False skips the density (log_prob is None): a sampler whose trainer reads no log-probs.
 
     Returns:
         prev_sample, log_prob (B,) (0 where std = 0), prev_sample_mean, std_dev_t (B, 1, ...) the
@@ -140,6 +142,6 @@ def sde_step_with_logprob(
         noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=dtype)
         prev_sample = mean + std * noise if a > 0 else mean
     prev_sample = prev_sample.to(dtype)
-    log_prob = gaussian_log_prob(prev_sample, mean, std)
+    log_prob = gaussian_log_prob(prev_sample, mean, std) if with_log_prob else None
     std = std[(slice(None),) + (slice(0, 1),) * (x.ndim - 1)]
     return prev_sample, log_prob, mean, std

@@ -23,7 +23,13 @@ from tqdm.auto import tqdm
 from ddpo_group.diffusion.flow import SDE_TYPES, sde_step_with_logprob
 from ddpo_group.diffusion.lora import add_lora
 from ddpo_group.diffusion.policy import DiffusionPolicy, register_family
-from ddpo_group.diffusion.sampling import Trajectories, default_prompt_ids, model_dtype, noise_levels
+from ddpo_group.diffusion.sampling import (
+    Trajectories,
+    default_prompt_ids,
+    final_latents_only,
+    model_dtype,
+    noise_levels,
+)
 
 # Attention projections of the joint (MM-DiT) blocks: image stream and text stream, as Flow-GRPO targets.
 LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
@@ -116,8 +122,10 @@ class FlowMatchingPolicy(DiffusionPolicy):
 
     @torch.no_grad()
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
-               model=None, show_progress=False):
-        """B trajectories of `num_steps` SDE steps; eta: the noise level a, or one per step (0: an ODE step)."""
+               model=None, show_progress=False, keep_steps=True):
+        """B trajectories of `num_steps` SDE steps; eta: the noise level a, or one per step (0: an ODE step).
+
+        keep_steps=False: only the clean latents are kept and no log-prob is computed (``Trajectories``)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -138,24 +146,45 @@ class FlowMatchingPolicy(DiffusionPolicy):
             latents, log_prob, _, std = sde_step_with_logprob(
                 self.pipeline.scheduler, velocity, t, latents, noise_level=levels[i], sde_type=self.sde_type,
                 generator=generator if levels[i] > 0 else None, sigmas=(grid[:, i], grid[:, i + 1], grid[:, 1]),
+                with_log_prob=keep_steps,
             )
-            all_latents.append(latents)
-            log_probs.append(log_prob)
-            stds.append(std.reshape(batch_size))
+            if keep_steps:
+                all_latents.append(latents)
+                log_probs.append(log_prob)
+                stds.append(std.reshape(batch_size))
+        steps = final_latents_only(latents) if not keep_steps else {
+            "latents": torch.stack(all_latents, dim=1),
+            "log_probs": torch.stack(log_probs, dim=1),
+            "mask": (torch.stack(stds, dim=1) > 0).to(torch.float32),
+        }
         return Trajectories(
             images=self._decode(latents),
-            latents=torch.stack(all_latents, dim=1),
-            log_probs=torch.stack(log_probs, dim=1),
             timesteps=timesteps.float().unsqueeze(0).repeat(batch_size, 1),
             prompt_embeds=cond["prompt_embeds"],
             negative_prompt_embeds=cond.get("negative_prompt_embeds"),
-            mask=(torch.stack(stds, dim=1) > 0).to(torch.float32),
+            **steps,
             prompts=prompts,
             prompt_ids=prompt_ids,
             pooled_prompt_embeds=cond["pooled_prompt_embeds"],
             negative_pooled_prompt_embeds=cond.get("negative_pooled_prompt_embeds"),
             sigmas=grid,
         )
+
+    def forward_noise(self, x0, noise, timesteps):
+        """Rectified flow's forward process: sigma = t / num_train_timesteps, x_t = (1 - sigma) x0 + sigma eps,
+        target the velocity eps - x0, x0_scale sigma (x0_hat = x_t - sigma v). float32."""
+        x0, noise = x0.float(), noise.float()
+        sigma = torch.as_tensor(timesteps, device=x0.device).float() / self.pipeline.scheduler.config.num_train_timesteps
+        s = sigma.reshape((-1,) + (1,) * (x0.dim() - 1))
+        return (1 - s) * x0 + s * noise, noise - x0, sigma
+
+    def predict(self, model, x_t, timesteps, batch, rows, guidance_scale):
+        """The transformer's velocity for x_t (CFG or FLUX's guidance embedding as in sampling), float32."""
+        cond = {
+            name: None if getattr(batch, name) is None else getattr(batch, name)[rows]
+            for name in ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+        }
+        return self._velocity(model, x_t, torch.as_tensor(timesteps, device=x_t.device), cond, guidance_scale)
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
         """log pi(x_{t+1} | x_t, c), mean, std of trajectories `rows` at their steps `step_index` (b,), noise level eta.

@@ -38,9 +38,20 @@ class DiffusionPolicy:
                                           the whole model; returns the trainable module
     trainable_module                      the module being trained (unwrapped); settable
     critic_sizes() -> dict                latent_channels and prompt_dim of a critic V(x_t, t, c)
-    sample(prompts, ...) -> Trajectories  trajectories with float32 latents and log-probs, no graph
+    sample(prompts, ..., keep_steps=True) -> Trajectories
+                                          trajectories with float32 latents and log-probs, no graph
+                                          (keep_steps=False: the clean latents only, no log-prob computed)
     step_log_prob(model, batch, rows, step_index, guidance_scale, eta) -> (log_prob, mean, std)
                                           one stored step re-scored with `model`, with autograd
+    forward_noise(x0, noise, timesteps) -> (x_t, target, x0_scale)
+                                          the family's forward process at model timesteps (b,) of its
+                                          sampling grid, its training target (eps for SD 1.x/2.x, the
+                                          velocity noise - x0 for flow matching) and the factor c (b,) with
+                                          x0_hat - x0 = -c (prediction - target) (docs/forward.md)
+    predict(model, x_t, timesteps, batch, rows, guidance_scale) -> prediction
+                                          the model's output for x_t with the conditioning of `rows`
+                                          of `batch` (classifier-free guidance when guidance_scale > 1),
+                                          float32, with autograd
     save_trainable(module, dir, use_lora) / load_trainable(module, dir, use_lora)
     """
 
@@ -77,7 +88,13 @@ class DiffusionPolicy:
         raise NotImplementedError
 
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
-               model=None, show_progress=False):
+               model=None, show_progress=False, keep_steps=True):
+        raise NotImplementedError
+
+    def forward_noise(self, x0, noise, timesteps):
+        raise NotImplementedError
+
+    def predict(self, model, x_t, timesteps, batch, rows, guidance_scale):
         raise NotImplementedError
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):

@@ -43,6 +43,9 @@ class Trajectories:
     float32: the flow families' noise grid the trajectory was sampled on (None for DDIM), so that
     re-scoring uses the trajectory's own grid whatever the scheduler holds by then.
 
+    Sampled with ``keep_steps=False`` (the forward-process objectives, docs/forward.md) a batch keeps
+    only its clean latents: latents (B, 1, C, h, w) = x_T, log_probs and mask (B, 0); timesteps stay (B, T).
+
     ``index``, ``to`` and ``cat`` carry every declared field, those of subclasses too: a tensor
     field is indexed on dim 0, a dict field value by value, a field declared with
     ``metadata={"per_row": False}`` (a whole-batch view) is kept by ``index`` / ``to`` and dropped by ``cat``.
@@ -161,6 +164,13 @@ def window_noise_levels(eta, num_steps, window_size=0, mode="fixed", start=0, sh
     return [float(eta) if first <= i < first + window_size else 0.0 for i in range(num_steps)]
 
 
+def final_latents_only(latents):
+    """The step fields of trajectories sampled with keep_steps=False: latents (B, 1, ...) = the clean x_T,
+    log_probs and mask (B, 0) (no step carries a density the trainer reads)."""
+    empty = torch.zeros(latents.shape[0], 0, device=latents.device, dtype=torch.float32)
+    return {"latents": latents.unsqueeze(1), "log_probs": empty, "mask": empty.clone()}
+
+
 def default_prompt_ids(prompts):
     """(B,) int64: for each prompt, the batch index of the first appearance of the same prompt."""
     first_index = {}
@@ -215,6 +225,7 @@ def _denoise_step(
     eta,
     latents_next=None,
     generator=None,
+    with_log_prob=True,
 ):
     """The one step function shared by sampling and re-scoring: returns ddim_step_with_logprob's 4-tuple."""
     timesteps_t = torch.as_tensor(timesteps_t, device=latents_t.device)
@@ -223,7 +234,8 @@ def _denoise_step(
     model_input = scheduler.scale_model_input(latents_t, timesteps_t)
     noise_pred = _predict_noise(unet, model_input, timesteps_t, prompt_embeds, negative_prompt_embeds, guidance_scale)
     return ddim_step_with_logprob(
-        scheduler, noise_pred, timesteps_t, latents_t, eta=eta, prev_sample=latents_next, generator=generator
+        scheduler, noise_pred, timesteps_t, latents_t, eta=eta, prev_sample=latents_next, generator=generator,
+        with_log_prob=with_log_prob,
     )
 
 
@@ -290,6 +302,7 @@ def sample_trajectories(
     unet=None,
     show_progress=False,
     height=None,
+    keep_steps=True,
 ):
     """Sample B = len(prompts) trajectories x_0 -> x_T with their per-step log-probabilities.
 
@@ -314,6 +327,8 @@ def sample_trajectories(
         unet: optional module used instead of ``pipeline.unet`` (e.g. DDP-wrapped).
         show_progress: tqdm bar over the steps.
         height: image side in pixels (None: the UNet's sample size x the VAE scale factor).
+        keep_steps: False keeps only the clean latents x_T and computes no log-probability (the
+            forward-process objectives read nothing else; ``Trajectories``' docstring).
 
     Returns: Trajectories (see its docstring), no autograd graph.
     """
@@ -322,7 +337,7 @@ def sample_trajectories(
 
         return policy_for(pipeline).sample(
             prompts, num_inference_steps, guidance_scale, eta, generator=generator, prompt_ids=prompt_ids,
-            negative_prompt=negative_prompt, model=unet, show_progress=show_progress,
+            negative_prompt=negative_prompt, model=unet, show_progress=show_progress, keep_steps=keep_steps,
         )
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -366,25 +381,30 @@ def sample_trajectories(
             guidance_scale,
             levels[i],
             generator=generator,
+            with_log_prob=keep_steps,
         )
-        all_latents.append(latents)
-        all_log_probs.append(log_prob)
-        all_stds.append(std_dev_t.reshape(batch_size))
+        if keep_steps:
+            all_latents.append(latents)
+            all_log_probs.append(log_prob)
+            all_stds.append(std_dev_t.reshape(batch_size))
 
     vae = pipeline.vae
     images = vae.decode((latents / vae.config.scaling_factor).to(vae.dtype), return_dict=False)[0]
     images = (images.float() / 2 + 0.5).clamp(0, 1)
 
+    steps = final_latents_only(latents) if not keep_steps else {
+        "latents": torch.stack(all_latents, dim=1),
+        "log_probs": torch.stack(all_log_probs, dim=1),
+        "mask": (torch.stack(all_stds, dim=1) > 0).to(torch.float32),
+    }
     return Trajectories(
         images=images,
-        latents=torch.stack(all_latents, dim=1),
-        log_probs=torch.stack(all_log_probs, dim=1),
         timesteps=timesteps.to(torch.int64).unsqueeze(0).repeat(batch_size, 1),
         prompt_embeds=prompt_embeds,
         negative_prompt_embeds=negative_prompt_embeds,
-        mask=(torch.stack(all_stds, dim=1) > 0).to(torch.float32),
         prompts=prompts,
         prompt_ids=prompt_ids,
+        **steps,
     )
 
 

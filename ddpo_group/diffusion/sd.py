@@ -14,7 +14,7 @@ from diffusers import StableDiffusionPipeline
 from ddpo_group.diffusion.loading import load_pipeline
 from ddpo_group.diffusion.lora import add_lora
 from ddpo_group.diffusion.policy import DiffusionPolicy, register_family
-from ddpo_group.diffusion.sampling import sample_trajectories, step_log_prob
+from ddpo_group.diffusion.sampling import _predict_noise, sample_trajectories, step_log_prob
 
 LORA_TARGET_MODULES = ("to_k", "to_q", "to_v", "to_out.0")
 
@@ -91,11 +91,42 @@ class StableDiffusionPolicy(DiffusionPolicy):
         }
 
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
-               model=None, show_progress=False):
+               model=None, show_progress=False, keep_steps=True):
         return sample_trajectories(
             self.pipeline, prompts, num_inference_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
             generator=generator, prompt_ids=prompt_ids, negative_prompt=negative_prompt, unet=model,
-            show_progress=show_progress, height=self.resolution,
+            show_progress=show_progress, height=self.resolution, keep_steps=keep_steps,
+        )
+
+    def forward_noise(self, x0, noise, timesteps):
+        """DDPM's forward process (``scheduler.add_noise``): x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, float32.
+
+        The target is what the UNet predicts (scheduler.config.prediction_type): eps, the velocity
+        sqrt(abar) eps - sqrt(1 - abar) x0 (``scheduler.get_velocity``) or x0; x0_scale c is
+        sqrt((1 - abar) / abar), sqrt(1 - abar) or 1 respectively (x0_hat - x0 = -c (prediction - target)).
+        """
+        scheduler = self.pipeline.scheduler
+        x0, noise = x0.float(), noise.float()
+        timesteps = torch.as_tensor(timesteps, device=x0.device).long()
+        abar = scheduler.alphas_cumprod.to(device=x0.device, dtype=torch.float32)[timesteps]
+        x_t = scheduler.add_noise(x0, noise, timesteps)
+        prediction_type = scheduler.config.prediction_type
+        if prediction_type == "epsilon":
+            return x_t, noise, ((1 - abar) / abar).sqrt()
+        if prediction_type == "v_prediction":
+            return x_t, scheduler.get_velocity(x0, noise, timesteps), (1 - abar).sqrt()
+        if prediction_type == "sample":
+            return x_t, x0, torch.ones_like(abar)
+        raise ValueError(f"scheduler.config.prediction_type={prediction_type!r} has no forward-process target")
+
+    def predict(self, model, x_t, timesteps, batch, rows, guidance_scale):
+        """The UNet's output (eps, v or x0: its prediction_type) with CFG when guidance_scale > 1, float32."""
+        cfg = guidance_scale > 1.0
+        timesteps = torch.as_tensor(timesteps, device=x_t.device)
+        model_input = self.pipeline.scheduler.scale_model_input(x_t, timesteps)
+        return _predict_noise(
+            model, model_input, timesteps, batch.prompt_embeds[rows],
+            batch.negative_prompt_embeds[rows] if cfg else None, guidance_scale if cfg else 1.0,
         )
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
