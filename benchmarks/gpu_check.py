@@ -17,7 +17,9 @@ nothing, so only precision, speed and memory are checked. For each dtype:
                   metrics.jsonl: the on-policy max |log ratio| before the first optimizer step,
                   approx_kl and clipfrac (all three must be exactly 0), the layout noise that
                   recomputing pi_old removed, the training pass in seconds per trajectory-step,
-                  peak GPU memory
+                  peak GPU memory; and `nft` / `awm`, sd15 with the forward-process objective of
+                  :tiny_nft / :tiny_awm (docs/forward.md), whose exactness check is the first window's
+                  max |prediction - old model's prediction| (exactly 0: the sampling model is the policy)
 
 It prints a table, writes benchmarks/results/gpu_check.json (or --output), and exits 1 if any
 on-policy ratio is not exactly 1 or any optimizer step was skipped. Not part of CI (CI has no GPU).
@@ -46,7 +48,9 @@ from ddpo_group.diffusion.sampling import sample_trajectories  # noqa: E402
 from ddpo_group.trainer import train  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-VARIANTS = ("sd15", "ddpo", "group_ppo", "group_ppo_alg2")
+VARIANTS = ("sd15", "ddpo", "group_ppo", "group_ppo_alg2", "nft", "awm")
+# forward-process objectives on the sd15 variant: the objective's fields come from these tiny variants
+FORWARD_VARIANTS = {"nft": "tiny_nft", "awm": "tiny_awm"}
 MODELS = {"sd15": "random-sd15", "tiny": "tiny"}
 PROMPTS = ["a photo of a cat", "a photo of a dog", "a red circle", "a blue square"]
 
@@ -114,8 +118,20 @@ def check_unet_cost(pipeline, device, dtype, batch, repeats):
     return {"unet_fwd_bwd_s": seconds, "unet_fwd_bwd_s_per_trajectory_step": seconds / batch}
 
 
+def forward_variant(name, num_steps):
+    """sd15 trained with the forward-process objective of FORWARD_VARIANTS[name] (at most num_steps timesteps)."""
+    source = grpo.get_config(FORWARD_VARIANTS[name])
+    config = grpo.get_config("sd15")
+    config.train.objective = source.train.objective
+    for field in ("use_reference_model", "use_kl_loss", "beta", "clip_range"):
+        config.train[field] = source.train[field]
+    config.forward = source.forward
+    config.forward.num_timesteps = min(source.forward.num_timesteps or num_steps, num_steps)
+    return config
+
+
 def run_variant(variant, args, dtype_name, logdir):
-    config = grpo.get_config(variant)
+    config = forward_variant(variant, args.steps) if variant in FORWARD_VARIANTS else grpo.get_config(variant)
     config.pretrained.model = MODELS[args.arch]
     config.mixed_precision = dtype_name
     config.use_lora = True
@@ -137,10 +153,13 @@ def run_variant(variant, args, dtype_name, logdir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         row = json.loads(f.readline())
     trained_steps = row["train/unet_steps_per_sample"] * row["num_samples"]
+    # forward objectives: the first window's max |prediction - old prediction| stands for the log-ratio; NFT has
+    # no ratio (approx_kl, clipfrac 0 by definition)
+    on_policy = row.get("train/on_policy_max_abs_log_ratio", row.get("forward/first_window_max_abs_deviation"))
     return {
-        "on_policy_max_abs_log_ratio": row["train/on_policy_max_abs_log_ratio"],
-        "approx_kl": row["approx_kl"],
-        "clipfrac": row["clipfrac"],
+        "on_policy_max_abs_log_ratio": on_policy,
+        "approx_kl": row.get("approx_kl", 0.0),
+        "clipfrac": row.get("clipfrac", 0.0),
         "layout_noise_max_abs_log_ratio": row.get("train/layout_noise_max_abs_log_ratio"),
         "skipped_steps": row["train/skipped_steps"],
         "time_sample_s": row["time/sample"],

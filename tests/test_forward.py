@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddpo_group.algos.forward import matching_log_prob, nft_loss, nft_optimality
+from ddpo_group.algos.forward import matching_log_prob, nft_loss, nft_optimality, weighted_error
 
 
 def test_nft_loss_equals_the_papers_formula_on_hand_made_tensors():
@@ -69,3 +69,41 @@ def test_matching_log_prob_is_minus_the_mean_squared_error_in_float32():
     target = torch.tensor([[0.0, 1.0]])
     value = matching_log_prob(prediction, target)
     assert value.dtype == torch.float32 and value.tolist() == [-(1.0 + 4.0) / 2]
+
+
+def test_the_x0_and_adaptive_weightings_are_the_error_of_the_implied_clean_sample():
+    # flow matching at sigma = c: x0_hat - x0 = -c (v_hat - v); written out per element in plain Python
+    prediction = torch.tensor([[1.0, 3.0], [0.5, -0.5]], dtype=torch.float64)
+    target = torch.tensor([[0.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
+    c = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    x0_errors = [[-c[i].item() * (p - v) for p, v in zip(prediction[i].tolist(), target[i].tolist())] for i in range(2)]
+    mse = [sum(e * e for e in row) / 2 for row in x0_errors]
+    mean_abs = [sum(abs(e) for e in row) / 2 for row in x0_errors]
+    torch.testing.assert_close(weighted_error(prediction, target, c, "x0"), torch.tensor(mse, dtype=torch.float64))
+    torch.testing.assert_close(
+        weighted_error(prediction, target, c, "adaptive"), torch.tensor([m / a for m, a in zip(mse, mean_abs)], dtype=torch.float64)
+    )
+    # the adaptive denominator carries no gradient: d/dp (c^2 (p - v)^2 / 2) / const
+    leaf = prediction.clone().requires_grad_(True)
+    weighted_error(leaf, target, c, "adaptive").sum().backward()
+    expected = torch.tensor(
+        [[c[i].item() ** 2 * (p - v) / mean_abs[i] for p, v in zip(prediction[i].tolist(), target[i].tolist())] for i in range(2)],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(leaf.grad, expected)
+    with pytest.raises(ValueError, match="x0_scale"):
+        weighted_error(prediction, target, None, "x0")
+    with pytest.raises(ValueError, match="weighting"):
+        weighted_error(prediction, target, c, "huber")
+
+
+def test_nft_with_the_adaptive_weighting_still_vanishes_without_signal_at_the_old_policy():
+    torch.manual_seed(0)
+    old, target = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    prediction = old.clone().requires_grad_(True)
+    half = torch.full((3,), 0.5, dtype=torch.float64)
+    nft_loss(prediction, old, target, half, 0.3, x0_scale=torch.tensor([0.2, 0.5, 0.9], dtype=torch.float64),
+             weighting="adaptive").sum().backward()
+    # zero up to float64 rounding, as for the uniform weighting above: plus and minus are two expressions of
+    # the same number at d = 0, so the two terms' gradients, each of order |e| ~ 1, cancel within a few ulp
+    torch.testing.assert_close(prediction.grad, torch.zeros_like(old), rtol=0, atol=1e-15)
