@@ -177,6 +177,11 @@ def train_main(argv: Sequence[str] | None = None) -> None:
 
     try:
         app.run(main, argv=_resolve_config_argument(argv))
+    except KeyboardInterrupt:  # Ctrl-C before the epochs start (during them the run stops itself: stopped.json)
+        if debug:
+            raise
+        print("ddpo-group-train: interrupted (Ctrl-C) before training started; no epoch was run", file=sys.stderr)
+        sys.exit(130)
     except Exception as err:  # a config file that cannot be read, a value that does not parse
         if debug:
             raise

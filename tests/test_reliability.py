@@ -304,3 +304,36 @@ def test_a_stop_signal_during_an_evaluation_stops_between_its_batches(tmp_path):
     assert calls.read_text() == "x"
     assert json.loads((tmp_path / "r" / "stopped.json").read_text())["epoch"] == 0
     assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl")) or not read_metrics(run_dir)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [(["--serve", "no_such_reward"], "unknown reward 'no_such_reward'"), (["--serve", "aesthetic", "--kwargs", "{bad"], "--kwargs")],
+)
+def test_the_reward_server_refuses_an_unknown_reward_or_bad_kwargs_in_one_line(args, needle):
+    result = subprocess.run(
+        [PYTHON, "-m", "ddpo_group.rewards.remote", *args], cwd=ROOT, env=subprocess_env(), capture_output=True,
+        text=True, timeout=120,
+    )
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert needle in lines[0] and "Traceback" not in result.stderr
+
+
+def test_ctrl_c_while_the_run_starts_is_one_line_and_exit_130(tmp_path):
+    # SIGINT arrives while the models load or while the first epoch runs: either way no traceback, 128 + 2
+    process = subprocess.Popen(
+        [PYTHON, "scripts/train.py", "--config", "config/grpo.py:test", f"--config.logdir={tmp_path}",
+         "--config.num_epochs=50"],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        time.sleep(3.0)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr

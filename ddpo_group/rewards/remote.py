@@ -37,6 +37,7 @@ import argparse
 import base64
 import io
 import json
+import sys
 import threading
 import time
 import urllib.error
@@ -261,9 +262,19 @@ def main(argv=None) -> None:
     parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT,
                         help="seconds a request body may take to arrive")
     args = parser.parse_args(argv)
-    reward_fn = get_reward(args.serve, device=args.device, **json.loads(args.kwargs))
-    if hasattr(reward_fn, "check_ready"):
-        reward_fn.check_ready()
+    try:
+        kwargs = json.loads(args.kwargs)
+    except json.JSONDecodeError as err:
+        sys.exit(f"reward server: error: --kwargs {args.kwargs!r} is not JSON ({err.msg}); give an object, "
+                 "e.g. --kwargs '{\"key\": 1}'")
+    if not isinstance(kwargs, dict):
+        sys.exit(f"reward server: error: --kwargs {args.kwargs!r} must be a JSON object, e.g. --kwargs '{{\"key\": 1}}'")
+    try:
+        reward_fn = get_reward(args.serve, device=args.device, **kwargs)
+        if hasattr(reward_fn, "check_ready"):
+            reward_fn.check_ready()
+    except (ValueError, TypeError, ImportError, OSError) as err:  # an unknown reward, bad kwargs, a missing model
+        sys.exit(f"reward server: error: --serve {args.serve!r}: {' '.join(str(err).split())}")
     server = make_server(reward_fn, args.host, args.port, max_body_mb=args.max_body_mb, max_images=args.max_images,
                          max_pixels=args.max_pixels, read_timeout=args.read_timeout)
     host, port = server.server_address[:2]
