@@ -112,7 +112,7 @@ METHODS = {
         "outcome's optimality r, no log-probs (docs/forward.md)",
         "tiny_nft", "sd15", {
             "train.objective": "nft", "train.use_reference_model": False, "train.use_kl_loss": False,
-            "train.beta": 0.0, "forward.num_timesteps": 9, "forward.nft_beta": 1.0, "forward.weighting": "adaptive",
+            "train.beta": 0.0, "forward.num_timesteps": 9, "forward.nft_beta": 1.0, "forward.weighting": "uniform",
         },
     ),
     "awm": (
@@ -120,7 +120,7 @@ METHODS = {
         "advantage, no log-probs (docs/forward.md)",
         "tiny_awm", "sd15", {
             "train.objective": "awm", "train.use_reference_model": False, "train.use_kl_loss": False,
-            "train.beta": 0.0, "train.clip_range": 1.0, "forward.num_timesteps": 4, "forward.weighting": "uniform",
+            "train.beta": 0.0, "forward.num_timesteps": 4, "forward.weighting": "uniform",
         },
     ),
     "sde_window2": (

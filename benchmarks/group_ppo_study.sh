@@ -9,6 +9,8 @@
 #   sweep      one seed (42): learning rates 5e-5 / 1e-4 / 2e-4 of Algorithm 2 and its variants, and of
 #              the windows where noise is only at the trained steps
 #   seeds      seeds 42-44: the default and its ablations, the references
+#   forward_*  DiffusionNFT and AWM (docs/forward.md): a one-seed learning-rate sweep, 3 seeds of the best of each,
+#              one-seed ablations
 #   merged     all 3-seed stages in one table, relative to grpo_kl (the main job)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,5 +63,19 @@ M="$M,alg2_endpoints=group_ppo_endpoints:train.learning_rate=5e-5"
 M="$M,group_ppo_step3=group_ppo:sample.sde_window_start=3:train.learning_rate=5e-5"
 M="$M,grpo_window1_step3=sde_window2:sample.sde_window_size=1:sample.sde_window_start=3:train.learning_rate=5e-5"
 bench seeds 3 "$M"
+
+# --- the forward-process methods beside them (docs/forward.md) ---
+# one seed: learning rates of DiffusionNFT (the paper's objective settings) and of AWM (the reference code's clip
+# range 1, and the main job's 1e-2)
+A="forward.weighting=adaptive"
+M="nft_lr1e-4=nft:$A:train.learning_rate=1e-4,nft_lr2e-4=nft:$A:train.learning_rate=2e-4,nft_lr5e-4=nft:$A:train.learning_rate=5e-4"
+for lr in 1e-5 3e-5 1e-4; do M="$M,awm_lr$lr=awm:train.clip_range=1.0:train.learning_rate=$lr"; done
+M="$M,awm_clip_lr1e-4=awm:train.clip_range=0.01:train.learning_rate=1e-4"
+bench forward_sweep 1 "$M"
+# one-seed ablations of DiffusionNFT's weighting and beta; three seeds of the best of each (the uniform
+# weighting, the tiny_nft default, was found by the ablation and then run on seeds 43-44)
+bench forward_ablations 1 "nft_uniform_lr2e-4=nft:forward.weighting=uniform:train.learning_rate=2e-4,nft_beta0.1_lr2e-4=nft:$A:forward.nft_beta=0.1:train.learning_rate=2e-4"
+bench forward_seeds 3 "nft_lr2e-4=nft:$A:train.learning_rate=2e-4,nft_uniform_lr2e-4=nft:forward.weighting=uniform:train.learning_rate=2e-4,awm_clip_lr1e-4=awm:train.clip_range=0.01:train.learning_rate=1e-4"
+
 "$PY" benchmarks/bench_training.py --merge "$OUT/refs/bench_seeds.json" "$OUT/seeds/bench_seeds.json" \
-  --reference grpo_kl --output-dir "$OUT/merged"
+  "$OUT/forward_seeds/bench_seeds.json" --reference grpo_kl --output-dir "$OUT/merged"
