@@ -326,6 +326,8 @@ def test_ctrl_c_while_the_run_starts_is_one_line_and_exit_130(tmp_path):
         [PYTHON, "scripts/train.py", "--config", "config/grpo.py:test", f"--config.logdir={tmp_path}",
          "--config.num_epochs=50"],
         cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        # as from a terminal: a test run started in the background (`cmd &`) hands its children SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         time.sleep(3.0)

@@ -232,22 +232,28 @@ def tiny_gae():
     return config
 
 
+def _diffusion_nft(config, weighting):
+    """DiffusionNFT's objective settings (NVlabs/DiffusionNFT config/nft.py): beta 1, int(0.99 * 10) = 9 of 10
+    timesteps per sample, the old model's decay 0.001 per optimizer step up to 0.5; `weighting` as given."""
+    config.train.objective = "nft"
+    config.forward.num_timesteps = 9
+    config.forward.nft_beta = 1.0
+    config.forward.weighting = weighting
+    config.forward.old_decay_rate = 0.001
+    config.forward.old_decay_max = 0.5
+    return config
+
+
 def tiny_nft():
     """DiffusionNFT (docs/forward.md) on the main job's prompts, sampler and evaluation: the paper's objective
     settings (NVlabs/DiffusionNFT config/nft.py: beta 1, int(0.99 T) timesteps per sample, the old model's decay
     schedule 0.001 per step up to 0.5), no KL (the paper's KL weight is 1e-4), the paper's equation weighted
     uniformly: its reference code's adaptive weighting never reached eval 0.75 here (0/3 seeds; uniform 3/3).
     The sampler stays the main job's (DDIM eta 1, CFG 3) so the evaluation is the same."""
-    config = tiny()
-    config.train.objective = "nft"
+    config = _diffusion_nft(tiny(), weighting="uniform")
     config.train.use_reference_model = False
     config.train.use_kl_loss = False
     config.train.beta = 0.0
-    config.forward.num_timesteps = 9
-    config.forward.nft_beta = 1.0
-    config.forward.weighting = "uniform"
-    config.forward.old_decay_rate = 0.001
-    config.forward.old_decay_max = 0.5
     config.train.learning_rate = 2e-4
     return config
 
@@ -350,19 +356,13 @@ def sd35_nft():
     weighting, the old model's decay 0.001 per step up to 0.5, KL weight 1e-4 to the base model, lr 3e-4,
     one optimizer step per epoch, LoRA r32 / alpha 64, 24 images per prompt at 512 px. Not yet run here (no GPU);
     on the shapes task the adaptive weighting was worse than the uniform one (docs/forward.md)."""
-    config = sd35()
-    config.train.objective = "nft"
+    config = _diffusion_nft(sd35(), weighting="adaptive")
     config.sample.guidance_scale = 1.0
     config.sample.eta = 0.0
     config.train.cfg = False
     config.train.skip_last_steps = 0
     config.train.kl_type = "gaussian"  # not read by the forward objectives: their KL is ||v - v_ref||^2
     config.train.beta = 1e-4
-    config.forward.num_timesteps = 9
-    config.forward.nft_beta = 1.0
-    config.forward.weighting = "adaptive"
-    config.forward.old_decay_rate = 0.001
-    config.forward.old_decay_max = 0.5
     config.train.learning_rate = 3e-4
     config.train.gradient_accumulation_steps = 6  # 48 samples of 8 per micro-batch: one optimizer step per epoch
     return config
