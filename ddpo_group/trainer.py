@@ -1170,6 +1170,12 @@ class Trainer:
         try:
             self.accelerator.load_state(checkpoint)
         except Exception as err:
+            broken = _unreadable_checkpoint_file(checkpoint)
+            if broken:
+                raise CheckpointError(
+                    f"could not load checkpoint {checkpoint}: {broken[0]} is unreadable ({broken[1]}); delete "
+                    "this checkpoint or point config.resume_from at an earlier checkpoint_N"
+                ) from err
             raise CheckpointError(
                 f"could not load checkpoint {checkpoint}: {err}; delete it or point config.resume_from at an "
                 "earlier checkpoint_N (was it written with the same use_lora / model settings?)"
@@ -1223,6 +1229,26 @@ class Trainer:
                 from safetensors.torch import load_file
 
                 module.load_state_dict(load_file(os.path.join(input_dir, "critic.safetensors")))
+
+
+def _unreadable_checkpoint_file(checkpoint):
+    """(path, reason) of the first file of a checkpoint that cannot be read (a truncated or overwritten
+    optimizer.bin, safetensors file or random state), or None; only asked after loading the checkpoint failed."""
+    from safetensors import safe_open
+
+    for root, _, names in sorted(os.walk(checkpoint)):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            try:
+                if name.endswith(".safetensors"):
+                    with safe_open(path, "pt") as f:
+                        for key in f.keys():
+                            f.get_slice(key)
+                elif name.endswith((".bin", ".pkl", ".pt", ".pth")):
+                    torch.load(path, map_location="cpu", weights_only=False)
+            except Exception as err:  # any failure to read is the answer
+                return path, " ".join(str(err).split())[:200] or type(err).__name__
+    return None
 
 
 def _checkpoint_write_error(root, final, err):

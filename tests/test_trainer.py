@@ -200,6 +200,18 @@ def test_corrupt_checkpoint_names_the_file(resumed, tmp_path):
     assert str(state_path) in str(info.value)
 
 
+def test_a_corrupt_optimizer_state_is_named(resumed, tmp_path):
+    run_copy = tmp_path / "run"
+    shutil.copytree(resumed.before, run_copy)
+    optimizer_path = run_copy / "checkpoints" / "checkpoint_2" / "optimizer.bin"
+    data = optimizer_path.read_bytes()
+    optimizer_path.write_bytes(data[: len(data) // 3])
+    overrides = dict(resumed.overrides, resume_from=str(run_copy))
+    with pytest.raises(CheckpointError) as info:
+        Trainer(make_config(tmp_path, **overrides))
+    assert str(optimizer_path) in str(info.value) and "unreadable" in str(info.value)
+
+
 def test_leftover_tmp_checkpoint_is_never_picked(resumed, tmp_path):
     run_copy = tmp_path / "run"
     shutil.copytree(resumed.before, run_copy)
