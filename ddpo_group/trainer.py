@@ -278,9 +278,13 @@ class Trainer:
         else:
             run_name = config.run_name or datetime.datetime.now().strftime("%Y.%m.%d_%H.%M.%S")
             self.run_dir = os.path.abspath(os.path.join(config.logdir, run_name))
+            _refuse_an_earlier_run(self.run_dir, config.overwrite)
         self.config = config
         self.accelerator = make_accelerator(config, self.run_dir)
         acc = self.accelerator
+        self._lock = None
+        if config.resume_from and acc.is_main_process:
+            self._lock = _lock_run_dir(self.run_dir)  # before anything of the run is read or rewritten
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
         set_seed(config.seed, device_specific=True)
         if config.allow_tf32 and torch.cuda.is_available():
@@ -308,7 +312,12 @@ class Trainer:
             self._load_checkpoint()
         # Written once everything above is accepted: a run that cannot start leaves no directory behind.
         if acc.is_main_process:
+            if config.overwrite and not config.resume_from and _holds_a_run(self.run_dir):
+                _lock_run_dir(self.run_dir).close()  # not while the earlier run is live
+                shutil.rmtree(self.run_dir)
             os.makedirs(self.run_dir, exist_ok=True)
+            if self._lock is None:
+                self._lock = _lock_run_dir(self.run_dir)  # held until run() ends (or this Trainer is dropped)
             _write_json_atomic(os.path.join(self.run_dir, "config.json"), config.to_dict())
             with contextlib.suppress(FileNotFoundError):  # a stopped run that goes on is no longer stopped
                 os.remove(os.path.join(self.run_dir, STOPPED_FILE))
@@ -502,6 +511,9 @@ class Trainer:
             raise
         finally:
             self._restore_signal_handlers()
+            if self._lock is not None:
+                self._lock.close()  # releases the run directory's lock
+                self._lock = None
             # after an error a reward may never return: its (daemon) worker is not waited for
             self.reward_runner.shutdown(wait=not failed)
             acc.end_training()
@@ -1229,6 +1241,47 @@ class Trainer:
                 from safetensors.torch import load_file
 
                 module.load_state_dict(load_file(os.path.join(input_dir, "critic.safetensors")))
+
+
+RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
+LOCK_FILE = ".lock"
+
+
+def _holds_a_run(run_dir):
+    return any(os.path.exists(os.path.join(run_dir, name)) for name in RUN_MARKERS)
+
+
+def _refuse_an_earlier_run(run_dir, overwrite):
+    """A new run may not write into a directory that holds another run (it would mix or overwrite its files)."""
+    if _holds_a_run(run_dir) and not overwrite:
+        raise ConfigError(
+            f"{run_dir} already holds a run: resume it with --config.resume_from={run_dir}, pick another "
+            "config.run_name, or pass --config.overwrite=True to delete it and start again"
+        )
+
+
+def _lock_run_dir(run_dir):
+    """An exclusive lock on run_dir/.lock (released when the returned file is closed, or the process exits);
+    ConfigError when another live run holds it. No-op where the platform has no fcntl."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock
+        return open(os.devnull, "w")
+    handle = open(os.path.join(run_dir, LOCK_FILE), "a+")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(
+            f"{run_dir} is in use by a live run ({holder}); wait for it to end, or pick another config.run_name"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 def _unreadable_checkpoint_file(checkpoint):

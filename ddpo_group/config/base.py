@@ -21,6 +21,9 @@ def get_config():
     ###### General ######
     # Name of the run: outputs go to logdir/run_name/. Empty: a timestamp is used.
     config.run_name = ""
+    # A run directory belongs to one run: starting a new run (not a resume) in one that already holds a run is
+    # refused, unless overwrite=True, which deletes the earlier run's files first. A live run locks its directory.
+    config.overwrite = False
     # Random seed; every process derives its own seeds from it, runs are reproducible on one machine.
     config.seed = 42
     # Top-level directory of runs (metrics.jsonl, sample grids, checkpoints).
