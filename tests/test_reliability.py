@@ -376,3 +376,20 @@ def test_a_live_run_locks_its_directory(finished_run, tmp_path):
     assert [row["epoch"] for row in read_metrics(str(run_copy))][:2] == [0, 1]  # untouched; free once the holder ends:
     train(make_config(tmp_path, num_epochs=3, save_freq=1, log_images_every=0, resume_from=str(run_copy)))
     assert [row["epoch"] for row in read_metrics(str(run_copy)) if not row.get("eval_only")] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("statement", ["sys.exit(0)", "raise SystemExit(3)", "raise KeyboardInterrupt"])
+def test_a_reward_that_exits_stops_the_run_with_an_error_naming_it(tmp_path, statement):
+    plugin = tmp_path / "exiting_reward.py"
+    plugin.write_text(textwrap.dedent(f'''
+        import sys
+        from ddpo_group.rewards.registry import register_reward
+
+        @register_reward("exits_early")
+        def exits_early(images, prompts, metadata):
+            {statement}
+    '''))
+    config = make_config(tmp_path, **cheap(plugins=str(plugin), reward_fn="exits_early"))
+    with pytest.raises(RewardError, match="reward 'exits_early' tried to end the process"):
+        train(config)
+    assert json.loads((tmp_path / "r" / "failed.json").read_text())["epoch"] == 0

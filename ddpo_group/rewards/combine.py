@@ -130,6 +130,13 @@ class CombinedReward:
             output = fn(images, prompts, metadata)
         except RewardError:
             raise
+        except (SystemExit, KeyboardInterrupt) as exc:  # raised by the reward itself (a worker thread), not by the user
+            detail = f"{type(exc).__name__}({', '.join(map(repr, exc.args))})"
+            raise RewardError(
+                f"reward {name!r} tried to end the process with {detail} (prompts {_prompt_list(prompts)}); a reward "
+                "returns (rewards, info) or raises an exception, it must not exit",
+                reward=name,
+            ) from exc
         except Exception as exc:
             index = 0 if len(prompts) == 1 else None
             if index is None and getattr(fn, "locate_errors", True):
