@@ -652,6 +652,7 @@ class Trainer:
             samples.mask[:, samples.mask.shape[1] - skip :] = 0
         rewards = np.concatenate([r[0] for r in results])
         components = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
+        metrics.update(_reward_info_metrics([r[2] for r in results if len(r) > 2]))
         device = acc.device
         samples.rewards = torch.as_tensor(rewards, dtype=torch.float32, device=device)
         samples.components = {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in components.items()}
@@ -1350,6 +1351,25 @@ def _truncate_metrics(path, first_epoch):
     with open(tmp, "w") as f:
         f.writelines(rows)
     os.replace(tmp, path)
+
+
+def _reward_info_metrics(infos):
+    """The numbers of the rewards' info dicts ({"<reward>/<key>": value}, one dict per sampling batch) as
+    reward_info/<reward>/<key>: the mean of its values (a scalar, or per-sample numbers) over the batches.
+    Values that are not real numbers (strings, nested dicts, complex, non-finite) are left out."""
+    values = {}
+    for info in infos:
+        for key, value in (info or {}).items():
+            if torch.is_tensor(value):
+                value = value.detach()
+                value = (value.double() if value.is_floating_point() else value).cpu().numpy()
+            try:
+                array = np.asarray(value)
+            except (TypeError, ValueError):
+                continue
+            if array.size and array.dtype.kind in "biuf" and np.isfinite(array.astype(np.float64)).all():
+                values.setdefault(key, []).extend(array.astype(np.float64).ravel().tolist())
+    return {f"reward_info/{key}": float(np.mean(v)) for key, v in values.items()}
 
 
 def _group_stats(rewards, prompt_ids):

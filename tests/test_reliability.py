@@ -393,3 +393,66 @@ def test_a_reward_that_exits_stops_the_run_with_an_error_naming_it(tmp_path, sta
     with pytest.raises(RewardError, match="reward 'exits_early' tried to end the process"):
         train(config)
     assert json.loads((tmp_path / "r" / "failed.json").read_text())["epoch"] == 0
+
+
+def test_rewards_get_their_own_cpu_float32_copy_and_their_info_is_logged(tmp_path):
+    seen = tmp_path / "seen.json"
+    plugin = tmp_path / "copy_rewards.py"
+    plugin.write_text(textwrap.dedent(f'''
+        import json
+        import torch
+        from ddpo_group.rewards.registry import register_reward
+
+        @register_reward("vandal")
+        def vandal(images, prompts, metadata):  # edits its images in place: nobody else may see it
+            record = {{"device": images.device.type, "dtype": str(images.dtype), "numpy": images.numpy().shape[0]}}
+            images.zero_()
+            with open({str(seen)!r}, "w") as f:
+                json.dump(record, f)
+            return [0.5] * len(prompts), {{"count": len(prompts), "per_sample": torch.ones(len(prompts)), "note": "x"}}
+
+        @register_reward("brightness")
+        def brightness(images, prompts, metadata):
+            return images.mean(dim=(1, 2, 3)), {{}}
+    '''))
+    config = make_config(tmp_path, **cheap(plugins=str(plugin), reward_fn="", log_images_every=1,
+                                           reward_weights={"vandal": 1.0, "brightness": 1.0}))
+    row = read_metrics(train(config))[0]
+    assert json.loads(seen.read_text()) == {"device": "cpu", "dtype": "torch.float32", "numpy": 4}
+    assert row["reward/brightness"] > 0.05  # computed on the unedited images
+    assert row["reward_info/vandal/count"] == 4 and row["reward_info/vandal/per_sample"] == 1.0
+    assert "reward_info/vandal/note" not in row
+
+
+@pytest.mark.parametrize("value,why", [("[1 + 2j] * len(prompts)", "complex"), ("[2**60] * len(prompts)", "integers above"),
+                                       ("['1'] * len(prompts)", "not numbers")])
+def test_complex_overflowing_or_text_rewards_are_refused_not_truncated(tmp_path, value, why):
+    plugin = tmp_path / "odd_reward.py"
+    plugin.write_text(textwrap.dedent(f'''
+        from ddpo_group.rewards.registry import register_reward
+
+        @register_reward("odd")
+        def odd(images, prompts, metadata):
+            return {value}, {{}}
+    '''))
+    with pytest.raises(RewardError, match=why):
+        train(make_config(tmp_path, **cheap(plugins=str(plugin), reward_fn="odd")))
+
+
+def test_a_reward_can_ask_for_device_tensors():
+    from ddpo_group.rewards.combine import CombinedReward
+    from ddpo_group.rewards.registry import register_reward, wants_device_tensors
+
+    got = {}
+
+    @register_reward("test_device_tensors_reward", device_tensors=True)
+    def on_device(images, prompts, metadata):
+        got["images"] = images
+        return [0.0] * len(prompts), {}
+
+    assert wants_device_tensors(on_device)
+    images = torch.rand(2, 3, 8, 8, dtype=torch.float64)
+    CombinedReward({"test_device_tensors_reward": on_device})(images, ["a", "b"])
+    # the reward's own copy, in the dtype and on the device it was given (the training device's)
+    assert got["images"].dtype == torch.float64 and got["images"].data_ptr() != images.data_ptr()
+    assert torch.equal(got["images"], images)

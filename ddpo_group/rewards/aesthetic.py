@@ -97,7 +97,7 @@ def load_mlp_state_dict(path: str) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-@register_reward("aesthetic")
+@register_reward("aesthetic", device_tensors=True)
 class AestheticReward:
     """r = MLP(normalized CLIP image embedding); rewards (B,) float32, roughly 1..10 for LAION."""
 

@@ -19,7 +19,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ddpo_group.rewards.registry import RewardError, RewardNotReadyError, component_name, get_reward
+from ddpo_group.rewards.registry import (
+    RewardError,
+    RewardNotReadyError,
+    component_name,
+    get_reward,
+    wants_device_tensors,
+)
 
 REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
@@ -35,13 +41,24 @@ def validate_rewards(rewards, name: str, prompts, offset: int = 0) -> np.ndarray
     Otherwise RewardError naming the reward `name`, the sample index (offset + i) and its prompt.
     """
     batch = len(prompts)
+    given = type(rewards).__name__
     try:
         if isinstance(rewards, torch.Tensor):
-            rewards = rewards.detach().to("cpu", torch.float64).numpy()
-        array = np.asarray(rewards, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
+            rewards = rewards.detach()
+            rewards = (rewards.to(torch.float64) if rewards.is_floating_point() else rewards).cpu().numpy()
+        raw = np.asarray(rewards)
+        kind = raw.dtype.kind
+        integers = kind in "iu" or (kind == "O" and all(isinstance(v, (int, np.integer)) for v in raw.ravel()))
+        if kind == "c":
+            raise TypeError(f"complex values ({raw.dtype}) would lose their imaginary part")
+        if integers and raw.size and max(abs(int(v)) for v in raw.ravel()) > 2**53:
+            raise TypeError("integers above 2**53 would be rounded in float64; return floats, rescaled")
+        if kind not in "biuf" and not integers:  # strings, objects, dates: not numbers, even when float() parses them
+            raise TypeError(f"values of dtype {raw.dtype}, not numbers")
+        array = raw.astype(np.float64)
+    except (TypeError, ValueError, OverflowError) as exc:
         raise RewardError(
-            f"reward {name!r} returned {type(rewards).__name__} that is not an array of numbers "
+            f"reward {name!r} returned {given} that is not an array of numbers "
             f"({exc}) for prompts {_prompt_list(prompts)} (samples {offset}..{offset + batch - 1})",
             reward=name,
         ) from exc
@@ -126,6 +143,11 @@ class CombinedReward:
         return None
 
     def _call(self, name, fn, images, prompts, metadata, offset):
+        # every reward gets its own copy (registry docstring): float32 on the CPU, or on the device when asked
+        if wants_device_tensors(fn):
+            images = images.detach().clone()
+        else:  # float32 (float64 stays float64: never less precise than given)
+            images = images.detach().to("cpu", torch.promote_types(images.dtype, torch.float32), copy=True)
         try:
             output = fn(images, prompts, metadata)
         except RewardError:

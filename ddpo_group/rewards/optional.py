@@ -90,7 +90,7 @@ class _ClipSimilarityReward:
         return (self.logit_scale() * cosine).float().cpu(), {}
 
 
-@register_reward("clip_score")
+@register_reward("clip_score", device_tensors=True)
 class ClipScoreReward(_ClipSimilarityReward):
     """r = cos(CLIP image embedding, CLIP text embedding of the prompt), in [-1, 1]."""
 
@@ -102,7 +102,7 @@ class ClipScoreReward(_ClipSimilarityReward):
         super().__init__(clip_model, tokenizer if tokenizer is not None else clip_model, device, dtype)
 
 
-@register_reward("pickscore")
+@register_reward("pickscore", device_tensors=True)
 class PickScoreReward(_ClipSimilarityReward):
     """r = exp(logit_scale) * cos(image, prompt) with the PickScore_v1 CLIP-H model."""
 
@@ -116,7 +116,7 @@ class PickScoreReward(_ClipSimilarityReward):
         return self.model.logit_scale.exp()
 
 
-@register_reward("imagereward")
+@register_reward("imagereward", device_tensors=True)
 class ImageRewardReward:
     """r = ImageReward-v1.0 score of (prompt, image) (the `image-reward` package)."""
 
@@ -151,7 +151,7 @@ class ImageRewardReward:
         return np.array(scores, dtype=np.float64), {}
 
 
-@register_reward("hpsv2")
+@register_reward("hpsv2", device_tensors=True)
 class HPSv2Reward:
     """r = HPS v2 score of (prompt, image) (the `hpsv2` package)."""
 

@@ -6,7 +6,13 @@ A reward is any callable
 
 with `images` a float tensor (B, 3, H, W) in [0, 1], `prompts` a list of B strings,
 `metadata` a list of B dicts (the extra fields of the prompt records), `rewards` a
-sequence / array / tensor of shape (B,) and `info` a dict of extra values to log.
+sequence / array / tensor of shape (B,) of real numbers and `info` a dict of extra values
+to log (its numbers are logged as reward_info/<reward>/<key> in metrics.jsonl).
+
+`images` is the reward's own copy, float32 on the CPU, whatever the training device and
+dtype (float64 images, from a caller of the reward's own, stay float64): `images.numpy()` works and editing it in place changes nothing else. A reward that
+runs a model on the accelerator says so, `@register_reward("name", device_tensors=True)`
+(or a `device_tensors = True` attribute): it gets a copy on the training device instead.
 
 A reward is named by a spec string, resolved in this order:
 
@@ -63,12 +69,14 @@ class RewardNotReadyError(RewardError):
     """
 
 
-def register_reward(name: str):
+def register_reward(name: str, device_tensors: bool = False):
     """Decorator: register a reward function or class under `name`.
 
         @register_reward("my_reward")
         def my_reward(images, prompts, metadata):
             return images.mean(dim=(1, 2, 3)), {}
+
+    device_tensors=True: the reward receives its images on the training device (module docstring).
 
     Registering a different object under a taken name raises ValueError (re-registering
     the same function, e.g. when its module is imported twice, is allowed).
@@ -86,6 +94,8 @@ def register_reward(name: str):
                 f"register_reward: the name {name!r} is already taken by {_qualname(old)}; "
                 f"choose another name for {_qualname(obj)}"
             )
+        if device_tensors:
+            obj.device_tensors = True
         REWARD_REGISTRY[name] = obj
         return obj
 
@@ -193,6 +203,11 @@ def _accepts(obj, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def wants_device_tensors(fn) -> bool:
+    """Whether a reward (function, instance, or partial of one) asked for images on the training device."""
+    return bool(getattr(fn, "device_tensors", False) or getattr(getattr(fn, "func", None), "device_tensors", False))
 
 
 def get_reward(spec: str, device: Any = None, **kwargs) -> Callable:
