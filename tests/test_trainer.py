@@ -188,28 +188,17 @@ def test_resume_from_a_checkpoint_directory(resumed, tmp_path):
     assert [row["epoch"] for row in read_metrics(run_copy)] == [0]
 
 
-def test_corrupt_checkpoint_names_the_file(resumed, tmp_path):
+@pytest.mark.parametrize("name", ["trainer_state.json", "optimizer.bin"])
+def test_corrupt_checkpoint_names_the_file(resumed, tmp_path, name):
     run_copy = tmp_path / "run"
     shutil.copytree(resumed.before, run_copy)
-    state_path = run_copy / "checkpoints" / "checkpoint_2" / "trainer_state.json"
-    text = state_path.read_text()
-    state_path.write_text(text[: len(text) // 2])
+    path = run_copy / "checkpoints" / "checkpoint_2" / name
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])  # truncated, as by a full disk or a killed copy
     overrides = dict(resumed.overrides, resume_from=str(run_copy))
     with pytest.raises(CheckpointError) as info:
         Trainer(make_config(tmp_path, **overrides))
-    assert str(state_path) in str(info.value)
-
-
-def test_a_corrupt_optimizer_state_is_named(resumed, tmp_path):
-    run_copy = tmp_path / "run"
-    shutil.copytree(resumed.before, run_copy)
-    optimizer_path = run_copy / "checkpoints" / "checkpoint_2" / "optimizer.bin"
-    data = optimizer_path.read_bytes()
-    optimizer_path.write_bytes(data[: len(data) // 3])
-    overrides = dict(resumed.overrides, resume_from=str(run_copy))
-    with pytest.raises(CheckpointError) as info:
-        Trainer(make_config(tmp_path, **overrides))
-    assert str(optimizer_path) in str(info.value) and "unreadable" in str(info.value)
+    assert str(path) in str(info.value)
 
 
 def test_leftover_tmp_checkpoint_is_never_picked(resumed, tmp_path):
