@@ -308,8 +308,10 @@ class Trainer:
         self._build_models()
         self._build_algorithm_state()
         self.first_epoch, self.global_step, self.skipped_steps = 0, 0, 0
+        self._saved_at = None  # (epoch, global_step) of the checkpoint on disk that holds the current state
         if self._resume_checkpoint:
             self._load_checkpoint()
+            self._saved_at = (self.first_epoch, self.global_step)
         # Written once everything above is accepted: a run that cannot start leaves no directory behind.
         if acc.is_main_process:
             if config.overwrite and not config.resume_from and _holds_a_run(self.run_dir):
@@ -498,7 +500,8 @@ class Trainer:
                     self.evaluate(epoch, metrics)
                     if "eval/reward_mean" in metrics:  # not when a stop signal interrupted it
                         self._write_metrics_row(metrics)
-            self.save_checkpoint(epoch)
+            if self._saved_at != (epoch, self.global_step):  # not again, when a stop follows a periodic save at once
+                self.save_checkpoint(epoch)
             if epoch < config.num_epochs and acc.is_main_process:
                 # stopped by a signal before num_epochs: say so in the run directory (the CLI exits non-zero)
                 _write_json_atomic(os.path.join(self.run_dir, STOPPED_FILE), {
@@ -1159,6 +1162,7 @@ class Trainer:
             self._prune_checkpoints(root)
             logger.info("checkpoint written: %s", final)
         acc.wait_for_everyone()
+        self._saved_at = (epoch, self.global_step)
         return final
 
     def _weight_copies(self):

@@ -456,3 +456,30 @@ def test_a_reward_can_ask_for_device_tensors():
     # the reward's own copy, in the dtype and on the device it was given (the training device's)
     assert got["images"].dtype == torch.float64 and got["images"].data_ptr() != images.data_ptr()
     assert torch.equal(got["images"], images)
+
+
+def test_a_stop_right_after_a_periodic_save_does_not_write_that_checkpoint_again(tmp_path, monkeypatch):
+    from ddpo_group.trainer import Trainer
+
+    plugin = tmp_path / "stopping_reward.py"
+    calls = tmp_path / "calls"
+    plugin.write_text(textwrap.dedent(f'''
+        import os, signal
+        from ddpo_group.rewards.registry import register_reward
+
+        @register_reward("stops_in_epoch_one")
+        def stops_in_epoch_one(images, prompts, metadata):  # one call per epoch: the 2nd is epoch 1's sampling
+            with open({str(calls)!r}, "a") as f:
+                f.write("x")
+            if os.path.getsize({str(calls)!r}) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return [0.5] * len(prompts), {{}}
+    '''))
+    saved = []
+    original = Trainer.save_checkpoint
+    monkeypatch.setattr(Trainer, "save_checkpoint", lambda self, epoch: saved.append(epoch) or original(self, epoch))
+    train(make_config(tmp_path, **cheap(plugins=str(plugin), reward_fn="stops_in_epoch_one", num_epochs=3, save_freq=1)))
+    # the periodic save after epoch 0 holds the state the stop would save: checkpoint_1 is written once
+    assert saved == [1]
+    assert json.loads((tmp_path / "r" / "stopped.json").read_text())["epoch"] == 1
+    assert os.path.isdir(tmp_path / "r" / "checkpoints" / "checkpoint_1")
