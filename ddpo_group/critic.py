@@ -1,4 +1,4 @@
-"""Value network V(x_t, t, c) for GAE and Group-PPO (DESIGN §3, §4).
+"""Value network V(x_t, t, c) for GAE and Group-PPO (docs/design.md §3, §4).
 
 A small critic beside the UNet: it sees the noisy latent x_t of a denoising step, the
 scheduler timestep t and the prompt embedding c, and predicts the final reward.

@@ -1,4 +1,4 @@
-"""Per-prompt reward statistics: DDPO's history-aware, group-aware form of GRPO (DESIGN §3).
+"""Per-prompt reward statistics: DDPO's history-aware, group-aware form of GRPO (docs/design.md §3).
 
     tracker = PerPromptStatTracker(buffer_size=32, min_count=16, norm_by_std=True, eps=1e-6)
     advantages = tracker.update(prompts, rewards)   # (B,) numpy array

@@ -1,5 +1,5 @@
 """Shared fixtures of the trainer tests: configs of cheap runs, run-directory readers, and a
-plain-numpy GRPO advantage written from DESIGN section 3 (independent of ddpo_group.algos)."""
+plain-numpy GRPO advantage written from docs/design.md §3 (independent of ddpo_group.algos)."""
 
 import io
 import json
@@ -64,7 +64,7 @@ def read_dump(run_dir, epoch=0, rank=0):
 
 def grpo_advantages_numpy(rewards, prompt_ids, mask, clip, eps=1e-6):
     """A[i, t] = clip((R_i - mean_g) / (std_g + eps)) * mask[i, t] over groups g of equal prompt id,
-    population std; a group of one uses mean 0 and std 1 (DESIGN section 3). Plain loops."""
+    population std; a group of one uses mean 0 and std 1 (docs/design.md §3). Plain loops."""
     rewards = [float(r) for r in rewards]
     prompt_ids = [int(p) for p in prompt_ids]
     mask = np.asarray(mask, dtype=np.float64)

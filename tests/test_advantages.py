@@ -1,4 +1,4 @@
-"""Advantage estimators (DESIGN §3): expected numbers by hand or by plain-Python loops."""
+"""Advantage estimators (docs/design.md §3): expected numbers by hand or by plain-Python loops."""
 
 import math
 import statistics

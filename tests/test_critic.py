@@ -1,4 +1,4 @@
-"""Value network V(x_t, t, c) and its per-step evaluation (DESIGN §3, §4)."""
+"""Value network V(x_t, t, c) and its per-step evaluation (docs/design.md §3, §4)."""
 
 import pytest
 import torch

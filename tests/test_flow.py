@@ -1,4 +1,4 @@
-"""sde_step_with_logprob (DESIGN section 11): the three SDE types against the formulas written out in
+"""sde_step_with_logprob (docs/flow.md): the three SDE types against the formulas written out in
 plain Python, the noise-0 step against diffusers' FlowMatchEulerDiscreteScheduler.step, bad input."""
 
 import math

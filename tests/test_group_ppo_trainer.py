@@ -1,4 +1,4 @@
-"""Group-PPO in the trainer (DESIGN section 4): the training pass runs the UNet at the K shared
+"""Group-PPO in the trainer (docs/design.md §4): the training pass runs the UNet at the K shared
 endpoints instead of the T steps, logs the grouping metrics, trains the critic and checkpoints
 the adaptive threshold.
 

@@ -1,4 +1,4 @@
-"""Group-PPO grouping (DESIGN §4): Algorithm 2, segment advantages, adaptive threshold, metrics."""
+"""Group-PPO grouping (docs/design.md §4): Algorithm 2, segment advantages, adaptive threshold, metrics."""
 
 import json
 import math

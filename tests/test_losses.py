@@ -1,4 +1,4 @@
-"""Losses (DESIGN §5): expected numbers by hand, plain-Python loops and analytic gradients."""
+"""Losses (docs/design.md §5): expected numbers by hand, plain-Python loops and analytic gradients."""
 
 import math
 from types import SimpleNamespace

@@ -1,4 +1,4 @@
-"""Two CPU processes (gloo), launched the ways DESIGN section 7 says work on a CPU machine.
+"""Two CPU processes (gloo), launched the ways docs/design.md §7 says work on a CPU machine.
 
 The required check of the issue: the advantages each rank trains on are the GRPO advantages of
 the gathered batch (rank 0's trajectories, then rank 1's), not of its local slice, and the

@@ -1,4 +1,4 @@
-"""Precision and devices (DESIGN section 10): float32 step math under half-precision models,
+"""Precision and devices (docs/design.md §10): float32 step math under half-precision models,
 bf16 autocast on the CPU, an on-policy ratio of exactly 1, and no numpy on device tensors."""
 
 import ast

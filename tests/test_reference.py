@@ -1,4 +1,4 @@
-"""ReferencePolicy (DESIGN section 6) on the tiny real UNet: starts as the initial policy,
+"""ReferencePolicy (docs/design.md §6) on the tiny real UNet: starts as the initial policy,
 theta_ref <- alpha * theta + (1 - alpha) * theta_ref every update_freq optimizer steps,
 LoRA without mixup = base model with adapters disabled, state_dict round trip."""
 

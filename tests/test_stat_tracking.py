@@ -1,4 +1,4 @@
-"""PerPromptStatTracker (DESIGN §3): per-prompt buffers with a batch fallback, numbers by hand."""
+"""PerPromptStatTracker (docs/design.md §3): per-prompt buffers with a batch fallback, numbers by hand."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""The epoch loop (DESIGN section 7) end to end on the random-weight tiny pipeline.
+"""The epoch loop (docs/design.md §7) end to end on the random-weight tiny pipeline.
 
 Each module-scoped fixture is one real run, shared by the tests that read it:
 a GRPO run with the debug dump, a LoRA + "ddpo" run that is resumed, and small runs for

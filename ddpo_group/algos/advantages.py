@@ -4,7 +4,7 @@ A batch holds B trajectories of T denoising steps; `mask` (B, T) is 1 on steps t
 exist (the LLM "response mask"). Every estimator returns `(advantages, returns)`, both
 (B, T), zero on masked steps, computed without autograd.
 
-Public functions (DESIGN §3, §9):
+Public functions (docs/design.md §3, §9):
 
     compute_grpo_advantages(rewards, prompt_ids, mask, norm_by_std=True, eps=1e-6)
     compute_gae_advantages(token_level_rewards, values, mask, gamma=1.0, lam=0.95)

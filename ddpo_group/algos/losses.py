@@ -1,8 +1,8 @@
 """Policy losses, loss aggregation, KL penalties and the value loss on (B, T) tensors.
 
 A denoising step is a "token": `log_prob[i, t]` is log pi(x_{t+1} | x_t, c) of step t of
-trajectory i and `mask` (B, T) is 1 on steps that exist (DESIGN §2, §5). The functions
-follow verl's `core_algos` conventions unless DESIGN says otherwise.
+trajectory i and `mask` (B, T) is 1 on steps that exist (docs/design.md §2, §5). The functions
+follow verl's `core_algos` conventions unless docs/design.md says otherwise.
 
 Policy losses are registered by name (`register_policy_loss`, `get_policy_loss`); each is
 
@@ -157,7 +157,7 @@ def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor | 
     """Exact KL between two Gaussian denoising steps that share their std.
 
     KL(N(mu, s^2 I) || N(mu_ref, s^2 I)) per dimension is (mu - mu_ref)^2 / (2 s^2);
-    averaged over all non-batch dimensions (the log_prob convention of DESIGN §2):
+    averaged over all non-batch dimensions (the log_prob convention of docs/design.md §2):
         kl_i = mean_{c,h,w} (mean - ref_mean)^2 / (2 std^2)
 
     Args:

@@ -1,7 +1,7 @@
 """The loss of a training micro-batch, and its exact gradient back-propagated one step at a time.
 
 A micro-batch holds b trajectories and K trained steps. Its loss is a function of the (b, K)
-matrix of step log-probabilities and of the KL of each step to the reference (GRPO, DESIGN §5):
+matrix of step log-probabilities and of the KL of each step to the reference (GRPO, docs/design.md §5):
 
     L(log_probs, kl) = policy_loss(old_log_probs, log_probs, advantages, mask)
                        + beta * agg(kl, mask)                   (the KL term when kl is given)

@@ -17,7 +17,7 @@ scheduler's final_alpha_cumprod when that index is negative). The mean is diffus
 This is ddpo-pytorch's ``ddim_step_with_logprob``, extended to per-sample timesteps,
 all prediction types and clip_sample / thresholding. Pure math: no I/O, no trainer.
 
-Precision (DESIGN section 10): the schedule terms, the mean, the std and the log-density are
+Precision (docs/design.md §10): the schedule terms, the mean, the std and the log-density are
 computed in float32, or in the input's dtype when that is wider (float64), whatever dtype the
 UNet ran in. In bfloat16, 1 - alpha_t / alpha_prev rounds to 0 for close timesteps (sigma = 0:
 a step without density) and (x - mu)^2 / (2 sigma^2) loses every digit that PPO's ratio needs.

@@ -3,7 +3,7 @@
 A LoRA layer computes W x + (alpha / r) * B A x with A (r, d_in) drawn Gaussian and
 B (d_out, r) = 0 at creation (diffusers' training examples use ``init_lora_weights="gaussian"``),
 so a freshly added adapter leaves the UNet's output unchanged. With adapters disabled the
-UNet is the base model: the reference policy of DESIGN §6 at no extra memory.
+UNet is the base model: the reference policy of docs/design.md §6 at no extra memory.
 """
 
 from contextlib import contextmanager

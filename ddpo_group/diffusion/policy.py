@@ -14,7 +14,7 @@ and found for a loaded pipeline by `policy_for`:
 
 A step's log-probability is the one function of the family (``step_log_prob``), shared by
 sampling and training, so re-scoring with unchanged weights in the sampling layout equals the
-sampled log-probs bit for bit. Step math is float32 (DESIGN section 10).
+sampled log-probs bit for bit. Step math is float32 (docs/design.md §10).
 """
 
 from __future__ import annotations

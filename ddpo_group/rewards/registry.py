@@ -10,7 +10,8 @@ sequence / array / tensor of shape (B,) of real numbers and `info` a dict of ext
 to log (its numbers are logged as reward_info/<reward>/<key> in metrics.jsonl).
 
 `images` is the reward's own copy, float32 on the CPU, whatever the training device and
-dtype (float64 images, from a caller of the reward's own, stay float64): `images.numpy()` works and editing it in place changes nothing else. A reward that
+dtype (float64 images, from a caller of the reward's own, stay float64): converting it to
+NumPy needs no device move, and editing it in place changes nothing else. A reward that
 runs a model on the accelerator says so, `@register_reward("name", device_tensors=True)`
 (or a `device_tensors = True` attribute): it gets a copy on the training device instead.
 
