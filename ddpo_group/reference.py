@@ -1,4 +1,4 @@
-"""The reference policy pi_ref of the KL term, refreshed by "mixup" (DESIGN section 6).
+"""The reference policy pi_ref of the KL term, refreshed by "mixup" (docs/design.md §6).
 
     theta_ref <- alpha * theta + (1 - alpha) * theta_ref     every `update_freq` optimizer steps
 
@@ -55,10 +55,7 @@ class ReferencePolicy:
         alpha = self.mixup_alpha if alpha is None else float(alpha)
         current = dict(self.unet.named_parameters())
         for name, ref_param in self.params.items():
-            if alpha == 1.0:
-                ref_param.copy_(current[name].detach())
-            else:
-                ref_param.mul_(1.0 - alpha).add_(current[name].detach().to(ref_param.dtype), alpha=alpha)
+            ref_param.mul_(1.0 - alpha).add_(current[name].detach().to(ref_param.dtype), alpha=alpha)
         self.num_syncs += 1
         self.steps_since_sync = 0
 

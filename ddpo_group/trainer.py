@@ -1,4 +1,4 @@
-"""The epoch loop on Accelerate (DESIGN section 7).
+"""The epoch loop on Accelerate (docs/design.md §7).
 
 One epoch, in the order it happens (each phase one method of `Trainer`):
 
@@ -36,6 +36,7 @@ import shutil
 import signal
 import socket
 import time
+import zipfile
 
 import numpy as np
 import torch
@@ -96,7 +97,7 @@ def _max_abs_diff(a, b, mask):
 
 @dataclasses.dataclass
 class LossConfig:
-    """The attributes a registered policy loss reads (DESIGN section 9)."""
+    """The attributes a registered policy loss reads (docs/design.md §9)."""
 
     clip_ratio: float
     clip_ratio_low: float
@@ -655,7 +656,9 @@ class Trainer:
             samples.mask[:, samples.mask.shape[1] - skip :] = 0
         rewards = np.concatenate([r[0] for r in results])
         components = {name: np.concatenate([r[1][name] for r in results]) for name in results[0][1]}
-        metrics.update(_reward_info_metrics([r[2] for r in results if len(r) > 2]))
+        from ddpo_group.rewards.combine import info_metrics
+
+        metrics.update(info_metrics([r[2] for r in results if len(r) > 2]))
         device = acc.device
         samples.rewards = torch.as_tensor(rewards, dtype=torch.float32, device=device)
         samples.components = {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in components.items()}
@@ -1302,8 +1305,11 @@ def _unreadable_checkpoint_file(checkpoint):
                     with safe_open(path, "pt") as f:
                         for key in f.keys():
                             f.get_slice(key)
-                elif name.endswith((".bin", ".pkl", ".pt", ".pth")):
-                    torch.load(path, map_location="cpu", weights_only=False)
+                elif name.endswith((".bin", ".pkl", ".pt", ".pth")):  # torch.save's zip format: CRCs, nothing unpickled
+                    with zipfile.ZipFile(path) as archive:
+                        damaged = archive.testzip()
+                    if damaged:
+                        raise ValueError(f"member {damaged} fails its CRC check")
             except Exception as err:  # any failure to read is the answer
                 return path, " ".join(str(err).split())[:200] or type(err).__name__
     return None
@@ -1355,25 +1361,6 @@ def _truncate_metrics(path, first_epoch):
     with open(tmp, "w") as f:
         f.writelines(rows)
     os.replace(tmp, path)
-
-
-def _reward_info_metrics(infos):
-    """The numbers of the rewards' info dicts ({"<reward>/<key>": value}, one dict per sampling batch) as
-    reward_info/<reward>/<key>: the mean of its values (a scalar, or per-sample numbers) over the batches.
-    Values that are not real numbers (strings, nested dicts, complex, non-finite) are left out."""
-    values = {}
-    for info in infos:
-        for key, value in (info or {}).items():
-            if torch.is_tensor(value):
-                value = value.detach()
-                value = (value.double() if value.is_floating_point() else value).cpu().numpy()
-            try:
-                array = np.asarray(value)
-            except (TypeError, ValueError):
-                continue
-            if array.size and array.dtype.kind in "biuf" and np.isfinite(array.astype(np.float64)).all():
-                values.setdefault(key, []).extend(array.astype(np.float64).ravel().tolist())
-    return {f"reward_info/{key}": float(np.mean(v)) for key, v in values.items()}
 
 
 def _group_stats(rewards, prompt_ids):

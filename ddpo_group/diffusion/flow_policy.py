@@ -170,6 +170,14 @@ class FlowMatchingPolicy(DiffusionPolicy):
             sigmas=grid,
         )
 
+    @staticmethod
+    def _rows_cond(batch, rows):
+        """The text conditioning of trajectories `rows` of `batch` (None where the batch has none)."""
+        return {
+            name: None if getattr(batch, name) is None else getattr(batch, name)[rows]
+            for name in ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+        }
+
     def forward_noise(self, x0, noise, timesteps):
         """Rectified flow's forward process: sigma = t / num_train_timesteps, x_t = (1 - sigma) x0 + sigma eps,
         target the velocity eps - x0, x0_scale sigma (x0_hat = x_t - sigma v). float32."""
@@ -180,10 +188,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
 
     def predict(self, model, x_t, timesteps, batch, rows, guidance_scale):
         """The transformer's velocity for x_t (CFG or FLUX's guidance embedding as in sampling), float32."""
-        cond = {
-            name: None if getattr(batch, name) is None else getattr(batch, name)[rows]
-            for name in ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
-        }
+        cond = self._rows_cond(batch, rows)
         return self._velocity(model, x_t, torch.as_tensor(timesteps, device=x_t.device), cond, guidance_scale)
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
@@ -196,10 +201,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
         ar = torch.arange(len(rows), device=latents.device)
         timesteps = batch.timesteps[rows][ar, step_index]
         grid = batch.sigmas[rows].to(latents.device)
-        cond = {
-            name: None if getattr(batch, name) is None else getattr(batch, name)[rows]
-            for name in ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
-        }
+        cond = self._rows_cond(batch, rows)
         velocity = self._velocity(model, latents[ar, step_index], timesteps, cond, guidance_scale)
         _, log_prob, mean, std = sde_step_with_logprob(
             self.pipeline.scheduler, velocity, timesteps, latents[ar, step_index], noise_level=eta,

@@ -88,6 +88,25 @@ def validate_rewards(rewards, name: str, prompts, offset: int = 0) -> np.ndarray
     return array
 
 
+def info_metrics(infos):
+    """The numbers of reward info dicts ({"<reward>/<key>": value}, one dict per batch) as
+    reward_info/<reward>/<key>: the mean of its values (a scalar, or per-sample numbers) over the batches.
+    Values that are not real numbers (strings, nested dicts, complex, non-finite) are left out."""
+    values = {}
+    for info in infos:
+        for key, value in (info or {}).items():
+            if torch.is_tensor(value):
+                value = value.detach()
+                value = (value.double() if value.is_floating_point() else value).cpu().numpy()
+            try:
+                array = np.asarray(value)
+            except (TypeError, ValueError):
+                continue
+            if array.size and array.dtype.kind in "biuf" and np.isfinite(array.astype(np.float64)).all():
+                values.setdefault(key, []).extend(array.astype(np.float64).ravel().tolist())
+    return {f"reward_info/{key}": float(np.mean(v)) for key, v in values.items()}
+
+
 class CombinedReward:
     """Calls each component on a batch and returns (total, components, info).
 
@@ -143,11 +162,7 @@ class CombinedReward:
         return None
 
     def _call(self, name, fn, images, prompts, metadata, offset):
-        # every reward gets its own copy (registry docstring): float32 on the CPU, or on the device when asked
-        if wants_device_tensors(fn):
-            images = images.detach().clone()
-        else:  # float32 (float64 stays float64: never less precise than given)
-            images = images.detach().to("cpu", torch.promote_types(images.dtype, torch.float32), copy=True)
+        # `images` is this call's own copy (__call__): float32 on the CPU, or on the device when the reward asked
         try:
             output = fn(images, prompts, metadata)
         except RewardError:
@@ -202,11 +217,16 @@ class CombinedReward:
             for start in range(0, batch, max(step, 1))
         ]
 
+        # every reward gets its own copy (registry docstring): moved to the CPU once (float32, or float64 when
+        # given float64), cloned per call; a reward that asked for device tensors gets a clone of the original
+        on_host = images.detach().to("cpu", torch.promote_types(images.dtype, torch.float32))
+
         def run(call):
             name, start = call
             stop = start + step
-            return self._call(name, self.components[name], images[start:stop], prompts[start:stop],
-                              metadata[start:stop], start)
+            fn = self.components[name]
+            source = images.detach() if wants_device_tensors(fn) else on_host
+            return self._call(name, fn, source[start:stop].clone(), prompts[start:stop], metadata[start:stop], start)
 
         if self.workers > 1 and len(calls) > 1:
             with self._executor_lock:
