@@ -454,6 +454,7 @@ class Trainer:
         if self.first_epoch >= config.num_epochs:
             logger.warning("nothing to do: the run already has %d of num_epochs=%d epochs", self.first_epoch, config.num_epochs)
             self.reward_runner.shutdown()
+            self._release_lock()
             return self.run_dir
         if config.log_with != "none":
             acc.init_trackers(
@@ -515,9 +516,7 @@ class Trainer:
             raise
         finally:
             self._restore_signal_handlers()
-            if self._lock is not None:
-                self._lock.close()  # releases the run directory's lock
-                self._lock = None
+            self._release_lock()
             # after an error a reward may never return: its (daemon) worker is not waited for
             self.reward_runner.shutdown(wait=not failed)
             acc.end_training()
@@ -1167,6 +1166,11 @@ class Trainer:
         acc.wait_for_everyone()
         self._saved_at = (epoch, self.global_step)
         return final
+
+    def _release_lock(self):
+        if self._lock is not None:
+            self._lock.close()  # releases the run directory's lock
+            self._lock = None
 
     def _weight_copies(self):
         """The weight copies a checkpoint holds beside the model: {file stem: holder with state_dict()}."""
