@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ddpo_group.algos.advantages import (
@@ -126,6 +126,8 @@ def test_estimators_keep_the_input_float_dtype(dtype):
     ),
     norm_by_std=st.booleans(),
 )
+# equal rewards: the mean's rounding once left each advantage at -1.4e-8 (found by hypothesis in a CI-like run)
+@example(data=[(85.58393232439053, 0)] * 3, norm_by_std=True)
 def test_grpo_advantages_of_each_group_sum_to_zero(data, norm_by_std):
     rewards = torch.tensor([r for r, _ in data], dtype=torch.float64)
     prompt_ids = torch.tensor([g for _, g in data])

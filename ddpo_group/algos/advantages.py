@@ -254,6 +254,10 @@ def _group_mean_std(rewards: torch.Tensor, inverse: torch.Tensor) -> tuple[torch
     zeros = torch.zeros(num_groups, dtype=torch.float64, device=rewards.device)
     counts = zeros.index_add(0, inverse, torch.ones_like(rewards))
     means = zeros.index_add(0, inverse, rewards) / counts
+    # corrected two-pass mean: the first mean's rounding error (~1e-14 at |r| ~ 100) would be divided by
+    # std + eps ~ 1e-6 for (near-)equal rewards, leaving a group's advantages summing to ~1e-8, not to 0;
+    # with the residual's mean added, equal rewards are centred to exactly 0
+    means = means + zeros.index_add(0, inverse, rewards - means[inverse]) / counts
     variances = zeros.index_add(0, inverse, (rewards - means[inverse]) ** 2) / counts
     return counts, means, variances.sqrt()
 
