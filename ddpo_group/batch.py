@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddpo_group.diffusion.sampling import Trajectories
+from ddpo_group.diffusion.base import Trajectories
 
 
 @dataclass

@@ -52,7 +52,7 @@ from ddpo_group.algos.stepwise import column_loss, grpo_loss
 from ddpo_group.config_check import ConfigError, check_config
 from ddpo_group.diagnostics import GradShare, StepAccumulator, advantage_step_stats, value_step_stats
 from ddpo_group.diffusion.policy import load_policy
-from ddpo_group.diffusion.sampling import window_noise_levels
+from ddpo_group.diffusion.base import window_noise_levels
 from ddpo_group.batch import EpochBatch, GatheredBatch
 from ddpo_group.prompts import load_prompts
 from ddpo_group.reference import ReferencePolicy

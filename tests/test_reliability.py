@@ -312,7 +312,7 @@ def test_a_stop_signal_during_an_evaluation_stops_between_its_batches(tmp_path):
 )
 def test_the_reward_server_refuses_an_unknown_reward_or_bad_kwargs_in_one_line(args, needle):
     result = subprocess.run(
-        [PYTHON, "-m", "ddpo_group.rewards.remote", *args], cwd=ROOT, env=subprocess_env(), capture_output=True,
+        [PYTHON, "-m", "ddpo_group.rewards.server", *args], cwd=ROOT, env=subprocess_env(), capture_output=True,
         text=True, timeout=120,
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -17,7 +17,8 @@ from PIL import Image
 from helpers import pil_jpeg_kb
 
 from ddpo_group.rewards import RewardError, build_reward_fn, get_reward
-from ddpo_group.rewards.remote import RemoteReward, make_server
+from ddpo_group.rewards.remote import RemoteReward
+from ddpo_group.rewards.server import make_server
 
 PROMPTS = ["a cat", "a dog"]
 
@@ -174,7 +175,7 @@ def test_reference_server_command_serves_a_registered_reward():
     images, pixels = images_and_pixels(seed=3)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     process = subprocess.Popen(
-        [sys.executable, "-m", "ddpo_group.rewards.remote", "--serve", "jpeg_compressibility", "--port", "0"],
+        [sys.executable, "-m", "ddpo_group.rewards.server", "--serve", "jpeg_compressibility", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:

@@ -4,13 +4,9 @@ import pytest
 import torch
 from diffusers import DDIMScheduler
 
-from ddpo_group.diffusion.sampling import (
-    Trajectories,
-    default_prompt_ids,
-    sample_trajectories,
-    step_log_prob,
-    trajectory_log_probs,
-)
+from ddpo_group.diffusion.base import Trajectories, default_prompt_ids
+from ddpo_group.diffusion.sampling import sample_trajectories, trajectory_log_probs
+from ddpo_group.diffusion.sd import step_log_prob
 from ddpo_group.diffusion.tiny import build_tiny_pipeline
 
 PROMPTS = ["a red circle", "a blue square", "a red circle"]

@@ -23,22 +23,12 @@ UNet ran in. In bfloat16, 1 - alpha_t / alpha_prev rounds to 0 for close timeste
 a step without density) and (x - mu)^2 / (2 sigma^2) loses every digit that PPO's ratio needs.
 """
 
-import math
-
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from ddpo_group.diffusion.gaussian import gaussian_log_prob, left_broadcast, step_dtype
+
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
-
-
-def _left_broadcast(values, shape):
-    """Reshape a (B,) tensor to (B, 1, ..., 1) with len(shape) dims, then expand to shape."""
-    return values.reshape(values.shape + (1,) * (len(shape) - values.ndim)).expand(shape)
-
-
-def step_dtype(dtype):
-    """The dtype of the step math for inputs of ``dtype``: float32, or ``dtype`` when it is wider."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _scheduler_alphas(scheduler, timestep, batch_size, device, dtype):
@@ -62,24 +52,6 @@ def _scheduler_alphas(scheduler, timestep, batch_size, device, dtype):
         torch.as_tensor(scheduler.final_alpha_cumprod, dtype=alphas_cumprod.dtype),
     )
     return alpha_prod_t.to(device=device, dtype=dtype), alpha_prod_t_prev.to(device=device, dtype=dtype)
-
-
-def gaussian_log_prob(value, mean, std):
-    """Log-density of N(mean, std^2) at value, averaged over all non-batch dims.
-
-    log N(x; mu, s) = -(x - mu)^2 / (2 s^2) - log s - log sqrt(2 pi), then mean over
-    dims 1..n-1 (ddpo-pytorch's convention), shape (B,). ``value`` is treated as data
-    (detached); gradients flow through ``mean``. Samples whose std is 0 have no density:
-    their log-prob is 0 (they are masked out of training, see ``Trajectories.mask``).
-    """
-    std = std.expand_as(mean)
-    has_density = std > 0
-    safe_std = torch.where(has_density, std, torch.ones_like(std))
-    log_prob = (
-        -((value.detach() - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - math.log(math.sqrt(2 * math.pi))
-    )
-    log_prob = torch.where(has_density, log_prob, torch.zeros_like(log_prob))
-    return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
 
 
 def ddim_step_with_logprob(
@@ -129,8 +101,8 @@ def ddim_step_with_logprob(
     model_output = model_output.to(dtype)
     batch_size = sample.shape[0]
     alpha_prod_t, alpha_prod_t_prev = _scheduler_alphas(scheduler, timestep, batch_size, sample.device, dtype)
-    alpha_prod_t = _left_broadcast(alpha_prod_t, sample.shape)
-    alpha_prod_t_prev = _left_broadcast(alpha_prod_t_prev, sample.shape)
+    alpha_prod_t = left_broadcast(alpha_prod_t, sample.shape)
+    alpha_prod_t_prev = left_broadcast(alpha_prod_t_prev, sample.shape)
     beta_prod_t = 1 - alpha_prod_t
 
     if prediction_type == "epsilon":

@@ -27,7 +27,7 @@ import math
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from ddpo_group.diffusion.ddim import _left_broadcast, gaussian_log_prob, step_dtype
+from ddpo_group.diffusion.gaussian import gaussian_log_prob, left_broadcast, step_dtype
 
 SDE_TYPES = ("sde", "cps", "dance")
 
@@ -118,9 +118,9 @@ def sde_step_with_logprob(
                              f"{[tuple(v.shape) for v in (sigma, sigma_next, sigma_1)]}")
         if bool((sigma_next > sigma).any()) or bool((sigma <= 0).any()):
             raise ValueError("sigmas: a flow step goes from sigma > 0 to sigma_next <= sigma")
-    sigma = _left_broadcast(sigma, x.shape)
-    sigma_next = _left_broadcast(sigma_next, x.shape)
-    sigma_1 = _left_broadcast(sigma_1, x.shape)
+    sigma = left_broadcast(sigma, x.shape)
+    sigma_next = left_broadcast(sigma_next, x.shape)
+    sigma_1 = left_broadcast(sigma_1, x.shape)
     dt = sigma_next - sigma
     a = noise_level
 

@@ -20,16 +20,17 @@ from diffusers import FluxPipeline, StableDiffusion3Pipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from tqdm.auto import tqdm
 
-from ddpo_group.diffusion.flow import SDE_TYPES, sde_step_with_logprob
-from ddpo_group.diffusion.lora import add_lora
-from ddpo_group.diffusion.policy import DiffusionPolicy, register_family
-from ddpo_group.diffusion.sampling import (
+from ddpo_group.diffusion.base import (
+    DiffusionPolicy,
     Trajectories,
     default_prompt_ids,
     final_latents_only,
     model_dtype,
     noise_levels,
+    register_family,
 )
+from ddpo_group.diffusion.flow import SDE_TYPES, sde_step_with_logprob
+from ddpo_group.diffusion.lora import add_lora
 
 # Attention projections of the joint (MM-DiT) blocks: image stream and text stream, as Flow-GRPO targets.
 LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")

@@ -1,22 +1,248 @@
 """The Stable Diffusion 1.x / 2.x family (UNet, CLIP text encoder, VAE, DDIM) as a DiffusionPolicy.
 
-A step is the DDIM Gaussian of ``ddim_step_with_logprob`` (eta > 0), sampled and re-scored by
-``ddpo_group.diffusion.sampling``; LoRA sits on the UNet's attention projections and is saved in
-diffusers' format (``StableDiffusionPipeline.load_lora_weights`` loads it); a critic reads the
-latent channels of the UNet and the hidden size of the text encoder.
+A trajectory of T DDIM steps is T tokens; token t is x_t -> x_{t+1} with the log-probability of
+``ddim_step_with_logprob`` (eta > 0). Sampling (``sample_ddim``) and re-scoring (``step_log_prob``)
+run the same step function (``_denoise_step``) on the same batch composition, so re-scoring with
+unchanged weights reproduces the sampled log-probs exactly. Classifier-free guidance follows the
+pipeline: eps = eps_uncond + w (eps_cond - eps_uncond) when w > 1, from one UNet call on the
+concatenated [uncond, cond] batch.
+
+Precision: the UNet runs in its own dtype (fp16 / bf16 weights, or autocast); its inputs are cast
+to it. The latents of a trajectory, the guidance combination, the DDIM step and its log-density,
+and the stored log-probs are float32 (docs/design.md §10).
+
+LoRA sits on the UNet's attention projections and is saved in diffusers' format
+(``StableDiffusionPipeline.load_lora_weights`` loads it); a critic reads the latent channels of the
+UNet and the hidden size of the text encoder.
 """
 
 import os
 
 import torch
 from diffusers import StableDiffusionPipeline
+from tqdm.auto import tqdm
 
+from ddpo_group.diffusion.base import (
+    DiffusionPolicy,
+    Trajectories,
+    default_prompt_ids,
+    final_latents_only,
+    model_dtype,
+    noise_levels,
+    register_family,
+)
+from ddpo_group.diffusion.ddim import ddim_step_with_logprob
 from ddpo_group.diffusion.loading import load_pipeline
 from ddpo_group.diffusion.lora import add_lora
-from ddpo_group.diffusion.policy import DiffusionPolicy, register_family
-from ddpo_group.diffusion.sampling import _predict_noise, sample_trajectories, step_log_prob
 
 LORA_TARGET_MODULES = ("to_k", "to_q", "to_v", "to_out.0")
+
+
+def _predict_noise(unet, latents, timesteps, prompt_embeds, negative_prompt_embeds, guidance_scale):
+    """UNet prediction with classifier-free guidance: (B, C, h, w) float32.
+
+    When guidance_scale > 1: one call on cat([x, x]) with cat([uncond, cond]) embeddings,
+    then eps_uncond + guidance_scale * (eps_cond - eps_uncond) (the pipeline's expression),
+    computed in float32. The UNet's inputs are cast to its dtype.
+    """
+    dtype = model_dtype(unet)
+    if guidance_scale > 1.0:
+        if negative_prompt_embeds is None:
+            raise ValueError("guidance_scale > 1 needs negative_prompt_embeds (the unconditional embeddings)")
+        model_input = torch.cat([latents, latents]).to(dtype)
+        noise_pred = unet(
+            model_input,
+            torch.cat([timesteps, timesteps]),
+            encoder_hidden_states=torch.cat([negative_prompt_embeds, prompt_embeds]).to(dtype),
+            return_dict=False,
+        )[0]
+        noise_pred_uncond, noise_pred_text = noise_pred.float().chunk(2)
+        return noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+    return unet(latents.to(dtype), timesteps, encoder_hidden_states=prompt_embeds.to(dtype), return_dict=False)[0].float()
+
+
+def _denoise_step(
+    unet,
+    scheduler,
+    latents_t,
+    timesteps_t,
+    prompt_embeds,
+    negative_prompt_embeds,
+    guidance_scale,
+    eta,
+    latents_next=None,
+    generator=None,
+    with_log_prob=True,
+):
+    """The one step function shared by sampling and re-scoring: returns ddim_step_with_logprob's 4-tuple."""
+    timesteps_t = torch.as_tensor(timesteps_t, device=latents_t.device)
+    if timesteps_t.ndim == 0:
+        timesteps_t = timesteps_t.expand(latents_t.shape[0])
+    model_input = scheduler.scale_model_input(latents_t, timesteps_t)
+    noise_pred = _predict_noise(unet, model_input, timesteps_t, prompt_embeds, negative_prompt_embeds, guidance_scale)
+    return ddim_step_with_logprob(
+        scheduler, noise_pred, timesteps_t, latents_t, eta=eta, prev_sample=latents_next, generator=generator,
+        with_log_prob=with_log_prob,
+    )
+
+
+def step_log_prob(
+    unet,
+    scheduler,
+    latents_t,
+    latents_next,
+    timesteps_t,
+    prompt_embeds,
+    negative_prompt_embeds,
+    guidance_scale,
+    eta,
+    num_inference_steps=None,
+):
+    """Log-probability of the stored step x_t -> x_{t+1} under the current UNet, with autograd.
+
+    Args: latents_t, latents_next (B, C, h, w); timesteps_t (B,) (or a scalar);
+    prompt_embeds, negative_prompt_embeds (B, L, D) (negative ones unused when
+    guidance_scale <= 1). The DDIM step size is 1000 // T with T the scheduler's
+    ``num_inference_steps``: pass ``num_inference_steps`` = T of the sampling run (the
+    scheduler is reset to it when it differs), or keep the scheduler as sampling left it.
+
+    Returns: log_prob (B,) = mean over (C, h, w) of log N(x_{t+1}; mu_theta(x_t, t, c), sigma_t^2),
+    prev_sample_mean mu_theta (B, C, h, w), std_dev_t sigma_t (B, 1, 1, 1).
+    """
+    if num_inference_steps is not None and scheduler.num_inference_steps != num_inference_steps:
+        scheduler.set_timesteps(num_inference_steps, device=latents_t.device)
+    _, log_prob, prev_sample_mean, std_dev_t = _denoise_step(
+        unet,
+        scheduler,
+        latents_t,
+        timesteps_t,
+        prompt_embeds,
+        negative_prompt_embeds,
+        guidance_scale,
+        eta,
+        latents_next=latents_next,
+    )
+    return log_prob, prev_sample_mean, std_dev_t
+
+
+def _encode_prompts(pipeline, prompts, negative_prompt, do_cfg, device):
+    prompt_embeds, negative_prompt_embeds = pipeline.encode_prompt(
+        prompts,
+        device,
+        1,
+        do_cfg,
+        negative_prompt=[negative_prompt] * len(prompts) if do_cfg else None,
+    )
+    return prompt_embeds, (negative_prompt_embeds if do_cfg else None)
+
+
+@torch.no_grad()
+def sample_ddim(
+    pipeline,
+    prompts,
+    num_inference_steps,
+    guidance_scale,
+    eta,
+    generator=None,
+    prompt_ids=None,
+    negative_prompt="",
+    unet=None,
+    show_progress=False,
+    height=None,
+    keep_steps=True,
+):
+    """Sample B = len(prompts) trajectories x_0 -> x_T with their per-step log-probabilities.
+
+    Steps, in the pipeline's order (so eta = 0 reproduces ``pipeline(prompts, ...)``):
+    encode prompts (``pipeline.encode_prompt``, negative prompt for CFG); draw x_0 with
+    ``pipeline.prepare_latents`` and ``generator``; for each scheduler timestep t_k,
+    x_{k+1}, log_prob_k = ddim_step_with_logprob(eps_cfg(x_k, t_k), ...) (noise from
+    ``generator``); images = clamp(vae.decode(x_T / scaling_factor) / 2 + 0.5, 0, 1).
+
+    Args:
+        pipeline: a diffusers StableDiffusionPipeline with a DDIMScheduler.
+        prompts: list of B strings (a str is one prompt).
+        num_inference_steps: T.
+        guidance_scale: CFG weight w (no CFG, no negative embeddings when w <= 1).
+        eta: DDIM eta (> 0 for a stochastic policy; 0 gives mask 0 everywhere), or one value per step.
+        generator: torch.Generator (or list of B) for the initial noise and the step noise.
+        prompt_ids: optional (B,) group keys; default ``default_prompt_ids(prompts)``.
+        negative_prompt: the unconditional prompt for CFG.
+        unet: optional module used instead of ``pipeline.unet`` (e.g. DDP-wrapped).
+        show_progress: tqdm bar over the steps.
+        height: image side in pixels (None: the UNet's sample size x the VAE scale factor).
+        keep_steps: False keeps only the clean latents x_T and computes no log-probability (the
+            forward-process objectives read nothing else; ``Trajectories``' docstring).
+
+    Returns: Trajectories (see its docstring), no autograd graph.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts must hold at least one prompt")
+    if prompt_ids is None:
+        prompt_ids = default_prompt_ids(prompts)
+    prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
+    if prompt_ids.shape != (len(prompts),):
+        raise ValueError(f"prompt_ids must have shape (B,) = ({len(prompts)},), got {tuple(prompt_ids.shape)}")
+    unet = pipeline.unet if unet is None else unet
+    scheduler = pipeline.scheduler
+    device = pipeline._execution_device
+    batch_size = len(prompts)
+    do_cfg = guidance_scale > 1.0
+
+    prompt_embeds, negative_prompt_embeds = _encode_prompts(pipeline, prompts, negative_prompt, do_cfg, device)
+
+    scheduler.set_timesteps(num_inference_steps, device=device)
+    timesteps = scheduler.timesteps
+    height = height or pipeline.unet.config.sample_size * pipeline.vae_scale_factor
+    width = height
+    levels = noise_levels(eta, len(timesteps))
+    # float32 latents whatever the model dtype: the trajectory is the policy's data (module docstring)
+    latents = pipeline.prepare_latents(
+        batch_size, pipeline.unet.config.in_channels, height, width, torch.float32, device, generator
+    )
+
+    all_latents = [latents]
+    all_log_probs = []
+    all_stds = []
+    for i, t in enumerate(tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False)):
+        latents, log_prob, _, std_dev_t = _denoise_step(
+            unet,
+            scheduler,
+            latents,
+            t.expand(batch_size),
+            prompt_embeds,
+            negative_prompt_embeds,
+            guidance_scale,
+            levels[i],
+            generator=generator,
+            with_log_prob=keep_steps,
+        )
+        if keep_steps:
+            all_latents.append(latents)
+            all_log_probs.append(log_prob)
+            all_stds.append(std_dev_t.reshape(batch_size))
+
+    vae = pipeline.vae
+    images = vae.decode((latents / vae.config.scaling_factor).to(vae.dtype), return_dict=False)[0]
+    images = (images.float() / 2 + 0.5).clamp(0, 1)
+
+    steps = final_latents_only(latents) if not keep_steps else {
+        "latents": torch.stack(all_latents, dim=1),
+        "log_probs": torch.stack(all_log_probs, dim=1),
+        "mask": (torch.stack(all_stds, dim=1) > 0).to(torch.float32),
+    }
+    return Trajectories(
+        images=images,
+        timesteps=timesteps.to(torch.int64).unsqueeze(0).repeat(batch_size, 1),
+        prompt_embeds=prompt_embeds,
+        negative_prompt_embeds=negative_prompt_embeds,
+        prompts=prompts,
+        prompt_ids=prompt_ids,
+        **steps,
+    )
 
 
 @register_family("stable_diffusion")
@@ -92,7 +318,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
 
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
                model=None, show_progress=False, keep_steps=True):
-        return sample_trajectories(
+        return sample_ddim(
             self.pipeline, prompts, num_inference_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
             generator=generator, prompt_ids=prompt_ids, negative_prompt=negative_prompt, unet=model,
             show_progress=show_progress, height=self.resolution, keep_steps=keep_steps,

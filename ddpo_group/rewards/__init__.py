@@ -1,4 +1,4 @@
-"""Reward functions: registry, built-ins and plugin loading.
+"""Reward functions: the registry, built-ins and plugin loading (imports: docs/architecture.md).
 
     fn(images (B, 3, H, W) float in [0, 1], prompts list[str], metadata list[dict])
         -> (rewards (B,), info dict)
@@ -7,11 +7,10 @@
 calls; see `registry` for the spec strings (registered name, entry point of the group
 "ddpo_group.rewards", "module:function", "file.py:function", "http://host:port").
 Built-ins: jpeg_compressibility, jpeg_incompressibility, aesthetic; optional (lazy):
-clip_score, pickscore, imagereward, hpsv2; the shapes-world rewards "shapes_*" load
-from ddpo_group.rewards.shapes on first use.
+clip_score, pickscore, imagereward, hpsv2; the shapes-world rewards "shapes_*"
+(ddpo_group.rewards.shapes). The reward server is ``python -m ddpo_group.rewards.server``.
 """
 
-from ddpo_group.rewards import aesthetic, builtin, optional  # noqa: F401  (registers the built-ins)
 from ddpo_group.rewards.combine import (
     REWARD_AGGREGATIONS,
     AsyncRewardRunner,

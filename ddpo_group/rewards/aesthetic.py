@@ -18,8 +18,8 @@ import threading
 import torch
 from torch import nn
 
+from ddpo_group.rewards.base import RewardNotReadyError, register_reward
 from ddpo_group.rewards.clip_models import clip_preprocess, image_features, load_clip_model
-from ddpo_group.rewards.registry import RewardNotReadyError, register_reward
 
 DEFAULT_CLIP_MODEL = "openai/clip-vit-large-patch14"
 DEFAULT_MLP_WEIGHTS = (

@@ -22,7 +22,7 @@ import threading
 import numpy as np
 import torch
 
-from ddpo_group.rewards.builtin import to_pil_images
+from ddpo_group.rewards.base import RewardNotReadyError, register_reward, to_pil_images
 from ddpo_group.rewards.clip_models import (
     clip_preprocess,
     image_features,
@@ -30,7 +30,6 @@ from ddpo_group.rewards.clip_models import (
     load_tokenizer,
     text_features,
 )
-from ddpo_group.rewards.registry import RewardNotReadyError, register_reward
 
 
 def require_package(module: str, pip_name: str, reward: str):

@@ -1,24 +1,12 @@
-"""Reward registry and plugin loading.
+"""Resolve a reward spec string to a reward: the registered rewards, entry points, remote servers and plugins.
 
-A reward is any callable
-
-    fn(images, prompts, metadata) -> (rewards, info)
-
-with `images` a float tensor (B, 3, H, W) in [0, 1], `prompts` a list of B strings,
-`metadata` a list of B dicts (the extra fields of the prompt records), `rewards` a
-sequence / array / tensor of shape (B,) of real numbers and `info` a dict of extra values
-to log (its numbers are logged as reward_info/<reward>/<key> in metrics.jsonl).
-
-`images` is the reward's own copy, float32 on the CPU, whatever the training device and
-dtype (float64 images, from a caller of the reward's own, stay float64): converting it to
-NumPy needs no device move, and editing it in place changes nothing else. A reward that
-runs a model on the accelerator says so, `@register_reward("name", device_tensors=True)`
-(or a `device_tensors = True` attribute): it gets a copy on the training device instead.
+The reward contract, the error types and ``register_reward`` live in ``ddpo_group.rewards.base``
+(re-exported here). This module imports every reward module of the package, which registers
+its rewards (the registration lines below), and nothing imports it back.
 
 A reward is named by a spec string, resolved in this order:
 
-1. a registered name (`register_reward`), e.g. "jpeg_compressibility", "aesthetic";
-   "shapes_*" names import `ddpo_group.rewards.shapes` on first use;
+1. a registered name (`register_reward`), e.g. "jpeg_compressibility", "aesthetic", "shapes_alignment";
 2. an entry point of the group "ddpo_group.rewards" installed by another package
    (pyproject.toml: `[project.entry-points."ddpo_group.rewards"] my_reward = "pkg.mod:fn"`);
 3. "http://host:port" or "https://...": a remote reward server (`ddpo_group.rewards.remote`);
@@ -42,79 +30,17 @@ import os
 import sys
 from typing import Any, Callable
 
+from ddpo_group.rewards import aesthetic, builtin, optional, shapes  # noqa: F401  the registration lines
+from ddpo_group.rewards.base import (  # noqa: F401  (re-exported: the public names of the reward registry)
+    REWARD_REGISTRY,
+    RewardError,
+    RewardNotReadyError,
+    register_reward,
+    wants_device_tensors,
+)
+from ddpo_group.rewards.remote import RemoteReward
+
 ENTRY_POINT_GROUP = "ddpo_group.rewards"
-
-REWARD_REGISTRY: dict[str, Callable] = {}
-
-
-class RewardError(RuntimeError):
-    """A reward failed or returned a bad value; names the reward, prompt and sample index.
-
-    Attributes: `reward` (component name), `index` (sample index in the batch, or None when
-    the failure concerns the whole batch), `prompt` (that sample's prompt, or None).
-    """
-
-    def __init__(self, message: str, reward: str | None = None, index: int | None = None,
-                 prompt: str | None = None):
-        super().__init__(message)
-        self.reward = reward
-        self.index = index
-        self.prompt = prompt
-
-
-class RewardNotReadyError(RewardError):
-    """An optional reward cannot run: its package or weights are missing.
-
-    Raised by `check_ready()` before any sampling; the message says the exact install
-    command or the path / config field to set.
-    """
-
-
-def register_reward(name: str, device_tensors: bool = False):
-    """Decorator: register a reward function or class under `name`.
-
-        @register_reward("my_reward")
-        def my_reward(images, prompts, metadata):
-            return images.mean(dim=(1, 2, 3)), {}
-
-    device_tensors=True: the reward receives its images on the training device (module docstring).
-
-    Registering a different object under a taken name raises ValueError (re-registering
-    the same function, e.g. when its module is imported twice, is allowed).
-    """
-    if not isinstance(name, str) or not name or ":" in name or name.startswith("http"):
-        raise ValueError(
-            f"register_reward: name must be a non-empty string without ':' that does not start "
-            f"with 'http', got {name!r}"
-        )
-
-    def decorator(obj):
-        old = REWARD_REGISTRY.get(name)
-        if old is not None and old is not obj and _qualname(old) != _qualname(obj):
-            raise ValueError(
-                f"register_reward: the name {name!r} is already taken by {_qualname(old)}; "
-                f"choose another name for {_qualname(obj)}"
-            )
-        if device_tensors:
-            obj.device_tensors = True
-        REWARD_REGISTRY[name] = obj
-        return obj
-
-    return decorator
-
-
-def _qualname(obj) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
-
-
-def _import_shapes_rewards() -> None:
-    """Import the shapes-world rewards (registered by ddpo_group/rewards/shapes.py) if present."""
-    try:
-        importlib.import_module("ddpo_group.rewards.shapes")
-    except ModuleNotFoundError as exc:
-        # Only a missing shapes module is tolerated; a broken import inside it is re-raised.
-        if exc.name not in ("ddpo_group.rewards.shapes", "ddpo_group.shapes"):
-            raise
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
@@ -123,7 +49,6 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
 
 def list_rewards() -> list[str]:
     """Names usable as a reward spec without a path: registered rewards and entry points."""
-    _import_shapes_rewards()
     return sorted(set(REWARD_REGISTRY) | set(_entry_points()))
 
 
@@ -173,13 +98,7 @@ def resolve_reward(spec: str):
     spec = spec.strip()
     if spec in REWARD_REGISTRY:
         return REWARD_REGISTRY[spec]
-    if spec.startswith("shapes_"):
-        _import_shapes_rewards()
-        if spec in REWARD_REGISTRY:
-            return REWARD_REGISTRY[spec]
     if spec.startswith(("http://", "https://")):
-        from ddpo_group.rewards.remote import RemoteReward
-
         return functools.partial(RemoteReward, spec)
     if ":" not in spec:
         entry_points = _entry_points()
@@ -204,11 +123,6 @@ def _accepts(obj, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def wants_device_tensors(fn) -> bool:
-    """Whether a reward (function, instance, or partial of one) asked for images on the training device."""
-    return bool(getattr(fn, "device_tensors", False) or getattr(getattr(fn, "func", None), "device_tensors", False))
 
 
 def get_reward(spec: str, device: Any = None, **kwargs) -> Callable:

@@ -41,7 +41,7 @@ import math
 import numpy as np
 import torch
 
-from ddpo_group.rewards.registry import register_reward
+from ddpo_group.rewards.base import register_reward
 from ddpo_group.shapes import BACKGROUNDS, COLORS, SHAPES, ShapeSpec, parse_prompt, shape_coverage
 
 FG_LOW, FG_HIGH = 0.10, 0.25

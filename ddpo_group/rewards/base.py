@@ -1,0 +1,114 @@
+"""The base of ``ddpo_group.rewards``: the reward contract, its error types, the registry every reward
+registers into, and the image conversions rewards share. Imports no reward (docs/architecture.md).
+
+A reward is any callable
+
+    fn(images, prompts, metadata) -> (rewards, info)
+
+with `images` a float tensor (B, 3, H, W) in [0, 1], `prompts` a list of B strings,
+`metadata` a list of B dicts (the extra fields of the prompt records), `rewards` a
+sequence / array / tensor of shape (B,) of real numbers and `info` a dict of extra values
+to log (its numbers are logged as reward_info/<reward>/<key> in metrics.jsonl).
+
+`images` is the reward's own copy, float32 on the CPU, whatever the training device and
+dtype (float64 images, from a caller of the reward's own, stay float64): converting it to
+NumPy needs no device move, and editing it in place changes nothing else. A reward that
+runs a model on the accelerator says so, `@register_reward("name", device_tensors=True)`
+(or a `device_tensors = True` attribute): it gets a copy on the training device instead.
+
+Built-in, optional and shapes-world rewards register here when their modules are imported;
+``registry.py`` imports them all and resolves a spec string to a reward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+REWARD_REGISTRY: dict[str, Callable] = {}
+
+
+class RewardError(RuntimeError):
+    """A reward failed or returned a bad value; names the reward, prompt and sample index.
+
+    Attributes: `reward` (component name), `index` (sample index in the batch, or None when
+    the failure concerns the whole batch), `prompt` (that sample's prompt, or None).
+    """
+
+    def __init__(self, message: str, reward: str | None = None, index: int | None = None,
+                 prompt: str | None = None):
+        super().__init__(message)
+        self.reward = reward
+        self.index = index
+        self.prompt = prompt
+
+
+class RewardNotReadyError(RewardError):
+    """An optional reward cannot run: its package or weights are missing.
+
+    Raised by `check_ready()` before any sampling; the message says the exact install
+    command or the path / config field to set.
+    """
+
+
+def register_reward(name: str, device_tensors: bool = False):
+    """Decorator: register a reward function or class under `name`.
+
+        @register_reward("my_reward")
+        def my_reward(images, prompts, metadata):
+            return images.mean(dim=(1, 2, 3)), {}
+
+    device_tensors=True: the reward receives its images on the training device (module docstring).
+
+    Registering a different object under a taken name raises ValueError (re-registering
+    the same function, e.g. when its module is imported twice, is allowed).
+    """
+    if not isinstance(name, str) or not name or ":" in name or name.startswith("http"):
+        raise ValueError(
+            f"register_reward: name must be a non-empty string without ':' that does not start "
+            f"with 'http', got {name!r}"
+        )
+
+    def decorator(obj):
+        old = REWARD_REGISTRY.get(name)
+        if old is not None and old is not obj and _qualname(old) != _qualname(obj):
+            raise ValueError(
+                f"register_reward: the name {name!r} is already taken by {_qualname(old)}; "
+                f"choose another name for {_qualname(obj)}"
+            )
+        if device_tensors:
+            obj.device_tensors = True
+        REWARD_REGISTRY[name] = obj
+        return obj
+
+    return decorator
+
+
+def _qualname(obj) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def wants_device_tensors(fn) -> bool:
+    """Whether a reward (function, instance, or partial of one) asked for images on the training device."""
+    return bool(getattr(fn, "device_tensors", False) or getattr(getattr(fn, "func", None), "device_tensors", False))
+
+
+def to_uint8_images(images) -> np.ndarray:
+    """(B, 3, H, W) float in [0, 1] -> (B, H, W, 3) uint8, as round(clamp(255 * x, 0, 255)).
+
+    Accepts a torch tensor or a numpy array; this is the quantization ddpo-pytorch
+    applies before any PIL-based reward.
+    """
+    images = torch.as_tensor(images)
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must have shape (B, 3, H, W), got {tuple(images.shape)}")
+    images = (images.detach().float() * 255).round().clamp(0, 255).to(torch.uint8)
+    return images.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def to_pil_images(images) -> list[Image.Image]:
+    """(B, 3, H, W) float in [0, 1] -> list of B RGB PIL images (see `to_uint8_images`)."""
+    return [Image.fromarray(image) for image in to_uint8_images(images)]
