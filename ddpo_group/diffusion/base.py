@@ -34,7 +34,8 @@ class Trajectories:
     pooled_prompt_embeds, negative_pooled_prompt_embeds (B, D') or None: the pooled text
     embeddings of families that condition on them (SD3, FLUX; None for SD 1.x / 2.x); sigmas (B, T+1)
     float32: the flow families' noise grid the trajectory was sampled on (None for DDIM), so that
-    re-scoring uses the trajectory's own grid whatever the scheduler holds by then.
+    re-scoring uses the trajectory's own grid whatever the scheduler holds by then; extra_cond: a family's
+    own per-row conditioning tensors (name -> (B, ...)), e.g. a text attention mask, None for the built-in ones.
 
     Sampled with ``keep_steps=False`` (the forward-process objectives, docs/forward.md) a batch keeps
     only its clean latents: latents (B, 1, C, h, w) = x_T, log_probs and mask (B, 0); timesteps stay (B, T).
@@ -56,6 +57,7 @@ class Trajectories:
     pooled_prompt_embeds: torch.Tensor | None = None
     negative_pooled_prompt_embeds: torch.Tensor | None = None
     sigmas: torch.Tensor | None = None
+    extra_cond: dict | None = None
 
     def __len__(self):
         return self.latents.shape[0]

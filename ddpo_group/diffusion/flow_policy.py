@@ -1,4 +1,4 @@
-"""Flow-matching families (SD3 / SD3.5, FLUX.1) as DiffusionPolicies: SDE steps with log-probs.
+"""The base of the flow-matching families (SD3 / SD3.5 in sd3.py, FLUX.1 in flux.py): SDE steps with log-probs.
 
 A trajectory is T steps of ``sde_step_with_logprob`` (``ddpo_group.diffusion.flow``) on the
 pipeline's own timestep grid; step i uses the noise level eta_i (the trainer's ODE/SDE window:
@@ -14,10 +14,7 @@ FLUX.1-dev has no CFG: ``guidance_scale`` is its distilled guidance embedding.
 
 import os
 
-import numpy as np
 import torch
-from diffusers import FluxPipeline, StableDiffusion3Pipeline
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from tqdm.auto import tqdm
 
 from ddpo_group.diffusion.base import (
@@ -25,9 +22,7 @@ from ddpo_group.diffusion.base import (
     Trajectories,
     default_prompt_ids,
     final_latents_only,
-    model_dtype,
     noise_levels,
-    register_family,
 )
 from ddpo_group.diffusion.flow import SDE_TYPES, sde_step_with_logprob
 from ddpo_group.diffusion.lora import add_lora
@@ -36,7 +31,9 @@ from ddpo_group.diffusion.lora import add_lora
 LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
-def _load_pretrained(pipeline_class, model, revision, torch_dtype, offline_builders):
+def load_pretrained(pipeline_class, model, revision, torch_dtype, offline_builders):
+    """`pipeline_class` from an offline name (`offline_builders`: name -> builder), a directory or a hub id;
+    ValueError naming the model and the offline choices when it cannot be loaded."""
     if model in offline_builders:
         return offline_builders[model]().to(dtype=torch_dtype)
     local = os.path.isdir(os.path.expanduser(model))
@@ -54,9 +51,23 @@ def _load_pretrained(pipeline_class, model, revision, torch_dtype, offline_build
     return pipeline
 
 
+# The conditioning fields of Trajectories; any other key of `_encode`'s dict is kept in Trajectories.extra_cond.
+COND_FIELDS = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+
+
 class FlowMatchingPolicy(DiffusionPolicy):
-    """What SD3 and FLUX share: the step, the sampling loop, LoRA, checkpoints. Subclasses: encoding,
-    the velocity call, the latent layout and the timestep grid."""
+    """What every flow-matching family shares: the step, the sampling loop, LoRA, checkpoints.
+
+    A family subclasses it (``sd3.py``, ``flux.py``) and provides: ``pipeline_class``,
+    ``pipeline_class_names``, ``offline_models``, ``default_max_sequence_length``, ``patch_multiple``,
+    ``load`` (classmethod), ``latent_channels`` (property), ``_encode(prompts, negative_prompt,
+    guidance_scale, device) -> cond dict`` (prompt_embeds, and the negative / pooled embeddings it
+    has; any other per-row tensor it needs is carried in ``Trajectories.extra_cond``),
+    ``_initial_latents(batch_size, device, generator)`` (B, C, h, w) float32,
+    ``_timesteps(num_steps, device)`` (sets the scheduler's grid) and
+    ``_velocity(model, latents, timesteps, cond, guidance_scale)`` float32; ``_decode`` when its VAE
+    is not diffusers' AutoencoderKL with scaling and shift factors.
+    """
 
     pipeline_class = None
     default_max_sequence_length = 256
@@ -166,18 +177,19 @@ class FlowMatchingPolicy(DiffusionPolicy):
             **steps,
             prompts=prompts,
             prompt_ids=prompt_ids,
-            pooled_prompt_embeds=cond["pooled_prompt_embeds"],
+            pooled_prompt_embeds=cond.get("pooled_prompt_embeds"),
             negative_pooled_prompt_embeds=cond.get("negative_pooled_prompt_embeds"),
             sigmas=grid,
+            extra_cond={name: value for name, value in cond.items() if name not in COND_FIELDS} or None,
         )
 
     @staticmethod
     def _rows_cond(batch, rows):
-        """The text conditioning of trajectories `rows` of `batch` (None where the batch has none)."""
-        return {
-            name: None if getattr(batch, name) is None else getattr(batch, name)[rows]
-            for name in ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
-        }
+        """The text conditioning of trajectories `rows` of `batch` (None where the batch has none), with the
+        family's own conditioning tensors (``batch.extra_cond``): the dict `_encode` returned, for these rows."""
+        cond = {name: None if getattr(batch, name) is None else getattr(batch, name)[rows] for name in COND_FIELDS}
+        cond.update({name: value[rows] for name, value in (batch.extra_cond or {}).items()})
+        return cond
 
     def forward_noise(self, x0, noise, timesteps):
         """Rectified flow's forward process: sigma = t / num_train_timesteps, x_t = (1 - sigma) x0 + sigma eps,
@@ -255,145 +267,3 @@ class FlowMatchingPolicy(DiffusionPolicy):
             from safetensors.torch import load_file
 
             module.load_state_dict(load_file(os.path.join(input_dir, "transformer", "diffusion_pytorch_model.safetensors")))
-
-
-@register_family("sd3")
-class StableDiffusion3Policy(FlowMatchingPolicy):
-    """SD3 / SD3.5 (``StableDiffusion3Pipeline``): CLIP-L, CLIP-G (pooled) and T5 (optional) text
-    encoders, classifier-free guidance, VAE with shift_factor."""
-
-    pipeline_class = StableDiffusion3Pipeline
-    pipeline_class_names = ("StableDiffusion3Pipeline",)
-    offline_models = ("tiny-sd3",)
-    default_max_sequence_length = 256
-    patch_multiple = 2
-
-    @classmethod
-    def load(cls, model, revision=None, torch_dtype=torch.float32):
-        from ddpo_group.diffusion.tiny import build_tiny_sd3_pipeline
-
-        return _load_pretrained(StableDiffusion3Pipeline, model, revision, torch_dtype, {"tiny-sd3": build_tiny_sd3_pipeline})
-
-    @property
-    def latent_channels(self):
-        return self.pipeline.transformer.config.in_channels
-
-    def _encode(self, prompts, negative_prompt, guidance_scale, device):
-        cfg = guidance_scale > 1.0
-        embeds, negative, pooled, negative_pooled = self.pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=cfg,
-            negative_prompt=[negative_prompt] * len(prompts) if cfg else None,
-            max_sequence_length=self.max_sequence_length,
-        )
-        cond = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-        if cfg:
-            cond.update(negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled)
-        return cond
-
-    def _initial_latents(self, batch_size, device, generator):
-        pipe = self.pipeline
-        return pipe.prepare_latents(
-            batch_size, pipe.transformer.config.in_channels, self.resolution, self.resolution, torch.float32, device,
-            generator,
-        )
-
-    def _timesteps(self, num_steps, device):
-        pipe, kwargs = self.pipeline, {}
-        if pipe.scheduler.config.get("use_dynamic_shifting", None):
-            side = self.resolution // pipe.vae_scale_factor // pipe.transformer.config.patch_size
-            kwargs["mu"] = calculate_shift(
-                side * side,
-                pipe.scheduler.config.get("base_image_seq_len", 256),
-                pipe.scheduler.config.get("max_image_seq_len", 4096),
-                pipe.scheduler.config.get("base_shift", 0.5),
-                pipe.scheduler.config.get("max_shift", 1.16),
-            )
-        retrieve_timesteps(pipe.scheduler, num_steps, device, **kwargs)
-
-    def _velocity(self, model, latents, timesteps, cond, guidance_scale):
-        dtype = model_dtype(model)
-        cfg = guidance_scale > 1.0 and cond.get("negative_prompt_embeds") is not None
-        if cfg:
-            latents = torch.cat([latents, latents])
-            timesteps = torch.cat([timesteps, timesteps])
-            embeds = torch.cat([cond["negative_prompt_embeds"], cond["prompt_embeds"]])
-            pooled = torch.cat([cond["negative_pooled_prompt_embeds"], cond["pooled_prompt_embeds"]])
-        else:
-            embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
-        velocity = model(
-            hidden_states=latents.to(dtype), timestep=timesteps, encoder_hidden_states=embeds.to(dtype),
-            pooled_projections=pooled.to(dtype), return_dict=False,
-        )[0].float()
-        if cfg:
-            uncond, text = velocity.chunk(2)
-            return uncond + guidance_scale * (text - uncond)
-        return velocity
-
-
-@register_family("flux")
-class FluxPolicy(FlowMatchingPolicy):
-    """FLUX.1 (``FluxPipeline``): CLIP (pooled) and T5 text encoders, packed 2x2 latents with position
-    ids, a guidance embedding instead of CFG (FLUX.1-dev), dynamic timestep shifting."""
-
-    pipeline_class = FluxPipeline
-    pipeline_class_names = ("FluxPipeline",)
-    offline_models = ("tiny-flux",)
-    default_max_sequence_length = 512
-    patch_multiple = 2
-
-    @classmethod
-    def load(cls, model, revision=None, torch_dtype=torch.float32):
-        from ddpo_group.diffusion.tiny import build_tiny_flux_pipeline
-
-        return _load_pretrained(FluxPipeline, model, revision, torch_dtype, {"tiny-flux": build_tiny_flux_pipeline})
-
-    @property
-    def latent_channels(self):
-        return self.pipeline.transformer.config.in_channels // 4
-
-    def _encode(self, prompts, negative_prompt, guidance_scale, device):
-        embeds, pooled, _ = self.pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, device=device, max_sequence_length=self.max_sequence_length
-        )
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-
-    def _initial_latents(self, batch_size, device, generator):
-        pipe = self.pipeline
-        packed, _ = pipe.prepare_latents(
-            batch_size, self.latent_channels, self.resolution, self.resolution, torch.float32, device, generator
-        )
-        return pipe._unpack_latents(packed, self.resolution, self.resolution, pipe.vae_scale_factor)
-
-    def _timesteps(self, num_steps, device):
-        pipe = self.pipeline
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        if getattr(pipe.scheduler.config, "use_flow_sigmas", False):
-            sigmas = None
-        side = self.resolution // pipe.vae_scale_factor // 2
-        mu = calculate_shift(
-            side * side,
-            pipe.scheduler.config.get("base_image_seq_len", 256),
-            pipe.scheduler.config.get("max_image_seq_len", 4096),
-            pipe.scheduler.config.get("base_shift", 0.5),
-            pipe.scheduler.config.get("max_shift", 1.15),
-        )
-        retrieve_timesteps(pipe.scheduler, num_steps, device, sigmas=sigmas, mu=mu)
-
-    def _velocity(self, model, latents, timesteps, cond, guidance_scale):
-        pipe = self.pipeline
-        dtype = model_dtype(model)
-        b, c, h, w = latents.shape
-        packed = pipe._pack_latents(latents, b, c, h, w)
-        image_ids = pipe._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, dtype)
-        embeds = cond["prompt_embeds"]
-        text_ids = torch.zeros(embeds.shape[1], 3, device=latents.device, dtype=dtype)
-        guidance = None
-        config = getattr(model, "config", None) or pipe.transformer.config
-        if config.guidance_embeds:
-            guidance = torch.full([b], guidance_scale, device=latents.device, dtype=torch.float32)
-        velocity = model(
-            hidden_states=packed.to(dtype), timestep=timesteps.to(torch.float32) / 1000, guidance=guidance,
-            pooled_projections=cond["pooled_prompt_embeds"].to(dtype), encoder_hidden_states=embeds.to(dtype),
-            txt_ids=text_ids, img_ids=image_ids, return_dict=False,
-        )[0]
-        return pipe._unpack_latents(velocity.float(), self.resolution, self.resolution, pipe.vae_scale_factor)
