@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "config"))
 import grpo  # noqa: E402  config/grpo.py
 import torch  # noqa: E402
 
-from ddpo_group import trainer as trainer_module  # noqa: E402
+from ddpo_group import metrics_log  # noqa: E402
 from ddpo_group.trainer import Trainer  # noqa: E402
 
 FINAL_WINDOW = 3
@@ -768,8 +768,8 @@ def main(argv=None):
     _check_model(args.model)
     output_dir = os.path.abspath(args.output_dir)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    original_peak_rss = trainer_module._peak_rss_mb
-    trainer_module._peak_rss_mb = _vm_hwm_mb  # peak since reset_peak_memory(), not since the process started
+    original_peak_rss = metrics_log.peak_rss_mb
+    metrics_log.peak_rss_mb = _vm_hwm_mb  # peak since reset_peak_memory(), not since the process started
     try:
         if args.profile:
             return profile_method(args.profile, args, output_dir)
@@ -779,7 +779,7 @@ def main(argv=None):
             return run_seeds(args, argv, device, output_dir)
         return run_benchmark(args, argv, device, output_dir)
     finally:
-        trainer_module._peak_rss_mb = original_peak_rss
+        metrics_log.peak_rss_mb = original_peak_rss
 
 
 def run_benchmark(args, argv, device, output_dir):

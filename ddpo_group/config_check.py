@@ -14,6 +14,7 @@ from ddpo_group.algos.advantages import get_adv_estimator, registered_adv_estima
 from ddpo_group.algos.grouping import ADVANTAGE_NORMS
 from ddpo_group.algos.losses import AGG_MODES, KL_TYPES, registered_policy_losses
 from ddpo_group.diffusion.flow import SDE_TYPES
+from ddpo_group.diffusion.policy import FAMILIES
 from ddpo_group.plugins import PluginError, import_plugins
 from ddpo_group.rewards.combine import REWARD_AGGREGATIONS
 
@@ -216,15 +217,15 @@ def check_config(config, num_processes=1, has_gpu=None):
             "forward-process objectives (train.objective='nft' or 'awm') may sample deterministically"
         )
     _choice(sample.sde_type, ("",) + SDE_TYPES, "sample.sde_type")
-    from ddpo_group.diffusion.sd import StableDiffusionPolicy
-
-    if sample.sde_type and config.pretrained.model in StableDiffusionPolicy.offline_models:
+    # the offline models that step with DDIM (no flow-matching SDE, no Flow-GRPO KL), from the family registry
+    ddim_models = {name for cls in FAMILIES.values() if not cls.supports_flow_grpo_kl for name in cls.offline_models}
+    if sample.sde_type and config.pretrained.model in ddim_models:
         raise ConfigError(
             f"config.sample.sde_type={sample.sde_type!r} needs a flow-matching model (SD3, FLUX); "
             f"config.pretrained.model={config.pretrained.model!r} steps with DDIM (its noise is sample.eta): "
             "set sample.sde_type=''"
         )
-    if config.train.kl_type == "flow_grpo" and config.pretrained.model in StableDiffusionPolicy.offline_models:
+    if config.train.kl_type == "flow_grpo" and config.pretrained.model in ddim_models:
         raise ConfigError(
             f"config.train.kl_type='flow_grpo' is Flow-GRPO's KL of a flow-matching step; "
             f"config.pretrained.model={config.pretrained.model!r} steps with DDIM: use train.kl_type='gaussian'"

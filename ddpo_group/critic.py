@@ -9,12 +9,17 @@ scheduler timestep t and the prompt embedding c, and predicts the final reward.
     V   = Linear_0(SiLU(Linear([h_x, h_t, h_c])))               (B,)
 
 The output layer is zero-initialised, so V = 0 before training (GAE then starts as
-Monte Carlo returns).
+Monte Carlo returns). `update_critic` is the critic phase of a training epoch.
 """
 
+import time
+
+import numpy as np
 import torch
 from diffusers.models.embeddings import get_timestep_embedding
 from torch import nn
+
+from ddpo_group.algos.losses import compute_value_loss
 
 __all__ = ["ValueNetwork", "compute_values", "num_parameters"]
 
@@ -146,3 +151,36 @@ def compute_values(critic, latents, timesteps, prompt_embeds, micro_batch_size=N
     ]
     values = torch.cat(values) if values else latents.new_zeros(0)
     return values.reshape(B, T).to(latents.device)
+
+
+def update_critic(critic, optimizer, samples, config, accelerator, epoch, metrics):
+    """The critic phase of an epoch: config.critic.num_epochs passes of the clipped value loss over the steps of
+    samples.critic_mask (the endpoints for group_ppo, every valid step for gae), micro-batches of
+    train.batch_size trajectories; critic/value_loss, critic/clipfrac and time/critic into `metrics`."""
+    acc = accelerator
+    start = time.perf_counter()
+    b_local = len(samples.prompts)
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch * 101 + acc.process_index + 7)
+    losses, clipfracs = [], []
+    critic.train()
+    for _ in range(config.critic.num_epochs):
+        perm = torch.randperm(b_local, generator=generator)
+        for i in range(0, b_local, config.train.batch_size):
+            rows = perm[i : i + config.train.batch_size].to(samples.latents.device)
+            mask = samples.critic_mask[rows]
+            r, s = mask.nonzero(as_tuple=True)
+            latents = samples.latents[rows][r, s]
+            values = critic(latents, samples.timesteps[rows][r, s], samples.prompt_embeds[rows][r].float())
+            loss, clipfrac = compute_value_loss(
+                values[None], samples.returns[rows][r, s][None], samples.old_values[rows][r, s][None],
+                torch.ones_like(values)[None], config.critic.cliprange_value,
+            )
+            acc.backward(loss)
+            acc.clip_grad_norm_(critic.parameters(), config.critic.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            clipfracs.append(float(clipfrac))
+    metrics["critic/value_loss"] = float(np.mean(losses))
+    metrics["critic/clipfrac"] = float(np.mean(clipfracs))
+    metrics["time/critic"] = time.perf_counter() - start

@@ -11,10 +11,22 @@ depends on how the prompts are batched or split over processes). Used by the tra
 
 With an accelerator every process evaluates its share of the (prompt, image) pairs and the
 results are gathered (every process gets the whole result); grid images stay on the main process.
+
+The trainer's evaluation phase is an `Evaluator`: it evaluates the current weights on the config's
+evaluation prompts into the epoch's metrics (eval/*) and writes the fixed grid samples/eval_XXXX.png.
 """
+
+import logging
+import os
+import time
 
 import numpy as np
 import torch
+
+from ddpo_group.grids import save_epoch_samples
+from ddpo_group.prompts import load_prompts
+
+logger = logging.getLogger("ddpo_group")
 
 
 def sample_generator(seed, prompt_index, image_index):
@@ -80,3 +92,51 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         "images": images,
         "grid_prompts": [records[i].prompt for i in range(min(grid_prompts, len(records)))],
     }
+
+
+class Evaluator:
+    """The trainer's fixed-noise evaluation (config.eval_*), the same prompts and noise at every epoch."""
+
+    def __init__(self, config, accelerator, run_dir, prompts, reward_fn):
+        """prompts: the training prompts, evaluated when config.eval_prompt_fn is empty (loaded on first use)."""
+        self.config = config
+        self.accelerator = accelerator
+        self.run_dir = run_dir
+        self.reward_fn = reward_fn
+        self._training_prompts = prompts
+        self._prompts = None
+
+    @property
+    def prompts(self):
+        if self._prompts is None:
+            eval_fn = self.config.eval_prompt_fn
+            self._prompts = load_prompts(eval_fn) if eval_fn else self._training_prompts
+        return self._prompts
+
+    def __call__(self, epoch, metrics, policy, model, should_stop=None):
+        """Evaluate `model` (the weights after `epoch` epochs) into `metrics`: eval/reward_mean, eval/reward_std,
+        eval/<component>, eval/grid, time/eval; nothing when `should_stop` interrupted it (a stop signal)."""
+        config, acc = self.config, self.accelerator
+        start = time.perf_counter()
+        result = evaluate(
+            policy, model, self.prompts, self.reward_fn, config.eval_images_per_prompt, config.sample.num_steps,
+            config.sample.guidance_scale, config.sample.eta, seed=config.eval_seed,
+            batch_size=config.eval_batch_size or config.sample.batch_size, accelerator=acc,
+            grid_prompts=config.eval_grid_prompts, should_stop=should_stop,
+        )
+        if result is None:  # stopped by a signal between evaluation batches: no partial numbers are logged
+            logger.warning("evaluation of epoch %d interrupted by a stop signal", epoch)
+            return
+        metrics["eval/reward_mean"] = result["reward_mean"]
+        metrics["eval/reward_std"] = result["reward_std"]
+        for name, value in result["components"].items():
+            metrics[f"eval/{name}"] = value
+        if acc.is_main_process and result["images"] is not None:
+            per_image = config.eval_images_per_prompt
+            shown = len(result["grid_prompts"])
+            grid = save_epoch_samples(
+                self.run_dir.path, epoch, result["images"], [p for p in result["grid_prompts"] for _ in range(per_image)],
+                result["rewards"][:shown].reshape(-1), None, per_image, max_rows=shown, prefix="eval",
+            )
+            metrics["eval/grid"] = os.path.relpath(grid, self.run_dir.path)
+        metrics["time/eval"] = time.perf_counter() - start

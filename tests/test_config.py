@@ -6,6 +6,7 @@ import subprocess
 import pytest
 import torch
 
+from ddpo_group import models as models_module
 from ddpo_group import trainer as trainer_module
 from ddpo_group.config_check import ConfigError, check_config
 from helpers import PYTHON, ROOT, make_config, subprocess_env
@@ -18,7 +19,7 @@ def no_model_loading(monkeypatch):
     def load_policy(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was validated")
 
-    monkeypatch.setattr(trainer_module, "load_policy", load_policy)
+    monkeypatch.setattr(models_module, "load_policy", load_policy)
 
 
 def _assert_rejected(tmp_path, config, field):

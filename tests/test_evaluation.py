@@ -88,3 +88,29 @@ def test_a_two_process_evaluation_equals_the_one_process_one(tmp_path):
     assert results["two"][0]["num_processes"] == 2
     # epoch 0: the initial weights, before any update, on 36 prompts split over the processes
     assert results["two"][0]["eval/reward_mean"] == pytest.approx(results["one"][0]["eval/reward_mean"], abs=1e-6)
+
+
+def test_the_evaluator_writes_the_evaluate_result_into_the_epoch_metrics(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from ddpo_group.evaluation import Evaluator
+    from ddpo_group.run_dir import RunDir
+
+    config = make_config(tmp_path, eval_prompt_fn="", eval_images_per_prompt=3, eval_batch_size=4, eval_grid_prompts=2,
+                         eval_seed=1234, sample__num_steps=3, sample__guidance_scale=3.0, sample__eta=1.0)
+    AcceleratorState._reset_state()
+    (tmp_path / "r").mkdir()
+    evaluator = Evaluator(config, Accelerator(cpu=True), RunDir(str(tmp_path / "r")), RECORDS,
+                          build_reward_fn("test_eval_brightness"))
+    metrics = {}
+    evaluator(3, metrics, policy_for(build_tiny_pipeline(seed=0)), None)
+    expected = _evaluate(4)  # the same prompts (the training ones: no eval_prompt_fn), seed and settings
+    assert evaluator.prompts is RECORDS
+    assert metrics["eval/reward_mean"] == pytest.approx(expected["reward_mean"], rel=1e-6)
+    assert metrics["eval/reward_std"] == pytest.approx(expected["reward_std"], rel=1e-5)
+    assert metrics["eval/grid"] == os.path.join("samples", "eval_0003.png")
+    assert os.path.exists(tmp_path / "r" / metrics["eval/grid"])
+    stopped = {}
+    evaluator(4, stopped, policy_for(build_tiny_pipeline(seed=0)), None, should_stop=lambda: True)
+    assert stopped == {}  # a stop between its batches logs no partial numbers

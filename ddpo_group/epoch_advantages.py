@@ -1,0 +1,148 @@
+"""The advantage phase of an epoch: advantages on the gathered batch of all processes (docs/design.md §2-4).
+
+One dispatch through the estimator registry (``ddpo_group.algos.advantages``); what the estimator is
+given follows its registered properties: critic values when it ``needs_values``, the grpo outcome
+advantages when it ``needs_outcome_advantages``, the per-prompt trackers when it ``uses_tracker``;
+endpoints and the adaptive threshold when it ``defines_endpoints``. With reward_aggregation
+"normalize_then_sum" an outcome estimator runs per reward component and the weighted advantages are
+summed. `EpochAdvantages` owns the algorithm state a checkpoint keeps (trackers, threshold).
+"""
+
+import time
+
+import numpy as np
+import torch
+
+from ddpo_group.algos import advantages as adv_lib
+from ddpo_group.algos import grouping
+from ddpo_group.batch import GatheredBatch
+from ddpo_group.critic import compute_values
+from ddpo_group.diagnostics import advantage_step_stats, value_step_stats
+from ddpo_group.stat_tracking import PerPromptStatTracker
+
+
+def group_stats(rewards, prompt_ids):
+    """Within-group reward statistics of the gathered batch (prompt groups of the GRPO key)."""
+    stds, sizes = [], []
+    for pid in torch.unique(prompt_ids):
+        group = rewards[prompt_ids == pid]
+        sizes.append(group.numel())
+        stds.append(float(group.std(unbiased=False)))
+    return {
+        "prompt_group/num_prompts": len(sizes),
+        "prompt_group/mean_size": float(np.mean(sizes)),
+        "prompt_group/mean_reward_std": float(np.mean(stds)),
+        "prompt_group/zero_std_fraction": float(np.mean([s == 0.0 for s in stds])),
+    }
+
+
+class EpochAdvantages:
+    """Advantages of an epoch batch (module docstring), with the trackers and threshold it keeps across epochs."""
+
+    def __init__(self, config, accelerator, reward_fn, prompts):
+        self.config = config
+        self.accelerator = accelerator
+        self.reward_fn = reward_fn
+        self.prompts = prompts
+        self.estimator = adv_lib.get_adv_estimator(config.algorithm.adv_estimator)
+        tracking = config.per_prompt_stat_tracking
+        self.trackers = {}
+        if self.estimator.uses_tracker:
+            self.trackers = {
+                name: PerPromptStatTracker(tracking.buffer_size or None, tracking.min_count, config.algorithm.norm_adv_by_std)
+                for name in self.streams
+            }
+        self.threshold = grouping.AdaptiveThreshold.from_config(config.group_ppo)
+
+    @property
+    def streams(self):
+        """Advantage streams: one ("reward") unless rewards are normalised one by one before summing."""
+        if self.config.reward_aggregation == "normalize_then_sum" and len(self.reward_fn.names) > 1:
+            return list(self.reward_fn.names)
+        return ["reward"]
+
+    def state_dict(self):
+        return {"trackers": {name: tracker.state_dict() for name, tracker in self.trackers.items()},
+                "threshold": self.threshold.state_dict()}
+
+    def load_state_dict(self, state):
+        for name, tracker_state in state.get("trackers", {}).items():
+            if name in self.trackers:
+                self.trackers[name].load_state_dict(tracker_state)
+        self.threshold.load_state_dict(state["threshold"])
+
+    def __call__(self, samples, metrics, critic=None):
+        """Advantages (B_local, T) on the gathered batch of all processes: sets samples.gathered and
+        samples.advantages (and the critic's returns / old values / mask, the Group-PPO endpoints)."""
+        config, acc = self.config, self.accelerator
+        start = time.perf_counter()
+        algo = config.algorithm
+        gather = acc.gather
+        rewards = gather(samples.rewards)
+        prompt_ids = gather(samples.prompt_ids.to(acc.device))
+        mask = gather(samples.mask.to(acc.device).float())
+        b_local = len(samples.prompts)
+        local = slice(acc.process_index * b_local, (acc.process_index + 1) * b_local)
+        samples.gathered = GatheredBatch(
+            rewards=rewards, components={k: gather(v) for k, v in samples.components.items()},
+            prompt_ids=prompt_ids, mask=mask,
+        )
+
+        streams = self.streams
+        weights = dict(self.reward_fn.weights) if len(streams) > 1 else {"reward": 1.0}
+        stream_rewards = {"reward": rewards} if streams == ["reward"] else samples.gathered.components
+        estimator = self.estimator
+        options = {"norm_by_std": algo.norm_adv_by_std, "gamma": algo.gamma, "lam": algo.lam}
+        if estimator.uses_tracker:
+            options["prompts"] = [self.prompts[int(i)].prompt for i in prompt_ids.tolist()]
+
+        def combined_outcome(fn):
+            """sum over reward streams of weight x fn's advantages of that stream."""
+            return sum(
+                weights[name] * fn(
+                    rewards=stream_rewards[name], prompt_ids=prompt_ids, mask=mask, tracker=self.trackers.get(name), **options
+                )[0]
+                for name in streams
+            )
+
+        if estimator.needs_values:
+            with torch.no_grad():
+                values_local = compute_values(
+                    acc.unwrap_model(critic), samples.latents, samples.timesteps, samples.prompt_embeds,
+                    micro_batch_size=config.train.eval_micro_batch_size or None,
+                )
+            values = gather(values_local.float())
+            info = {}
+            if estimator.needs_outcome_advantages:
+                options["outcome_advantages"] = combined_outcome(adv_lib.get_adv_estimator("grpo"))
+            if estimator.defines_endpoints:
+                gp = config.group_ppo
+                options.update(threshold=self.threshold.threshold, max_group_size=gp.max_group_size, eps=gp.eps, info=info,
+                               advantage_norm=gp.advantage_norm)
+            advantages, returns = estimator(rewards=rewards, prompt_ids=prompt_ids, mask=mask, values=values, **options)
+            train_mask = mask
+            if "endpoint_mask" in info:
+                endpoint_mask = info["endpoint_mask"]
+                metrics.update(grouping.grouping_metrics(endpoint_mask, mask, self.threshold.threshold))
+                self.threshold.update(endpoint_mask, mask)
+                samples.endpoint_mask = endpoint_mask[local]
+                samples.group_ids = info["group_ids"][local]
+                if config.critic.train_steps == "endpoints":
+                    train_mask = endpoint_mask.to(mask.dtype) * mask
+            samples.returns = returns[local]
+            samples.old_values = values[local]
+            samples.critic_mask = train_mask[local]
+            metrics["critic/value_mean"] = float((values * mask).sum() / mask.sum())
+        else:
+            advantages = combined_outcome(estimator)
+        advantages = advantages.clamp(-config.train.adv_clip_max, config.train.adv_clip_max)
+        metrics.update(advantage_step_stats(advantages, mask))
+        if estimator.needs_values:
+            metrics.update(value_step_stats(values, rewards, mask))
+        samples.advantages = advantages[local]
+        samples.gathered.advantages = advantages
+        if estimator.uses_tracker:
+            stats = self.trackers[streams[0]].get_stats()
+            metrics.update({f"tracker/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
+        metrics.update(group_stats(rewards, prompt_ids))
+        metrics["time/advantages"] = time.perf_counter() - start

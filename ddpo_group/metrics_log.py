@@ -1,0 +1,110 @@
+"""Metrics writing: one row per epoch into metrics.jsonl and the trackers, sample grids, debug dumps
+(docs/architecture.md). The run directory's files are named by ``ddpo_group.run_dir``.
+
+    log = MetricsLog(config, accelerator, run_dir)
+    log.start()                                     # the trackers (tensorboard / wandb) when config.log_with
+    log.epoch_row(epoch, samples, metrics, global_step, prompts)   # adds the epoch's reward statistics, writes
+    log.write(metrics)                              # any other row (the final evaluation)
+
+A row is written by the main process and flushed to disk before the next phase starts; every
+process sends its numbers to the trackers (Accelerate logs from the main process only).
+"""
+
+import os
+import resource
+
+import torch
+
+from ddpo_group.grids import save_epoch_samples
+from ddpo_group.run_dir import write_json_atomic
+
+
+def peak_rss_mb():
+    """This process's peak resident memory in MB (Linux: ru_maxrss is in kB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def flatten_config(d, prefix=""):
+    """A nested config dict as {dotted.key: scalar} for the trackers (other values as str)."""
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(flatten_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+    return out
+
+
+class MetricsLog:
+    """The metrics of one run: rows of metrics.jsonl, tracker logs, sample grids (module docstring)."""
+
+    def __init__(self, config, accelerator, run_dir):
+        self.config = config
+        self.accelerator = accelerator
+        self.run_dir = run_dir
+
+    @property
+    def tracking(self):
+        return self.config.log_with != "none"
+
+    def start(self):
+        """Start the trackers (config.log_with) with the run's flattened config; wandb runs are named after the run."""
+        if self.tracking:
+            self.accelerator.init_trackers(
+                self.config.project_name,
+                config=flatten_config(self.config.to_dict()),
+                init_kwargs={"wandb": {"name": os.path.basename(self.run_dir.path), "dir": self.run_dir.path}},
+            )
+
+    def write(self, metrics):
+        """Append one row to metrics.jsonl (main process, flushed to disk) and send its numbers to the trackers."""
+        if self.accelerator.is_main_process:
+            self.run_dir.append_metrics(metrics)
+        if self.tracking:
+            self.accelerator.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["epoch"])
+
+    def epoch_row(self, epoch, samples, metrics, global_step, prompts):
+        """The epoch's row: reward statistics of the gathered batch, memory, a sample grid every
+        config.log_images_every epochs (samples/*.png with rewards and mean advantages), then `write`."""
+        config, acc = self.config, self.accelerator
+        gathered = samples.gathered
+        rewards = gathered.rewards
+        metrics.update(
+            epoch=epoch,
+            global_step=global_step,
+            num_processes=acc.num_processes,
+            num_samples=int(rewards.numel()),
+            reward_mean=float(rewards.mean()),
+            reward_std=float(rewards.std(unbiased=False)),
+            peak_rss_mb=peak_rss_mb(),
+        )
+        for name, values in gathered.components.items():
+            metrics[f"reward/{name}"] = float(values.mean())
+        if torch.cuda.is_available():
+            metrics["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
+        log_images = config.log_images_every and epoch % config.log_images_every == 0
+        images = acc.gather(samples.images.float().contiguous()) if log_images else None
+        if acc.is_main_process and log_images:
+            mask = gathered.mask
+            adv = (gathered.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+            grid = save_epoch_samples(
+                self.run_dir.path, epoch, images.cpu(), [prompts[int(i)].prompt for i in gathered.prompt_ids.tolist()],
+                rewards.cpu().numpy(), adv.cpu().numpy(), config.sample.group_size,
+            )
+            metrics["samples/grid"] = os.path.relpath(grid, self.run_dir.path)
+        self.write(metrics)
+
+    def dump_debug(self, epoch, samples):
+        """debug/epoch_XXXX_rankR.json: this process's rewards, components, prompt ids, mask and advantages."""
+        rank = self.accelerator.process_index
+        path = self.run_dir.debug_path(epoch, rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json_atomic(path, {
+            "rank": rank,
+            "rewards": samples.rewards.tolist(),
+            "components": {name: values.tolist() for name, values in samples.components.items()},
+            "prompt_ids": samples.prompt_ids.tolist(),
+            "mask": samples.mask.tolist(),
+            "advantages": samples.advantages.tolist(),
+        })

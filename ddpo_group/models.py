@@ -1,0 +1,101 @@
+"""The models of a training run, built from its config: the policy and its trainable module, the optimizer,
+the critic, the reference policy and the policy loss (docs/architecture.md).
+
+The model family (SD, SD3, FLUX, ...) is behind the policy (``ddpo_group.diffusion.policy.load_policy``):
+nothing here names a UNet, a VAE or a scheduler. The frozen parts run in the mixed-precision dtype;
+LoRA adapters (or a fully trained model) keep float32 master weights (docs/design.md §10).
+"""
+
+import dataclasses
+
+import torch
+
+from ddpo_group.algos import advantages as adv_lib
+from ddpo_group.algos.losses import get_policy_loss
+from ddpo_group.config_check import ConfigError
+from ddpo_group.critic import ValueNetwork
+from ddpo_group.diffusion.policy import load_policy
+from ddpo_group.reference import ReferencePolicy
+
+
+@dataclasses.dataclass
+class TrainingModels:
+    """policy: the DiffusionPolicy; trainable_module: the module being trained (unwrapped) and model its
+    accelerator-prepared view; trainable_params; optimizer; critic_module / critic / critic_optimizer (None
+    without a critic); reference: the ReferencePolicy (None without train.use_reference_model); policy_loss:
+    the registered loss (its couples_steps says whether one step's loss reads the others)."""
+
+    policy: object
+    trainable_module: torch.nn.Module
+    model: torch.nn.Module
+    trainable_params: list
+    optimizer: torch.optim.Optimizer
+    critic_module: torch.nn.Module | None
+    critic: torch.nn.Module | None
+    critic_optimizer: torch.optim.Optimizer | None
+    reference: ReferencePolicy | None
+    policy_loss: object
+
+
+def inference_dtype(config):
+    """The dtype of the frozen parts: float16 / bfloat16 under mixed precision, else float32."""
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.mixed_precision, torch.float32)
+
+
+def _optimizer_class(train):
+    if not train.use_8bit_adam:
+        return torch.optim.AdamW
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise ImportError(
+            "config.train.use_8bit_adam=True needs bitsandbytes: `pip install bitsandbytes` (GPU only), "
+            "or set --config.train.use_8bit_adam=False"
+        ) from err
+    return bnb.optim.AdamW8bit
+
+
+def build_models(config, accelerator):
+    """Load the policy, configure and prepare it, build the optimizer (and critic), wrap them with the
+    accelerator, then the reference (after prepare: DDP has broadcast rank 0's weights, so every rank holds
+    the same pi_ref). ConfigError naming the field for a setting the model's family cannot honour."""
+    acc, t, s = accelerator, config.train, config.sample
+    dtype = inference_dtype(config)
+    policy = load_policy(config.pretrained.model, revision=config.pretrained.revision or None, torch_dtype=dtype)
+    try:
+        policy.configure(sde_type=s.sde_type, max_sequence_length=s.max_sequence_length, resolution=s.resolution)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    module = policy.prepare(acc.device, dtype, config.use_lora, config.lora_rank, config.lora_alpha or None)
+    if s.negative_prompt and policy.family == "flux":
+        raise ConfigError(
+            f"config.sample.negative_prompt={s.negative_prompt!r}: FLUX.1 has no classifier-free "
+            "guidance, so a negative prompt would be ignored; set sample.negative_prompt=''"
+        )
+    if t.kl_type == "flow_grpo" and not policy.supports_flow_grpo_kl:
+        raise ConfigError(
+            f"config.train.kl_type='flow_grpo' is Flow-GRPO's KL of a flow-matching step; "
+            f"config.pretrained.model={config.pretrained.model!r} is a {policy.family} model: "
+            "use train.kl_type='gaussian'"
+        )
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = _optimizer_class(t)(
+        params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,
+        eps=t.adam_epsilon,
+    )
+    critic_module = critic = critic_optimizer = None
+    if adv_lib.get_adv_estimator(config.algorithm.adv_estimator).needs_values:
+        critic_module = ValueNetwork(**policy.critic_sizes(), hidden=config.critic.hidden).to(acc.device)
+        critic_optimizer = torch.optim.AdamW(critic_module.parameters(), lr=config.critic.learning_rate)
+        model, optimizer, critic, critic_optimizer = acc.prepare(module, optimizer, critic_module, critic_optimizer)
+    else:
+        model, optimizer = acc.prepare(module, optimizer)
+    policy.trainable_module = module  # sampling runs the unwrapped module
+    reference = None
+    if t.use_reference_model:
+        reference = ReferencePolicy(module, config.use_lora, t.reference_model_mixup_alpha, t.reference_update_freq)
+    return TrainingModels(
+        policy=policy, trainable_module=module, model=model, trainable_params=params, optimizer=optimizer,
+        critic_module=critic_module, critic=critic, critic_optimizer=critic_optimizer, reference=reference,
+        policy_loss=get_policy_loss(t.policy_loss),
+    )

@@ -1,0 +1,475 @@
+"""The run directory: the one place that knows its files, and checkpoints and resuming (docs/architecture.md).
+
+    RUN_DIR/config.json          the run's config (resolved paths), written when the run starts
+    RUN_DIR/metrics.jsonl        one JSON row per epoch (and one per final evaluation), flushed row by row
+    RUN_DIR/checkpoints/checkpoint_N/   accelerator state (optimizer, RNG), the trainable weights in the
+                                 family's format (lora/ or unet/ / transformer/), critic.safetensors,
+                                 reference.safetensors / old_model.safetensors, trainer_state.json
+    RUN_DIR/stopped.json         a signal stopped the run before num_epochs (removed when it resumes)
+    RUN_DIR/failed.json          the run stopped on an error (moved into resumes.jsonl when it resumes)
+    RUN_DIR/resumes.jsonl        one row per resume that changed settings or followed a failure
+    RUN_DIR/.lock                held (fcntl) by the live run
+    RUN_DIR/samples/, RUN_DIR/debug/, RUN_DIR/tensorboard/   sample grids, debug dumps, tracker files
+
+A checkpoint is written into a temporary directory and renamed (atomic); a new run refuses a directory
+that holds another run unless config.overwrite; a resumed run keeps its stored config except the fields
+the user set and SAFE_RESUME_FIELDS allows (`resumed_config`).
+"""
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import re
+import shutil
+import zipfile
+
+import ml_collections
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ddpo_group.config_check import ConfigError, load_base_config
+
+logger = logging.getLogger("ddpo_group")
+
+CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+# Written into the run directory when a signal stopped the run before num_epochs; removed when it resumes.
+STOPPED_FILE = "stopped.json"
+FAILED_FILE = "failed.json"
+RESUMES_FILE = "resumes.jsonl"
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+CRITIC_FILE = "critic.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from, or written; the message names the path and the fix."""
+
+
+class RunDir:
+    """The files of one run (module docstring). Resolved from the config without writing anything
+    (`resolve`); `start` writes the run's config and markers once the run is accepted."""
+
+    def __init__(self, path, resume_checkpoint=None, resume_state=None, resume_changes=None):
+        self.path = path
+        self.resume_checkpoint = resume_checkpoint
+        self.resume_state = resume_state
+        self.resume_changes = resume_changes or {}
+        self._lock = None
+
+    @classmethod
+    def resolve(cls, config, overrides=None):
+        """(RunDir, the config the run trains with): a resumed run's stored config with the user's `overrides`
+        (`resumed_config`), or a new run under config.logdir/config.run_name (refused when another run is
+        there and config.overwrite is not set). Reads only."""
+        if config.resume_from:
+            checkpoint, state, path = find_checkpoint(config.resume_from)
+            config, changes = resumed_config(config, path, overrides)
+            return cls(path, checkpoint, state, changes), config
+        run_name = config.run_name or datetime.datetime.now().strftime("%Y.%m.%d_%H.%M.%S")
+        path = os.path.abspath(os.path.join(config.logdir, run_name))
+        _refuse_an_earlier_run(path, config.overwrite)
+        return cls(path), config
+
+    def file(self, name):
+        return os.path.join(self.path, name)
+
+    def lock(self):
+        """Hold RUN_DIR/.lock (ConfigError when a live run holds it); kept until `release`."""
+        if self._lock is None:
+            self._lock = _lock_run_dir(self.path)
+
+    def release(self):
+        if self._lock is not None:
+            self._lock.close()  # releases the run directory's lock
+            self._lock = None
+
+    def start(self, config, first_epoch):
+        """Main process, once the run is accepted: (overwrite: delete the earlier run), create the directory,
+        hold its lock, write config.json; a resumed run is no longer stopped, and its earlier failure and
+        changed settings go into resumes.jsonl."""
+        if config.overwrite and not config.resume_from and _holds_a_run(self.path):
+            _lock_run_dir(self.path).close()  # not while the earlier run is live
+            shutil.rmtree(self.path)
+        os.makedirs(self.path, exist_ok=True)
+        self.lock()
+        write_json_atomic(self.file(CONFIG_FILE), config.to_dict())
+        with contextlib.suppress(FileNotFoundError):  # a stopped run that goes on is no longer stopped
+            os.remove(self.file(STOPPED_FILE))
+        previous_failure = None
+        if self.resume_checkpoint and os.path.exists(self.file(FAILED_FILE)):
+            # the run goes on: its earlier failure moves into resumes.jsonl, failed.json marks this attempt only
+            with contextlib.suppress(OSError, ValueError):
+                with open(self.file(FAILED_FILE)) as f:
+                    previous_failure = json.load(f)
+            previous_failure = previous_failure or {"error": "unreadable failed.json"}
+        if self.resume_changes or previous_failure:
+            with open(self.file(RESUMES_FILE), "a") as f:
+                record = {"epoch": first_epoch, "changed": self.resume_changes}
+                if previous_failure:
+                    record["previous_failure"] = previous_failure
+                f.write(json.dumps(record, default=str) + "\n")
+            if previous_failure:
+                os.remove(self.file(FAILED_FILE))
+
+    def append_metrics(self, row):
+        """One row of metrics.jsonl, flushed to disk."""
+        with open(self.file(METRICS_FILE), "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def mark_failed(self, epoch, err):
+        """failed.json: a run that stopped on an error says so, and where (never raises)."""
+        with contextlib.suppress(OSError):
+            write_json_atomic(self.file(FAILED_FILE), {
+                "epoch": epoch, "error": f"{type(err).__name__}: {err}", "time": datetime.datetime.now().isoformat(),
+            })
+
+    def mark_stopped(self, epoch, signum):
+        """stopped.json: a signal stopped the run before num_epochs, and how to resume it."""
+        write_json_atomic(self.file(STOPPED_FILE), {
+            "epoch": epoch, "signal": signum, "time": datetime.datetime.now().isoformat(),
+            "resume": f"--config.resume_from={self.path}",
+        })
+
+    def debug_path(self, epoch, rank):
+        return os.path.join(self.path, "debug", f"epoch_{epoch:04d}_rank{rank}.json")
+
+    def save_checkpoint(self, acc, epoch, state, weight_copies, limit=0):
+        """checkpoints/checkpoint_{epoch}: accelerator.save_state (every process) into a temporary directory,
+        then (main process) the weight copies (`weight_copies`: {file stem: holder with state_dict()}) and
+        trainer_state.json = `state` + the copies' non-tensor state, an atomic rename, and pruning to the
+        `limit` newest checkpoints (0: all kept). Returns the checkpoint's path."""
+        root = os.path.join(self.path, "checkpoints")
+        final = os.path.join(root, f"checkpoint_{epoch}")
+        tmp = os.path.join(root, f".tmp_checkpoint_{epoch}")
+        if acc.is_main_process:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        acc.wait_for_everyone()
+        try:
+            acc.save_state(tmp)
+        except (OSError, RuntimeError) as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
+        acc.wait_for_everyone()  # every rank's files are in tmp before it is renamed
+        if acc.is_main_process:
+            state = dict(state)
+            for name, holder in weight_copies.items():
+                copy_state = holder.state_dict()
+                if copy_state["params"]:
+                    try:
+                        save_file(copy_state["params"], os.path.join(tmp, f"{name}.safetensors"))
+                    except (OSError, RuntimeError) as err:
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
+                state[name] = {k: v for k, v in copy_state.items() if k != "params"}
+            try:
+                write_json_atomic(os.path.join(tmp, TRAINER_STATE), state)
+            except OSError as err:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _prune_checkpoints(root, limit)
+            logger.info("checkpoint written: %s", final)
+        acc.wait_for_everyone()
+        return final
+
+    def load_checkpoint(self, acc, weight_copies):
+        """Load the resumed checkpoint: accelerator state, then each weight copy; on the main process drop the
+        metrics rows of the epochs the run will redo. Returns the checkpoint's trainer_state.json."""
+        checkpoint, state = self.resume_checkpoint, self.resume_state
+        try:
+            acc.load_state(checkpoint)
+        except Exception as err:
+            broken = _unreadable_checkpoint_file(checkpoint)
+            if broken:
+                raise CheckpointError(
+                    f"could not load checkpoint {checkpoint}: {broken[0]} is unreadable ({broken[1]}); delete "
+                    "this checkpoint or point config.resume_from at an earlier checkpoint_N"
+                ) from err
+            raise CheckpointError(
+                f"could not load checkpoint {checkpoint}: {err}; delete it or point config.resume_from at an "
+                "earlier checkpoint_N (was it written with the same use_lora / model settings?)"
+            ) from err
+        for name, holder in weight_copies.items():
+            if name not in state:
+                continue
+            copy_state = dict(state[name])
+            path = os.path.join(checkpoint, f"{name}.safetensors")
+            try:
+                if os.path.exists(path):
+                    copy_state["params"] = load_file(path)
+                holder.load_state_dict(copy_state)
+            except Exception as err:
+                raise CheckpointError(
+                    f"could not load the {name.replace('_', ' ')} {path}: {err}; delete checkpoint {checkpoint} or "
+                    "point config.resume_from at an earlier checkpoint_N"
+                ) from err
+        if acc.is_main_process:
+            _truncate_metrics(self.file(METRICS_FILE), int(state["epoch"]))
+        logger.info("resumed from %s at epoch %d", checkpoint, int(state["epoch"]))
+        return state
+
+    def register_model_files(self, acc, policy, trainable_module, critic_module, use_lora):
+        """Accelerate's save / load hooks: the trainable module in its family's format (``policy.save_trainable``:
+        lora/ in diffusers' format, or the whole model), the critic as critic.safetensors."""
+
+        def save_hook(models, weights, output_dir):
+            if acc.is_main_process:
+                for model in models:
+                    module = acc.unwrap_model(model)
+                    if module is trainable_module:
+                        policy.save_trainable(module, output_dir, use_lora)
+                    elif module is critic_module:
+                        save_file(module.state_dict(), os.path.join(output_dir, CRITIC_FILE))
+            while weights:
+                weights.pop()
+
+        def load_hook(models, input_dir):
+            while models:
+                module = acc.unwrap_model(models.pop())
+                if module is trainable_module:
+                    policy.load_trainable(module, input_dir, use_lora)
+                elif module is critic_module:
+                    module.load_state_dict(load_file(os.path.join(input_dir, CRITIC_FILE)))
+
+        acc.register_save_state_pre_hook(save_hook)
+        acc.register_load_state_pre_hook(load_hook)
+
+
+def _prune_checkpoints(root, limit):
+    """Keep the `limit` newest checkpoint_N directories of `root` (0: keep all)."""
+    if not limit:
+        return
+    names = sorted((n for n in os.listdir(root) if CHECKPOINT_RE.match(n)), key=lambda n: int(CHECKPOINT_RE.match(n)[1]))
+    for name in names[:-limit]:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def find_checkpoint(path):
+    """(checkpoint_N directory, its trainer state, the run directory) for config.resume_from = `path`.
+
+    `path` is a checkpoint_N directory, or a run directory holding checkpoints/checkpoint_N (the
+    trainer's layout) or checkpoint_N directly; the latest complete checkpoint is taken. The run
+    directory is the one named (or the one above checkpoints/), never a parent of it.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"config.resume_from={path!r} does not exist; give a run directory or a checkpoint_N")
+    if CHECKPOINT_RE.match(os.path.basename(path)):
+        candidates = [path]
+        parent = os.path.dirname(path)
+        run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
+    else:
+        run_dir = path
+        root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+        names = [n for n in os.listdir(root) if CHECKPOINT_RE.match(n)]
+        candidates = [os.path.join(root, n) for n in sorted(names, key=lambda n: -int(CHECKPOINT_RE.match(n)[1]))]
+    if not candidates:
+        raise CheckpointError(f"config.resume_from={path!r} holds no checkpoint_N directory to resume from")
+    checkpoint = candidates[0]
+    state_path = os.path.join(checkpoint, TRAINER_STATE)
+    try:
+        with open(state_path) as f:
+            state = json.load(f)
+        int(state["epoch"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} is incomplete or corrupt ({state_path}: {err}); delete it or point "
+            "config.resume_from at an earlier checkpoint_N"
+        ) from err
+    return checkpoint, state, run_dir
+
+
+# Fields a resumed run may change: how long it runs and what it writes, not what it trains.
+SAFE_RESUME_FIELDS = (
+    "num_epochs", "save_freq", "num_checkpoint_limit", "log_images_every", "log_with", "project_name",
+    "resume_from", "resume_allow_changes", "run_name", "logdir", "reward_workers", "reward_timeout", "debug_dump",
+)
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resumed_config(given, run_dir, overrides=None):
+    """The config a resumed run trains with, and the fields it changes: {field: [stored, given]}.
+
+    The run's stored config.json, with the user's values of the fields in `overrides` (None: every
+    field). Changing a field outside SAFE_RESUME_FIELDS mixes two experiments in one run: refused,
+    naming the fields, unless given.resume_allow_changes. Reads only; writes nothing.
+    """
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot resume {run_dir}: its config {path} is missing or unreadable ({err})") from err
+    base = load_base_config()
+    with base.unlocked():
+        for key, value in stored.items():
+            if key in base:
+                base[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+    stored_flat = _flat(json.loads(json.dumps(base.to_dict(), default=str)))
+    given_flat = _flat(json.loads(json.dumps(given.to_dict(), default=str)))
+    fields = given_flat.keys() if overrides is None else [f for f in given_flat if any(
+        f == o or f.startswith(o + ".") for o in overrides)]
+    changes = {f: [stored_flat.get(f), given_flat[f]] for f in fields if stored_flat.get(f) != given_flat[f]}
+    experiment = [f for f in changes if f.split(".")[0] not in SAFE_RESUME_FIELDS]
+    if experiment and not given.resume_allow_changes:
+        listed = ", ".join(f"{f} ({changes[f][0]!r} -> {changes[f][1]!r})" for f in experiment[:8])
+        raise ConfigError(
+            f"config.resume_from={given.resume_from!r}: the run {run_dir} was trained with other settings: {listed}; "
+            "resume with the run's own config (give only --config.resume_from), start a new run, or set "
+            "--config.resume_allow_changes=True to continue it with the new settings"
+        )
+    resumed = given if overrides is None else base
+    if overrides is not None:
+        with resumed.unlocked():
+            for field in changes:
+                node = resumed
+                *parents, leaf = field.split(".")
+                for part in parents:
+                    node = node[part]
+                node[leaf] = _get_path(given, field)
+    return resumed, changes
+
+
+def _get_path(config, dotted):
+    for part in dotted.split("."):
+        config = config[part]
+    return config
+
+
+def write_json_atomic(path, obj):
+    """`obj` as JSON at `path`: written to a temporary file, flushed to disk, then renamed over `path`."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=float)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
+LOCK_FILE = ".lock"
+
+
+def _holds_a_run(run_dir):
+    return any(os.path.exists(os.path.join(run_dir, name)) for name in RUN_MARKERS)
+
+
+def _refuse_an_earlier_run(run_dir, overwrite):
+    """A new run may not write into a directory that holds another run (it would mix or overwrite its files)."""
+    if _holds_a_run(run_dir) and not overwrite:
+        raise ConfigError(
+            f"{run_dir} already holds a run: resume it with --config.resume_from={run_dir}, pick another "
+            "config.run_name, or pass --config.overwrite=True to delete it and start again"
+        )
+
+
+def _lock_run_dir(run_dir):
+    """An exclusive lock on run_dir/.lock (released when the returned file is closed, or the process exits);
+    ConfigError when another live run holds it. No-op where the platform has no fcntl."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock
+        return open(os.devnull, "w")
+    handle = open(os.path.join(run_dir, LOCK_FILE), "a+")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(
+            f"{run_dir} is in use by a live run ({holder}); wait for it to end, or pick another config.run_name"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def _unreadable_checkpoint_file(checkpoint):
+    """(path, reason) of the first file of a checkpoint that cannot be read (a truncated or overwritten
+    optimizer.bin, safetensors file or random state), or None; only asked after loading the checkpoint failed."""
+    for root, _, names in sorted(os.walk(checkpoint)):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            try:
+                if name.endswith(".safetensors"):
+                    with safe_open(path, "pt") as f:
+                        for key in f.keys():
+                            f.get_slice(key)
+                elif name.endswith((".bin", ".pkl", ".pt", ".pth")):  # torch.save's zip format: CRCs, nothing unpickled
+                    with zipfile.ZipFile(path) as archive:
+                        damaged = archive.testzip()
+                    if damaged:
+                        raise ValueError(f"member {damaged} fails its CRC check")
+            except Exception as err:  # any failure to read is the answer
+                return path, " ".join(str(err).split())[:200] or type(err).__name__
+    return None
+
+
+def _checkpoint_write_error(root, final, err):
+    """One line for a checkpoint that could not be written: the cause, free space, the checkpoint kept."""
+    import errno
+
+    try:
+        free_mb = shutil.disk_usage(root).free / 2**20
+    except OSError:
+        free_mb = float("nan")
+    full = getattr(err, "errno", None) == errno.ENOSPC or "iostream error" in str(err) or free_mb < 64
+    kept = [n for n in os.listdir(root) if CHECKPOINT_RE.match(n)] if os.path.isdir(root) else []
+    latest = max(kept, key=lambda n: int(CHECKPOINT_RE.match(n)[1])) if kept else None
+    cause = f"the disk holding {root} is full ({free_mb:.0f} MB free)" if full else f"{type(err).__name__}: {err}"
+    return (
+        f"could not write checkpoint {final}: {cause}; "
+        + (f"the last complete checkpoint {os.path.join(root, latest)} is kept" if latest else "no earlier checkpoint exists")
+        + "; free space (or lower num_checkpoint_limit) and resume with --config.resume_from"
+    )
+
+
+def _truncate_metrics(path, first_epoch):
+    """On resume, drop metrics rows of epochs that the resumed run will redo.
+
+    A torn last line (power loss, full disk) is dropped with a warning; a bad line elsewhere is a
+    CheckpointError naming the file and the line.
+    """
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            if number == len(lines):
+                logger.warning("%s: dropping its torn last line %d (%s)", path, number, err)
+                continue
+            raise CheckpointError(
+                f"{path}, line {number}: not a JSON row ({err}); repair or delete that line to resume"
+            ) from err
+        if row.get("epoch", -1) < first_epoch:
+            rows.append(json.dumps(row) + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(rows)
+    os.replace(tmp, path)
+
+

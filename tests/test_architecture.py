@@ -1,0 +1,137 @@
+"""The import map of docs/architecture.md holds: no circle, and the arrows go one way.
+
+The graph is read from the source (module-level and function-level imports alike, so a lazy import
+cannot hide a circle); nothing is imported.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ddpo_group"
+
+
+def _modules():
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _owner(name):
+    """The package module that `name` (a module or a name inside one) belongs to, or None."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module):
+    """The package modules `module` imports anywhere in its source (not its own parent packages)."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            owner = _owner(target)
+            if owner and owner != module and not module.startswith(owner + "."):
+                found.add(owner)
+    return found
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def _reachable(start):
+    seen, todo = set(), [start]
+    while todo:
+        for target in GRAPH[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_import_graph_is_read():
+    # a known arrow of each kind, so that an empty graph cannot pass the tests below
+    assert "ddpo_group.diffusion.base" in GRAPH["ddpo_group.diffusion.sd"]
+    assert "ddpo_group.rewards.base" in GRAPH["ddpo_group.rewards.shapes"]
+    assert "ddpo_group.run_dir" in GRAPH["ddpo_group.trainer"]
+
+
+def test_no_module_imports_itself_through_others():
+    circles = sorted(module for module in GRAPH if module in _reachable(module))
+    assert circles == [], f"modules on an import circle: {circles}"
+
+
+def _registering(decorator):
+    """Modules with a class or function decorated with `decorator(...)` (they register into a registry)."""
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            decorators = getattr(node, "decorator_list", [])
+            if any(isinstance(d, ast.Call) and getattr(d.func, "id", None) == decorator for d in decorators):
+                found.append(module)
+                break
+    return sorted(found)
+
+
+def _family_modules():
+    return _registering("register_family")
+
+
+def test_the_diffusion_base_imports_no_family_and_families_import_only_the_base():
+    families = _family_modules()
+    assert {"ddpo_group.diffusion.sd", "ddpo_group.diffusion.sd3", "ddpo_group.diffusion.flux"} <= set(families)
+    assert _reachable("ddpo_group.diffusion.base") == set()
+    # the layers below the families: the base, the step math, LoRA, loading and the tiny builders, the flow base
+    below = {f"ddpo_group.diffusion.{name}" for name in ("base", "gaussian", "ddim", "flow", "lora", "loading", "tiny",
+                                                            "flow_policy")}
+    for family in families:
+        assert _reachable(family) <= below, f"{family} imports {sorted(_reachable(family) - below)}"
+
+
+def test_only_the_family_lookup_imports_the_families():
+    families = set(_family_modules())
+    importers = sorted(m for m in GRAPH if GRAPH[m] & families)
+    assert importers == ["ddpo_group.diffusion.policy"], importers
+
+
+def test_the_reward_base_imports_no_reward_and_rewards_register_into_it():
+    assert _reachable("ddpo_group.rewards.base") == set()
+    reward_modules = _registering("register_reward")
+    assert "ddpo_group.rewards.shapes" in reward_modules
+    for module in reward_modules + ["ddpo_group.rewards.remote"]:
+        assert "ddpo_group.rewards.registry" not in _reachable(module), module
+    # only the resolver (and what sits above it) imports the reward modules
+    importers = sorted(m for m in GRAPH if GRAPH[m] & set(reward_modules))
+    assert importers == ["ddpo_group.rewards.registry"], importers
+
+
+@pytest.mark.parametrize("module", [
+    "run_dir", "run_control", "metrics_log", "evaluation", "rollout", "epoch_advantages", "stepwise_update", "models",
+    "forward_training", "critic",
+])
+def test_the_trainers_collaborators_do_not_import_the_trainer(module):
+    assert "ddpo_group.trainer" not in _reachable(f"ddpo_group.{module}")
+
+
+def test_the_trainer_names_no_model_family():
+    families = set(_family_modules())
+    assert not GRAPH["ddpo_group.trainer"] & families
+    assert not GRAPH["ddpo_group.models"] & families
+
+
+def test_the_trainer_class_reads_in_one_sitting():
+    tree = ast.parse(MODULES["ddpo_group.trainer"].read_text())
+    trainer = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Trainer")
+    assert trainer.end_lineno - trainer.lineno + 1 <= 300

@@ -1,0 +1,47 @@
+"""Metrics writing (ddpo_group/metrics_log.py): rows of metrics.jsonl with the epoch's reward statistics."""
+
+import json
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+from ddpo_group.batch import EpochBatch, GatheredBatch
+from ddpo_group.metrics_log import MetricsLog, flatten_config
+from ddpo_group.run_dir import RunDir
+from helpers import make_config
+
+
+def _batch(rewards, prompt_ids):
+    b = len(rewards)
+    rewards = torch.tensor(rewards, dtype=torch.float32)
+    samples = EpochBatch(
+        images=torch.rand(b, 3, 8, 8), latents=torch.zeros(b, 3, 1, 2, 2), log_probs=torch.zeros(b, 2),
+        timesteps=torch.zeros(b, 2, dtype=torch.int64), prompt_embeds=torch.zeros(b, 1, 2), negative_prompt_embeds=None,
+        mask=torch.ones(b, 2), prompts=["p"] * b, prompt_ids=torch.tensor(prompt_ids),
+    )
+    samples.gathered = GatheredBatch(rewards=rewards, components={"jpeg": rewards * 2}, prompt_ids=samples.prompt_ids,
+                                     mask=samples.mask, advantages=torch.zeros(b, 2))
+    return samples
+
+
+def test_an_epoch_row_holds_the_reward_statistics_and_is_on_disk(tmp_path):
+    config = make_config(tmp_path, log_images_every=0)
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=True)
+    run_dir = RunDir(str(tmp_path))
+    log = MetricsLog(config, acc, run_dir)
+    metrics = {"time/sample": 1.5}
+    log.epoch_row(4, _batch([0.0, 1.0, 3.0, 4.0], [0, 0, 1, 1]), metrics, global_step=7, prompts=[])
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row["epoch"] == 4 and row["global_step"] == 7 and row["num_samples"] == 4
+    assert row["reward_mean"] == 2.0
+    assert np.isclose(row["reward_std"], np.std([0.0, 1.0, 3.0, 4.0]))
+    assert row["reward/jpeg"] == 4.0 and row["time/sample"] == 1.5 and row["peak_rss_mb"] > 0
+    log.write({"epoch": 5, "eval_only": True})
+    assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [4, 5]
+
+
+def test_the_trackers_get_the_config_flattened():
+    assert flatten_config({"a": 1, "b": {"c": [1, 2], "d": None}}) == {"a": 1, "b.c": "[1, 2]", "b.d": None}
