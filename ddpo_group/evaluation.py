@@ -105,6 +105,7 @@ class Evaluator:
         self.reward_fn = reward_fn
         self._training_prompts = prompts
         self._prompts = None
+        self.first = None  # (epoch, reward mean) of this process's first evaluation: the console's "since"
 
     @property
     def prompts(self):
@@ -140,3 +141,10 @@ class Evaluator:
             )
             metrics["eval/grid"] = os.path.relpath(grid, self.run_dir.path)
         metrics["time/eval"] = time.perf_counter() - start
+        self.first = self.first or (epoch, result["reward_mean"])
+        if acc.is_main_process:
+            logger.info(
+                "eval epoch %d: reward %.4f ± %.4f (%+.4f since epoch %d)%s", epoch, result["reward_mean"],
+                result["reward_std"], result["reward_mean"] - self.first[1], self.first[0],
+                "".join(f", {name} {value:.4f}" for name, value in result["components"].items() if len(result["components"]) > 1),
+            )

@@ -42,6 +42,8 @@ class MetricsLog:
         self.config = config
         self.accelerator = accelerator
         self.run_dir = run_dir
+        self.phase_seconds = {}  # time/<phase> summed over the rows this process wrote
+        self.evals = []  # (epoch, eval reward mean) of the rows written
 
     @property
     def tracking(self):
@@ -60,6 +62,11 @@ class MetricsLog:
         """Append one row to metrics.jsonl (main process, flushed to disk) and send its numbers to the trackers."""
         if self.accelerator.is_main_process:
             self.run_dir.append_metrics(metrics)
+        for key, value in metrics.items():
+            if key.startswith("time/"):
+                self.phase_seconds[key[5:]] = self.phase_seconds.get(key[5:], 0.0) + value
+        if "eval/reward_mean" in metrics:
+            self.evals.append((metrics["epoch"], metrics["eval/reward_mean"]))
         if self.tracking:
             self.accelerator.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["epoch"])
 
@@ -94,6 +101,26 @@ class MetricsLog:
             )
             metrics["samples/grid"] = os.path.relpath(grid, self.run_dir.path)
         self.write(metrics)
+
+    def summary(self, epoch, seconds, checkpoint):
+        """The lines the console ends a run with: epochs and wall time by phase, start / best / final evaluation,
+        where the run directory, report and trained weights are, and the commands to inspect, compare, resume."""
+        path, config = self.run_dir.path, self.config
+        phases = ", ".join(f"{name} {value:.0f} s" for name, value in sorted(self.phase_seconds.items(), key=lambda kv: -kv[1]))
+        lines = [f"run ended at epoch {epoch} of {config.num_epochs} after {seconds:.0f} s" + (f" ({phases})" if phases else "")]
+        if self.evals:
+            (first_epoch, first), (last_epoch, last) = self.evals[0], self.evals[-1]
+            best_epoch, best = max(self.evals, key=lambda pair: pair[1])
+            lines.append(f"eval reward: {first:.4f} (epoch {first_epoch}) -> {last:.4f} (epoch {last_epoch}); "
+                         f"best {best:.4f} (epoch {best_epoch})")
+        weights = "lora" if config.use_lora else "the trained model"
+        lines += [
+            f"run directory: {path}" + (f"; {weights} in {checkpoint}" if checkpoint else ""),
+            f"report:  ddpo-group-inspect {path}   (writes {os.path.join(path, 'report.html')})",
+            f"compare: ddpo-group-inspect {path} --compare OTHER_RUN_DIR",
+            f"resume:  --config.resume_from={path} --config.num_epochs=N",
+        ]
+        return lines
 
     def dump_debug(self, epoch, samples):
         """debug/epoch_XXXX_rankR.json: this process's rewards, components, prompt ids, mask and advantages."""

@@ -21,6 +21,7 @@ collaborators (`files`, `control`, `metrics_log`, `evaluator`).
 
 import logging
 import os
+import time
 
 import torch
 from accelerate import Accelerator
@@ -123,6 +124,7 @@ class Trainer:
 
         self.first_epoch, self.global_step, self.skipped_steps = 0, 0, 0
         self._saved_at = None  # (epoch, global_step) of the checkpoint on disk that holds the current state
+        self._checkpoint = self.files.resume_checkpoint
         if self.files.resume_checkpoint:
             state = self.files.load_checkpoint(acc, self._weight_copies())
             self.first_epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
@@ -153,11 +155,14 @@ class Trainer:
             config.sample.batch_size * config.sample.num_batches_per_epoch * acc.num_processes,
             config.algorithm.adv_estimator,
         )
-        self.epoch, failed = self.first_epoch, False
+        self.epoch, failed, start = self.first_epoch, False, time.perf_counter()
         try:
             epoch = self._epochs()
             if self._saved_at != (epoch, self.global_step):  # not again, when a stop follows a periodic save at once
                 self.save_checkpoint(epoch)
+            if acc.is_main_process:  # the console's last word: evaluation, time, where things are, what to run next
+                summary = self.metrics_log.summary(epoch, time.perf_counter() - start, self._checkpoint)
+                tqdm.write("\n".join(summary))
             if epoch < config.num_epochs and acc.is_main_process:
                 # stopped by a signal before num_epochs: say so in the run directory (the CLI exits non-zero)
                 self.files.mark_stopped(epoch, self.control.signal)
@@ -267,7 +272,7 @@ class Trainer:
                  **self.advantages.state_dict()}
         final = self.files.save_checkpoint(self.accelerator, epoch, state, self._weight_copies(),
                                            self.config.num_checkpoint_limit)
-        self._saved_at = (epoch, self.global_step)
+        self._saved_at, self._checkpoint = (epoch, self.global_step), final
         return final
 
     def _weight_copies(self):

@@ -45,3 +45,16 @@ def test_an_epoch_row_holds_the_reward_statistics_and_is_on_disk(tmp_path):
 
 def test_the_trackers_get_the_config_flattened():
     assert flatten_config({"a": 1, "b": {"c": [1, 2], "d": None}}) == {"a": 1, "b.c": "[1, 2]", "b.d": None}
+
+
+def test_the_console_summary_tells_the_story_of_the_run(tmp_path):
+    config = make_config(tmp_path, log_images_every=0, num_epochs=3)
+    AcceleratorState._reset_state()
+    log = MetricsLog(config, Accelerator(cpu=True), RunDir(str(tmp_path)))
+    for epoch, value in [(0, 0.5), (1, 0.9), (2, 0.7)]:
+        log.write({"epoch": epoch, "eval/reward_mean": value, "time/sample": 2.0, "time/eval": 1.0})
+    lines = log.summary(3, 12.4, str(tmp_path / "checkpoints" / "checkpoint_3"))
+    assert lines[0] == "run ended at epoch 3 of 3 after 12 s (sample 6 s, eval 3 s)"
+    assert lines[1] == "eval reward: 0.5000 (epoch 0) -> 0.7000 (epoch 2); best 0.9000 (epoch 1)"
+    assert str(tmp_path / "checkpoints" / "checkpoint_3") in lines[2]
+    assert any(line.startswith("resume:  --config.resume_from=") for line in lines)
