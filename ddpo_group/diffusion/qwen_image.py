@@ -44,8 +44,8 @@ from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
 from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, _bytes_to_unicode
 
-# Qwen/Qwen-Image's scheduler/scheduler_config.json (hub revision of August 2025; the same values are
-# written out in e.g. ostris/ai-toolkit's Qwen-Image support and in Qwen-Image-Lightning's examples).
+# Qwen/Qwen-Image's scheduler/scheduler_config.json, as written out in public trainers (e.g. ostris/ai-toolkit,
+# extensions_built_in/diffusion_models/qwen_image/qwen_image.py); not read from the hub here (no access).
 QWEN_IMAGE_SCHEDULER_CONFIG = {
     "base_image_seq_len": 256,
     "base_shift": 0.5,
