@@ -5,7 +5,7 @@
 
 NAME is one of sd15 (default), ddpo, group_ppo, group_ppo_alg2, tiny, tiny_one_prompt, tiny_ddpo, tiny_group_ppo,
 tiny_group_ppo_alg2,
-tiny_gae, tiny_nft, tiny_awm, sd35, sd35_nft, flux, test; `ddpo-group-train --help` lists them with one line each.
+tiny_gae, tiny_nft, tiny_awm, sd35, sd35_nft, flux, qwen_image, tiny_qwen_image, test; `ddpo-group-train --help` lists them with one line each.
 """
 
 from ddpo_group.config.grpo import VARIANTS, get_config  # noqa: F401

@@ -23,6 +23,8 @@
     sd35_nft        DiffusionNFT on SD3.5-Medium with the paper's settings (CFG-free, deterministic sampler), one GPU
     tiny_sd3        a random-weight tiny SD3 pipeline (flow matching), seconds; tests and smoke checks
     tiny_flux       a random-weight tiny FLUX pipeline (flow matching), seconds; tests and smoke checks
+    qwen_image      GRPO on Qwen-Image (flow matching, true CFG) with LoRA r64, Flow-Factory / verl settings, one GPU
+    tiny_qwen_image  a random-weight tiny Qwen-Image pipeline (Qwen2.5-VL text, true CFG), seconds; tests and smoke checks
 """
 
 from ddpo_group.config import base
@@ -391,6 +393,50 @@ def tiny_flux():
     return config
 
 
+def qwen_image():
+    """Qwen-Image (hub id Qwen/Qwen-Image; QwenImagePipeline, true CFG with a negative prompt, " " when empty)
+    with the public Flow-GRPO LoRA recipes for it, scaled to one GPU: X-GenGroup/Flow-Factory
+    examples/grpo/lora/qwen_image/default.yaml (LoRA r64 / alpha 128, lr 3e-4, weight decay 1e-4, 10 steps,
+    512 px, guidance 4, noise level 1.0 of the Flow-SDE step, 16 images per prompt, clip range 1e-4, KL weight 0,
+    two optimizer steps per epoch) and verl-project/verl examples/flowgrpo_trainer/run_qwen_image_ocr_lora.sh
+    (the same LoRA r64 / alpha 128, lr 3e-4, weight decay 1e-4, true_cfg_scale 4, 16 rollouts per prompt,
+    max_sequence_length 256). Both train the SDE at a few random early steps only (Flow-Factory one of steps
+    1-3, verl a 2-step window in steps 0-5): not expressible with sample.sde_window's modes, so every step
+    is stochastic here. Not yet run (no GPU and no hub access where it was written); the 20B transformer
+    in bf16 with LoRA needs an 80 GB GPU."""
+    config = sd35()
+    config.pretrained.model = "Qwen/Qwen-Image"
+    config.lora_rank = 64  # Flow-Factory and verl: r64, alpha 128
+    config.lora_alpha = 128
+    config.sample.num_steps = 10  # Flow-Factory: num_inference_steps 10
+    config.sample.eta = 1.0  # Flow-Factory: Flow-SDE noise_level 1.0 (verl: 1.2)
+    config.sample.sde_type = "sde"
+    config.sample.guidance_scale = 4.0  # true CFG (the pipeline's true_cfg_scale): Flow-Factory 4, verl 4.0
+    config.sample.negative_prompt = ""  # means " " for Qwen-Image (its model card's "no negative prompt")
+    config.sample.resolution = 512  # Flow-Factory: resolution 512
+    config.sample.max_sequence_length = 256  # verl: rollout.max_sequence_length 256
+    config.sample.group_size = 16  # Flow-Factory group_size 16, verl rollout.n 16
+    config.sample.batch_size = 16  # one group per sampling batch on one GPU
+    config.sample.num_batches_per_epoch = 2
+    config.train.batch_size = 2
+    config.train.gradient_accumulation_steps = 8  # two optimizer steps per epoch (Flow-Factory gradient_step_per_epoch 2)
+    config.train.learning_rate = 3e-4  # Flow-Factory and verl
+    config.train.adam_weight_decay = 1e-4  # Flow-Factory and verl
+    config.train.clip_range = 1e-4  # Flow-Factory
+    config.train.use_reference_model = False  # Flow-Factory: kl_beta 0
+    config.train.use_kl_loss = False
+    config.train.beta = 0.0
+    return config
+
+
+def tiny_qwen_image():
+    """A random-weight tiny Qwen-Image pipeline (tiny Qwen2.5-VL and tokenizer built in memory), seconds:
+    tests and smoke runs. Guidance 4.5 is true CFG with the negative prompt " "."""
+    config = _tiny_flow("tiny-qwen-image")
+    config.sample.max_sequence_length = 32  # text tokens after the chat template's 34 dropped ones
+    return config
+
+
 VARIANTS = {
     "sd15": sd15,
     "ddpo": ddpo,
@@ -414,6 +460,8 @@ VARIANTS = {
     "sd35_nft": sd35_nft,
     "tiny_sd3": tiny_sd3,
     "tiny_flux": tiny_flux,
+    "qwen_image": qwen_image,
+    "tiny_qwen_image": tiny_qwen_image,
 }
 
 

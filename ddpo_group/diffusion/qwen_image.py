@@ -1,0 +1,287 @@
+"""Qwen-Image (``QwenImagePipeline``) as a flow-matching family, and its offline tiny pipeline.
+
+What follows diffusers' ``pipelines/qwenimage/pipeline_qwenimage.py`` (0.42) exactly:
+
+- text: the Qwen2.5-VL chat template (``pipe.prompt_template_encode``) around each prompt, the last
+  hidden state of the text encoder, the template's first ``prompt_template_encode_start_idx`` (34)
+  tokens dropped, truncated to ``max_sequence_length`` tokens (``pipe.encode_prompt``), with a 0/1
+  mask of the valid tokens (``encoder_hidden_states_mask``);
+- latents: (B, C, 1, h, w) noise from the generator as ``pipe.prepare_latents`` draws it, packed 2x2
+  into (B, h/2 * w/2, 4C) tokens for the transformer with ``img_shapes = [[(1, h/2, w/2)]] * B``;
+  the transformer's timestep is ``t / 1000`` in the model's dtype, as the pipeline casts it;
+- grid: sigmas ``np.linspace(1, 1/T, T)`` shifted by ``mu = calculate_shift(image_seq_len, ...)`` with
+  the scheduler config's base/max sequence lengths and shifts (Qwen-Image's scheduler also has
+  ``shift_terminal`` 0.02 and exponential time shift: its last nonzero sigma is 0.02);
+- guidance: *true* CFG. ``guidance_scale > 1`` is the pipeline's ``true_cfg_scale``: a second
+  transformer call on the negative prompt, ``comb = neg + w (cond - neg)`` rescaled to the norm of
+  the conditional prediction, ``comb * ||cond|| / ||comb||`` (norms over the packed channel dim of
+  each token). An empty ``negative_prompt`` means ``" "``: the pipeline enables CFG only for a given
+  negative prompt and the Qwen-Image model card passes ``" "`` when there is nothing to remove.
+  ``guidance_scale <= 1``: one call, no negative prompt (the pipeline's ``true_cfg_scale <= 1``);
+- decode: latents de-normalised per channel with the VAE config's ``latents_mean`` / ``latents_std``
+  (``z * std + mean``, written as the pipeline does), decoded as one frame of the 3-D VAE.
+
+Our conventions: trajectories store the unpacked (B, C, h, w) float32 latents (packing is a
+permutation, so element-wise steps are the same); the prompt embeddings and their masks are padded
+with zeros to exactly ``max_sequence_length`` tokens (the pipeline pads to the batch's longest
+prompt), so sampling batches of different prompts concatenate (``Trajectories.cat``). The padded
+tokens are masked out of the joint attention, and the text RoPE positions of the valid tokens do not
+depend on the padded length, so the images are the pipeline's up to float32 rounding. The masks ride
+in ``Trajectories.extra_cond`` (``prompt_embeds_mask``, ``negative_prompt_embeds_mask``: int64 0/1).
+"""
+
+import numpy as np
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+from ddpo_group.diffusion.base import model_dtype, register_family
+from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
+from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, _bytes_to_unicode
+
+# Qwen/Qwen-Image's scheduler/scheduler_config.json, as written out in public trainers (e.g. ostris/ai-toolkit,
+# extensions_built_in/diffusion_models/qwen_image/qwen_image.py); not read from the hub here (no access).
+QWEN_IMAGE_SCHEDULER_CONFIG = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": True,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
+
+# the pipeline's limit (check_inputs refuses a longer max_sequence_length)
+MAX_SEQUENCE_LENGTH = 1024
+EMPTY_NEGATIVE_PROMPT = " "
+
+
+@register_family("qwen_image")
+class QwenImagePolicy(FlowMatchingPolicy):
+    """Qwen-Image (``QwenImagePipeline``): a Qwen2.5-VL text encoder with a chat template and a token mask,
+    packed 2x2 latents of a 3-D VAE with per-channel mean / std, true CFG with norm rescaling, the
+    scheduler's dynamically shifted grid. The step, the sampling loop, LoRA and checkpoints are the
+    flow-matching base's (``flow_policy.py``)."""
+
+    pipeline_class = QwenImagePipeline
+    pipeline_class_names = ("QwenImagePipeline",)
+    offline_models = ("tiny-qwen-image",)
+    default_max_sequence_length = 512  # QwenImagePipeline.__call__'s default
+    patch_multiple = 2
+
+    @classmethod
+    def load(cls, model, revision=None, torch_dtype=torch.float32):
+        return load_pretrained(
+            QwenImagePipeline, model, revision, torch_dtype, {"tiny-qwen-image": build_tiny_qwen_image_pipeline}
+        )
+
+    def configure(self, sde_type="", max_sequence_length=0, resolution=0):
+        if max_sequence_length > MAX_SEQUENCE_LENGTH:
+            raise ValueError(
+                f"config.sample.max_sequence_length={max_sequence_length}: Qwen-Image takes at most "
+                f"{MAX_SEQUENCE_LENGTH} text tokens"
+            )
+        super().configure(sde_type=sde_type, max_sequence_length=max_sequence_length, resolution=resolution)
+
+    @property
+    def latent_channels(self):
+        return self.pipeline.transformer.config.in_channels // 4
+
+    def _encode_fixed(self, prompts, device):
+        """The pipeline's prompt embeddings (B, l, D) and mask, zero-padded to max_sequence_length tokens."""
+        length = self.max_sequence_length
+        embeds, mask = self.pipeline.encode_prompt(prompt=list(prompts), device=device, max_sequence_length=length)
+        if mask is None:  # encode_prompt returns None when every token is valid
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        pad = length - embeds.shape[1]
+        embeds = torch.cat([embeds, embeds.new_zeros(embeds.shape[0], pad, embeds.shape[2])], dim=1)
+        mask = torch.cat([mask.long(), mask.new_zeros(mask.shape[0], pad, dtype=torch.long)], dim=1)
+        return embeds, mask
+
+    def _encode(self, prompts, negative_prompt, guidance_scale, device):
+        embeds, mask = self._encode_fixed(prompts, device)
+        cond = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+        if guidance_scale > 1.0:  # true CFG: the negative prompt is encoded once and shared by the rows
+            negative, negative_mask = self._encode_fixed([negative_prompt or EMPTY_NEGATIVE_PROMPT], device)
+            cond["negative_prompt_embeds"] = negative.repeat(len(prompts), 1, 1)
+            cond["negative_prompt_embeds_mask"] = negative_mask.repeat(len(prompts), 1)
+        return cond
+
+    def _initial_latents(self, batch_size, device, generator):
+        pipe = self.pipeline
+        packed = pipe.prepare_latents(
+            batch_size, self.latent_channels, self.resolution, self.resolution, torch.float32, device, generator
+        )
+        return pipe._unpack_latents(packed, self.resolution, self.resolution, pipe.vae_scale_factor).squeeze(2)
+
+    def _timesteps(self, num_steps, device):
+        pipe = self.pipeline
+        side = self.resolution // pipe.vae_scale_factor // 2
+        mu = calculate_shift(
+            side * side,
+            pipe.scheduler.config.get("base_image_seq_len", 256),
+            pipe.scheduler.config.get("max_image_seq_len", 4096),
+            pipe.scheduler.config.get("base_shift", 0.5),
+            pipe.scheduler.config.get("max_shift", 1.15),
+        )
+        retrieve_timesteps(pipe.scheduler, num_steps, device, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+
+    def _velocity(self, model, latents, timesteps, cond, guidance_scale):
+        pipe = self.pipeline
+        dtype = model_dtype(model)
+        b, c, h, w = latents.shape
+        packed = pipe._pack_latents(latents, b, c, h, w).to(dtype)
+        img_shapes = [[(1, h // 2, w // 2)]] * b
+        timestep = timesteps.to(dtype) / 1000
+
+        def call(embeds, mask):
+            return model(
+                hidden_states=packed, timestep=timestep, guidance=None, encoder_hidden_states_mask=mask,
+                encoder_hidden_states=embeds.to(dtype), img_shapes=img_shapes, return_dict=False,
+            )[0].float()
+
+        velocity = call(cond["prompt_embeds"], cond["prompt_embeds_mask"])
+        if guidance_scale > 1.0 and cond.get("negative_prompt_embeds") is not None:
+            negative = call(cond["negative_prompt_embeds"], cond["negative_prompt_embeds_mask"])
+            combined = negative + guidance_scale * (velocity - negative)
+            velocity = combined * (
+                torch.norm(velocity, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True)
+            )
+        scale = pipe.vae_scale_factor
+        return pipe._unpack_latents(velocity, h * scale, w * scale, scale).squeeze(2)
+
+    def _decode(self, latents):
+        vae = self.pipeline.vae
+        z_dim = vae.config.z_dim
+        latents = latents.unsqueeze(2).to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        images = vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The offline tiny pipeline
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# the words of QwenImagePipeline.prompt_template_encode: with them the template's prefix is 34 tokens,
+# the pipeline's prompt_template_encode_start_idx, as with Qwen2.5-VL's own tokenizer
+TEMPLATE_WORDS = (
+    "Describe", "the", "image", "by", "detailing", "color", "shape", "size", "texture", "quantity", "text",
+    "spatial", "relationships", "of", "objects", "and", "background",
+)  # fmt: skip
+LINE_START_WORDS = ("system", "user", "assistant", "Describe")
+
+
+def tiny_qwen_tokenizer_vocab(words=TOKENIZER_WORDS):
+    """(vocab dict token -> id, merges list of pairs) of a tiny byte-level BPE in Qwen2's style.
+
+    Ids: 0 <|endoftext|> (also pad), 1 <|im_start|>, 2 <|im_end|>, then the 256 byte characters, then
+    the words: each word of `words` and of the template after a space ("Ġred": one token), and the
+    words that start a line of the template bare ("system"). A word is built by merges from its left
+    end ("Ġ r" -> "Ġr", "Ġr e" -> "Ġre", "Ġre d" -> "Ġred"); the space-led words' merges all rank
+    before the bare words' merges and their left sides start with "Ġ", so they fire only at a word's
+    start and every listed "Ġword" is one token.
+    """
+    byte_to_char = _bytes_to_unicode()
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for char in byte_to_char.values():
+        vocab[char] = len(vocab)
+    merges, seen = [], set()
+
+    def add(word):
+        chars = [byte_to_char[b] for b in word.encode("utf-8")]
+        piece = chars[0]
+        for char in chars[1:]:
+            if (piece, char) not in seen:
+                seen.add((piece, char))
+                merges.append((piece, char))
+            piece += char
+            vocab.setdefault(piece, len(vocab))
+
+    for word in sorted(set(words) | set(TEMPLATE_WORDS)):
+        add(" " + word)
+    for word in LINE_START_WORDS:
+        add(word)
+    return vocab, merges
+
+
+def build_tiny_qwen_tokenizer(words=TOKENIZER_WORDS):
+    """A Qwen2Tokenizer (Qwen2's pre-tokenizer regex and byte-level BPE) built in memory from the tiny vocab."""
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = tiny_qwen_tokenizer_vocab(words)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.model_max_length = MAX_SEQUENCE_LENGTH + 64
+    return tokenizer
+
+
+def tiny_qwen_text_encoder_config(vocab_size):
+    """A Qwen2_5_VLConfig of a 2-layer, 32-wide text model (mrope sections 2+3+3 of the 8 rotary pairs of a
+    16-dim head) with a 1-block, 16-wide vision tower (the class needs one; text-only prompts never run it)."""
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=2048, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=14,
+            spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0],
+        ),
+        # vision token ids outside the tiny vocab: no text prompt contains them
+        image_token_id=vocab_size, video_token_id=vocab_size + 1, vision_start_token_id=vocab_size + 2,
+        vision_end_token_id=vocab_size + 3,
+    )
+
+
+def build_tiny_qwen_image_pipeline(seed=0):
+    """A QwenImagePipeline with random weights drawn from ``seed`` (CPU, float32), built offline.
+
+    transformer QwenImageTransformer2DModel: 4x8x8 latents packed 2x2 into 16 tokens of 16, 2 dual-stream
+                blocks of 2 heads x 8 (rope axes 2+2+4), joint_attention_dim 32 (the text width)
+    text        Qwen2_5_VLForConditionalGeneration: 2 text layers of width 32 (2 heads, 1 KV head), a
+                1-block vision tower of width 16; tokenizer ``build_tiny_qwen_tokenizer`` (in memory)
+    vae         AutoencoderKLQwenImage: base_dim 8, z_dim 4, dim_mult (1, 2, 2), one res block, no temporal
+                downsampling: scale factor 4, 32x32 images <-> 4x8x8 latents; made-up per-channel
+                latents_mean / latents_std (not 0 / 1, so the de-normalisation is exercised)
+    scheduler   FlowMatchEulerDiscreteScheduler with Qwen-Image's config (QWEN_IMAGE_SCHEDULER_CONFIG)
+    Default image: 32x32 (``default_sample_size`` 8 x VAE factor 4). The global torch RNG state is left
+    unchanged. Same seed -> same weights.
+    """
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = build_tiny_qwen_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+            joint_attention_dim=32, axes_dims_rope=(2, 2, 4),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, False],
+            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0],
+        )
+        text_encoder = Qwen2_5_VLForConditionalGeneration(tiny_qwen_text_encoder_config(len(tokenizer)))
+    pipeline = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae.eval(),
+        text_encoder=text_encoder.eval(), tokenizer=tokenizer, transformer=transformer.eval(),
+    )
+    pipeline.default_sample_size = IMAGE_SIZE // pipeline.vae_scale_factor
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
