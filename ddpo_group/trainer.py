@@ -33,6 +33,7 @@ from ddpo_group.config_check import check_config
 from ddpo_group.critic import update_critic
 from ddpo_group.epoch_advantages import EpochAdvantages
 from ddpo_group.evaluation import Evaluator
+from ddpo_group.forward_training import ForwardUpdate
 from ddpo_group.metrics_log import MetricsLog
 from ddpo_group.models import build_models
 from ddpo_group.prompts import load_prompts
@@ -115,8 +116,6 @@ class Trainer:
         self.files.register_model_files(acc, self.policy, self.trainable_module, self.critic_module, config.use_lora)
         self.forward_update = None
         if config.train.objective != "stepwise":  # DiffusionNFT / AWM: a forward-process update (docs/forward.md)
-            from ddpo_group.forward_training import ForwardUpdate
-
             self.forward_update = ForwardUpdate(self)
         self.update = self.forward_update or StepwiseUpdate(self)
         self.advantages = EpochAdvantages(config, acc, self.reward_fn, self.prompts)

@@ -91,7 +91,8 @@ def _family_modules():
 
 def test_the_diffusion_base_imports_no_family_and_families_import_only_the_base():
     families = _family_modules()
-    assert {"ddpo_group.diffusion.sd", "ddpo_group.diffusion.sd3", "ddpo_group.diffusion.flux"} <= set(families)
+    assert {"ddpo_group.diffusion.sd", "ddpo_group.diffusion.sd3", "ddpo_group.diffusion.flux",
+            "ddpo_group.diffusion.qwen_image"} <= set(families)
     assert _reachable("ddpo_group.diffusion.base") == set()
     # the layers below the families: the base, the step math, LoRA, loading and the tiny builders, the flow base
     below = {f"ddpo_group.diffusion.{name}" for name in ("base", "gaussian", "ddim", "flow", "lora", "loading", "tiny",

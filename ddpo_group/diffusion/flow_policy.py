@@ -1,4 +1,5 @@
-"""The base of the flow-matching families (SD3 / SD3.5 in sd3.py, FLUX.1 in flux.py): SDE steps with log-probs.
+"""The base of the flow-matching families (SD3 / SD3.5 in sd3.py, FLUX.1 in flux.py, Qwen-Image in qwen_image.py):
+SDE steps with log-probs.
 
 A trajectory is T steps of ``sde_step_with_logprob`` (``ddpo_group.diffusion.flow``) on the
 pipeline's own timestep grid; step i uses the noise level eta_i (the trainer's ODE/SDE window:
@@ -15,6 +16,7 @@ FLUX.1-dev has no CFG: ``guidance_scale`` is its distilled guidance embedding.
 import os
 
 import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from tqdm.auto import tqdm
 
 from ddpo_group.diffusion.base import (
@@ -124,6 +126,15 @@ class FlowMatchingPolicy(DiffusionPolicy):
 
     def critic_sizes(self):
         return {"latent_channels": self.latent_channels, "prompt_dim": self.pipeline.transformer.config.joint_attention_dim}
+
+    def _shift_mu(self, patches_per_side, default_max_shift=1.15):
+        """diffusers' resolution-dependent timestep shift (``calculate_shift``'s mu) for an image of
+        patches_per_side ** 2 tokens, from the scheduler's config (the family's defaults where it has none)."""
+        config = self.pipeline.scheduler.config
+        return calculate_shift(
+            patches_per_side * patches_per_side, config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5), config.get("max_shift", default_max_shift),
+        )
 
     def _set_timesteps(self, num_steps, device):
         key = (num_steps, str(device), self.resolution)

@@ -5,7 +5,7 @@ The step, the sampling loop, LoRA and checkpoints are the flow-matching base's (
 import numpy as np
 import torch
 from diffusers import FluxPipeline
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
@@ -50,13 +50,7 @@ class FluxPolicy(FlowMatchingPolicy):
         if getattr(pipe.scheduler.config, "use_flow_sigmas", False):
             sigmas = None
         side = self.resolution // pipe.vae_scale_factor // 2
-        mu = calculate_shift(
-            side * side,
-            pipe.scheduler.config.get("base_image_seq_len", 256),
-            pipe.scheduler.config.get("max_image_seq_len", 4096),
-            pipe.scheduler.config.get("base_shift", 0.5),
-            pipe.scheduler.config.get("max_shift", 1.15),
-        )
+        mu = self._shift_mu(side)
         retrieve_timesteps(pipe.scheduler, num_steps, device, sigmas=sigmas, mu=mu)
 
     def _velocity(self, model, latents, timesteps, cond, guidance_scale):

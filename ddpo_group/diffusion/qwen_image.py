@@ -38,7 +38,7 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
@@ -129,13 +129,7 @@ class QwenImagePolicy(FlowMatchingPolicy):
     def _timesteps(self, num_steps, device):
         pipe = self.pipeline
         side = self.resolution // pipe.vae_scale_factor // 2
-        mu = calculate_shift(
-            side * side,
-            pipe.scheduler.config.get("base_image_seq_len", 256),
-            pipe.scheduler.config.get("max_image_seq_len", 4096),
-            pipe.scheduler.config.get("base_shift", 0.5),
-            pipe.scheduler.config.get("max_shift", 1.15),
-        )
+        mu = self._shift_mu(side)
         retrieve_timesteps(pipe.scheduler, num_steps, device, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
 
     def _velocity(self, model, latents, timesteps, cond, guidance_scale):

@@ -4,7 +4,7 @@ The step, the sampling loop, LoRA and checkpoints are the flow-matching base's (
 
 import torch
 from diffusers import StableDiffusion3Pipeline
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
@@ -53,13 +53,7 @@ class StableDiffusion3Policy(FlowMatchingPolicy):
         pipe, kwargs = self.pipeline, {}
         if pipe.scheduler.config.get("use_dynamic_shifting", None):
             side = self.resolution // pipe.vae_scale_factor // pipe.transformer.config.patch_size
-            kwargs["mu"] = calculate_shift(
-                side * side,
-                pipe.scheduler.config.get("base_image_seq_len", 256),
-                pipe.scheduler.config.get("max_image_seq_len", 4096),
-                pipe.scheduler.config.get("base_shift", 0.5),
-                pipe.scheduler.config.get("max_shift", 1.16),
-            )
+            kwargs["mu"] = self._shift_mu(side, default_max_shift=1.16)
         retrieve_timesteps(pipe.scheduler, num_steps, device, **kwargs)
 
     def _velocity(self, model, latents, timesteps, cond, guidance_scale):
