@@ -13,20 +13,8 @@ from ddpo_group.diffusion.policy import policy_for
 
 
 @torch.no_grad()
-def sample_trajectories(
-    pipeline,
-    prompts,
-    num_inference_steps,
-    guidance_scale,
-    eta,
-    generator=None,
-    prompt_ids=None,
-    negative_prompt="",
-    unet=None,
-    show_progress=False,
-    height=None,
-    keep_steps=True,
-):
+def sample_trajectories(pipeline, prompts, num_inference_steps, guidance_scale, eta, generator=None, prompt_ids=None,
+                        negative_prompt="", unet=None, show_progress=False, height=None, keep_steps=True):
     """Sample B = len(prompts) trajectories x_0 -> x_T with their per-step log-probabilities.
 
     The pipeline's family samples (``DiffusionPolicy.sample``): eta is DDIM's eta (SD) or the noise
@@ -43,16 +31,8 @@ def sample_trajectories(
     )
 
 
-def trajectory_log_probs(
-    pipeline,
-    trajectories,
-    guidance_scale,
-    eta,
-    step_indices=None,
-    return_means=False,
-    unet=None,
-    micro_batch_size=None,
-):
+def trajectory_log_probs(pipeline, trajectories, guidance_scale, eta, step_indices=None, return_means=False, unet=None,
+                         micro_batch_size=None):
     """Re-score stored steps with the current weights (``base.rescore`` with the pipeline's family).
 
     step_indices: None (all T), (K,) or (B, K); return_means: also the means (B, K, C, h, w) and stds;

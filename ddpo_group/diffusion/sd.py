@@ -112,14 +112,7 @@ def step_log_prob(
     if num_inference_steps is not None and scheduler.num_inference_steps != num_inference_steps:
         scheduler.set_timesteps(num_inference_steps, device=latents_t.device)
     _, log_prob, prev_sample_mean, std_dev_t = _denoise_step(
-        unet,
-        scheduler,
-        latents_t,
-        timesteps_t,
-        prompt_embeds,
-        negative_prompt_embeds,
-        guidance_scale,
-        eta,
+        unet, scheduler, latents_t, timesteps_t, prompt_embeds, negative_prompt_embeds, guidance_scale, eta,
         latents_next=latents_next,
     )
     return log_prob, prev_sample_mean, std_dev_t
