@@ -14,7 +14,6 @@ from ddpo_group.algos.advantages import get_adv_estimator, registered_adv_estima
 from ddpo_group.algos.grouping import ADVANTAGE_NORMS
 from ddpo_group.algos.losses import AGG_MODES, KL_TYPES, registered_policy_losses
 from ddpo_group.diffusion.flow import SDE_TYPES
-from ddpo_group.diffusion.policy import FAMILIES
 from ddpo_group.plugins import PluginError, import_plugins
 from ddpo_group.rewards.combine import REWARD_AGGREGATIONS
 
@@ -217,7 +216,11 @@ def check_config(config, num_processes=1, has_gpu=None):
             "forward-process objectives (train.objective='nft' or 'awm') may sample deterministically"
         )
     _choice(sample.sde_type, ("",) + SDE_TYPES, "sample.sde_type")
-    # the offline models that step with DDIM (no flow-matching SDE, no Flow-GRPO KL), from the family registry
+    # the offline models that step with DDIM (no flow-matching SDE, no Flow-GRPO KL), from the family registry;
+    # imported here, not at the top: the families pull in every diffusers pipeline (1.5 s), which the CLI's
+    # quick errors (an unknown field or variant) must not wait for
+    from ddpo_group.diffusion.policy import FAMILIES
+
     ddim_models = {name for cls in FAMILIES.values() if not cls.supports_flow_grpo_kl for name in cls.offline_models}
     if sample.sde_type and config.pretrained.model in ddim_models:
         raise ConfigError(

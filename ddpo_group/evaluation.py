@@ -143,8 +143,9 @@ class Evaluator:
         metrics["time/eval"] = time.perf_counter() - start
         self.first = self.first or (epoch, result["reward_mean"])
         if acc.is_main_process:
+            components = result["components"] if len(result["components"]) > 1 else {}  # one is the reward itself
             logger.info(
                 "eval epoch %d: reward %.4f ± %.4f (%+.4f since epoch %d)%s", epoch, result["reward_mean"],
                 result["reward_std"], result["reward_mean"] - self.first[1], self.first[0],
-                "".join(f", {name} {value:.4f}" for name, value in result["components"].items() if len(result["components"]) > 1),
+                "".join(f", {name} {value:.4f}" for name, value in components.items()),
             )

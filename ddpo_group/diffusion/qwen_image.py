@@ -42,7 +42,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, _bytes_to_unicode
+from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, bytes_to_unicode
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json, as written out in public trainers (e.g. ostris/ai-toolkit,
 # extensions_built_in/diffusion_models/qwen_image/qwen_image.py); not read from the hub here (no access).
@@ -189,7 +189,7 @@ def tiny_qwen_tokenizer_vocab(words=TOKENIZER_WORDS):
     before the bare words' merges and their left sides start with "Ġ", so they fire only at a word's
     start and every listed "Ġword" is one token.
     """
-    byte_to_char = _bytes_to_unicode()
+    byte_to_char = bytes_to_unicode()
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for char in byte_to_char.values():
         vocab[char] = len(vocab)

@@ -44,7 +44,7 @@ MODEL_MAX_LENGTH = 16
 IMAGE_SIZE = 32
 
 
-def _bytes_to_unicode():
+def bytes_to_unicode():
     """GPT-2 / CLIP byte-to-unicode table: byte b -> a printable character (256 entries)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     printable += list(range(ord("®"), ord("ÿ") + 1))
@@ -67,7 +67,7 @@ def tiny_tokenizer_vocab(words=TOKENIZER_WORDS):
     merge can only fire at the end of a word and each listed word always becomes one token.
     """
     vocab = {BOS_TOKEN: 0, EOS_TOKEN: 1}
-    byte_to_char = _bytes_to_unicode()
+    byte_to_char = bytes_to_unicode()
     byte_chars = list(byte_to_char.values())
     for char in byte_chars:
         vocab[char] = len(vocab)
