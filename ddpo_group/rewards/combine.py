@@ -14,6 +14,7 @@ import concurrent.futures
 import math
 import queue
 import threading
+import urllib.parse
 from typing import Callable
 
 import numpy as np
@@ -263,6 +264,21 @@ class CombinedReward:
                 self._executor = None
 
 
+def _component_names(served: dict[str, str | None]) -> dict[str, str]:
+    """{spec: name}: the served name of a remote reward (`served[spec]`) or the spec's short name; when two
+    collide, a remote's served name @host:port, else the full spec."""
+    short = {spec: served[spec] or component_name(spec) for spec in served}
+    names = {}
+    for spec, name in short.items():
+        if list(short.values()).count(name) > 1:
+            name = spec
+            if served[spec]:
+                at = f"{served[spec]}@{urllib.parse.urlsplit(spec).netloc}"
+                name = at if sum(f"{served[s]}@{urllib.parse.urlsplit(s).netloc}" == at for s in served) == 1 else spec
+        names[spec] = name
+    return names
+
+
 def build_reward_fn(reward_fn: str | None = None, reward_weights: dict[str, float] | None = None,
                     reward_workers: int = 1, reward_kwargs: dict[str, dict] | None = None,
                     reward_aggregation: str = "sum_then_normalize", reward_batch_size: int | None = None,
@@ -275,8 +291,8 @@ def build_reward_fn(reward_fn: str | None = None, reward_weights: dict[str, floa
     {spec: {keyword: value}} passed to that component's constructor (e.g.
     {"aesthetic": {"mlp_weights": "/path.pth"}}, {"http://h:p": {"timeout": 30}}). device: passed
     to components whose constructor takes `device`.
-    Component names (logged as reward/<name>) are the specs' short names (`component_name`),
-    or the full spec when two short names collide.
+    Component names (logged as reward/<name>) are the specs' short names (`component_name`; for a remote
+    reward the name its server serves), or the full spec when two short names collide.
     """
     if hasattr(reward_weights, "to_dict"):  # ml_collections.ConfigDict
         reward_weights = reward_weights.to_dict()
@@ -296,9 +312,9 @@ def build_reward_fn(reward_fn: str | None = None, reward_weights: dict[str, floa
     if unknown:
         raise ValueError(f"reward_kwargs keys {sorted(unknown)} are not rewards in use ({sorted(weights)})")
 
-    short = [component_name(spec) for spec in weights]
-    names = {spec: (name if short.count(name) == 1 else spec) for spec, name in zip(weights, short)}
-    components = {names[spec]: get_reward(spec, device=device, **reward_kwargs.get(spec, {})) for spec in weights}
+    built = {spec: get_reward(spec, device=device, **reward_kwargs.get(spec, {})) for spec in weights}
+    names = _component_names({spec: getattr(fn, "served_name", None) for spec, fn in built.items()})
+    components = {names[spec]: fn for spec, fn in built.items()}
     return CombinedReward(
         components,
         {names[spec]: weight for spec, weight in weights.items()},

@@ -1,7 +1,7 @@
 """Remote rewards: score images on another machine over JSON / HTTP (the client and the protocol).
 
-Use `reward_fn="http://host:port"` (any path after the host is kept). Protocol, one POST
-per batch (Content-Type: application/json):
+Use `reward_fn="http://host:port"` (a path after the host is kept: "http://host:port/aesthetic").
+Protocol (version 1), one POST per batch (Content-Type: application/json) to the URL:
 
     request   {"images":   [base64 of an 8-bit RGB PNG, one per image],
                "prompts":  [str, one per image],
@@ -9,11 +9,18 @@ per batch (Content-Type: application/json):
     response  200 {"rewards": [number, one per image], "info": {str: JSON value}}
               4xx / 5xx {"error": "message"}
 
-Images are quantized to 8 bits (round(255 x)) before PNG encoding; numpy / torch values
-in metadata are sent as lists / numbers. The client gives each attempt `timeout`
-seconds and retries connection errors, timeouts and 5xx answers up to `retries` more
-times, waiting `backoff * 2**attempt` seconds between attempts; a 4xx answer (a bad
-request) is not retried. When all attempts fail it raises RewardError with the last cause.
+and GET on the same URL: 200 {"reward": NAME, "protocol": 1, ...} (the server's description; a server
+that answers GET with 405 or 501 has none, and is still used). Images are quantized to 8 bits
+(round(255 x)) before PNG encoding; numpy / torch values in metadata are sent as lists / numbers.
+
+The client asks for the description when the reward is built (before any sampling): an unreachable
+URL is a RewardNotReadyError naming it, and the reward's component name (metrics reward/NAME,
+eval/NAME) is the served reward's NAME. Each attempt has `timeout` seconds in all (connecting,
+sending, and the whole answer: a server that trickles bytes is cut off at the deadline), and all
+attempts together `total_timeout` seconds; connection errors, timeouts and 5xx answers are retried up
+to `retries` more times, waiting `backoff * 2**attempt` seconds between attempts; a 4xx answer (a bad
+request), an answer over `max_response_mb` or one that is not the protocol's JSON are not retried.
+Every error is a RewardError whose message names the URL.
 
 The reference server, hosting any registered reward or plugin spec, is ``ddpo_group.rewards.server``.
 """
@@ -21,17 +28,21 @@ The reference server, hosting any registered reward or plugin spec, is ``ddpo_gr
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 
 import numpy as np
 import torch
 from PIL import Image
 
-from ddpo_group.rewards.base import RewardError, to_uint8_images
+from ddpo_group.rewards.base import RewardError, RewardNotReadyError, to_uint8_images
+
+PROTOCOL_VERSION = 1
 
 
 def to_json(value):
@@ -77,60 +88,200 @@ def decode_images(encoded: list[str], max_pixels: int | None = None) -> torch.Te
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
 
 
+
+class _Retry(Exception):
+    """An attempt that failed in a way worth another attempt (no connection, a timeout, a 5xx answer)."""
+
+
+def _error_detail(data: bytes) -> str:
+    """The server's {"error": ...} message, or the start of the body as text."""
+    try:
+        answer = json.loads(data)
+        if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+            return answer["error"][:500]
+    except ValueError:
+        pass
+    return " ".join(data[:300].decode(errors="replace").split()) or "(empty body)"
+
+
 class RemoteReward:
-    """Client of a reward server (protocol in the module docstring)."""
+    """Client of a reward server (protocol in the module docstring).
+
+    timeout: seconds one attempt may take in all; retries: further attempts after a connection error, a
+    timeout or a 5xx answer; backoff: seconds before the first retry (doubled each time); total_timeout:
+    seconds all attempts of one call may take together (None: attempts x timeout plus the waits);
+    max_response_mb: a larger answer is refused; check: ask the server for its description now
+    (RewardNotReadyError when it cannot be reached), which also names the reward (`served_name`).
+    """
 
     # A batch that fails is not re-sent sample by sample to find the culprit (see CombinedReward).
     locate_errors = False
 
-    def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5):
-        if timeout <= 0 or retries < 0 or backoff < 0:
+    def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
+                 total_timeout: float | None = None, max_response_mb: float = 16.0, check: bool = True):
+        if not (timeout > 0 and retries >= 0 and backoff >= 0 and max_response_mb > 0
+                and (total_timeout is None or total_timeout > 0)):
             raise ValueError(
-                f"RemoteReward: timeout must be > 0, retries and backoff >= 0; got timeout={timeout}, "
-                f"retries={retries}, backoff={backoff}"
+                f"RemoteReward {url}: timeout, total_timeout and max_response_mb must be > 0, retries and backoff "
+                f">= 0; got timeout={timeout}, total_timeout={total_timeout}, retries={retries}, backoff={backoff}, "
+                f"max_response_mb={max_response_mb}"
             )
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"remote reward {url!r}: expected http://HOST:PORT[/PATH] or https://...")
         self.url = url
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff = backoff
+        self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+        waits = sum(self.backoff * 2**k for k in range(self.retries))
+        self.total_timeout = float(total_timeout) if total_timeout else self.timeout * (self.retries + 1) + waits
+        self.max_response_bytes = int(max_response_mb * 2**20)
+        self._connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._host, self._port = parts.hostname, parts.port
+        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self.description, self.served_name, self._checked = None, None, False
+        if check:
+            self.check_ready()
 
-    def _post(self, body: bytes) -> dict:
-        request = urllib.request.Request(
-            self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
+    # one attempt ---------------------------------------------------------------------------------------------
+    def _once(self, method: str, body: bytes | None, timeout: float) -> tuple[int, bytes]:
+        """(status, body) of one request that takes at most `timeout` s in all: a watchdog shuts the socket
+        at the deadline, whatever stage (headers, a trickled body) the answer is in."""
+        conn = self._connection(self._host, self._port, timeout=timeout)
+        expired = threading.Event()
+
+        def cut_off():
+            expired.set()
+            if conn.sock is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        watchdog = threading.Timer(timeout, cut_off)
+        watchdog.daemon = True
+        deadline = time.monotonic() + timeout
+        watchdog.start()
+        try:
+            headers = {"Accept": "application/json"}
+            if body is not None:
+                headers["Content-Type"] = "application/json"
+            try:
+                conn.request(method, self._path, body=body, headers=headers)
+            except (BrokenPipeError, ConnectionResetError):
+                if conn.sock is None:
+                    raise
+                # the server refused the body before reading it all (413): its answer may be waiting
+            response = conn.getresponse()
+            length = response.getheader("Content-Length", "")
+            if length.strip().isdigit() and int(length) > self.max_response_bytes:
+                raise RewardError(self._too_large(f"{int(length)} bytes"), reward=self.url)
+            data = bytearray()
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                if conn.sock is not None:
+                    conn.sock.settimeout(remaining)
+                chunk = response.read1(65536)
+                if not chunk:
+                    break
+                data += chunk
+                if len(data) > self.max_response_bytes:
+                    raise RewardError(self._too_large(f"more than {len(data)} bytes"), reward=self.url)
+            if expired.is_set():
+                raise TimeoutError
+            return response.status, bytes(data)
+        except RewardError:
+            raise
+        except (OSError, http.client.HTTPException) as exc:
+            if expired.is_set() or isinstance(exc, TimeoutError):
+                raise _Retry(f"timed out after {timeout:.3g} s") from exc
+            raise _Retry(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            watchdog.cancel()
+            conn.close()
+
+    def _too_large(self, size: str) -> str:
+        return (f"remote reward {self.url}: the answer of {size} is over max_response_mb="
+                f"{self.max_response_bytes / 2**20:g}; raise it in reward_kwargs for this URL if the answer is right")
+
+    # attempts --------------------------------------------------------------------------------------------------
+    def _attempts(self, method: str, body: bytes | None, accept=()) -> tuple[int, bytes]:
+        """(status, body) of a 200 answer (or one of `accept`), retrying as the module docstring says."""
+        end = time.monotonic() + self.total_timeout
+        last_error, attempts = None, 0
+        for attempt in range(self.retries + 1):
+            if attempt > 0:
+                time.sleep(max(0.0, min(self.backoff * 2 ** (attempt - 1), end - time.monotonic())))
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                break
+            attempts += 1
+            try:
+                status, data = self._once(method, body, min(self.timeout, remaining))
+            except _Retry as exc:
+                last_error = str(exc)
+                continue
+            if status == 200 or status in accept:
+                return status, data
+            last_error = f"HTTP {status}: {_error_detail(data)}"
+            if status < 500:
+                raise RewardError(f"remote reward {self.url}: {method} answered {last_error}", reward=self.url)
+        raise RewardError(
+            f"remote reward {self.url}: no answer after {attempts} attempt{'s' * (attempts != 1)} (timeout "
+            f"{self.timeout:g} s each, total_timeout {self.total_timeout:g} s); last error: {last_error}",
+            reward=self.url,
         )
-        with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            return json.loads(response.read())
+
+    def _json(self, method: str, data: bytes):
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise RewardError(
+                f"remote reward {self.url}: the answer to {method} is not JSON ({exc}): "
+                f"{' '.join(data[:200].decode(errors='replace').split())!r}", reward=self.url,
+            ) from exc
+
+    # the reward ------------------------------------------------------------------------------------------------
+    def check_ready(self) -> None:
+        """Ask the server for its description (once): RewardNotReadyError naming the URL when it cannot be
+        reached or speaks another protocol version; sets `description` and `served_name`."""
+        if self._checked:
+            return
+        try:
+            status, data = self._attempts("GET", None, accept=(405, 501))
+            description = self._json("GET", data) if status == 200 else None
+        except RewardError as exc:
+            raise RewardNotReadyError(
+                f"{exc}. Start the server (python -m ddpo_group.rewards.server --serve NAME --port PORT) or fix "
+                "the URL in reward_fn / reward_weights", reward=self.url,
+            ) from exc
+        if isinstance(description, dict):
+            protocol = description.get("protocol", PROTOCOL_VERSION)
+            if protocol != PROTOCOL_VERSION:
+                raise RewardNotReadyError(
+                    f"remote reward {self.url}: the server speaks protocol {protocol!r}, this client "
+                    f"{PROTOCOL_VERSION}; run the same version of ddpo-group on both sides", reward=self.url)
+            name = description.get("reward")
+            self.served_name = name if isinstance(name, str) and name.strip() else None
+        self.description, self._checked = description, True
 
     def __call__(self, images, prompts, metadata):
         body = json.dumps(
             {"images": encode_images(images), "prompts": list(prompts), "metadata": list(metadata)},
             default=to_json,
         ).encode()
-        last_error = None
-        for attempt in range(self.retries + 1):
-            if attempt > 0:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                answer = self._post(body)
-                break
-            except urllib.error.HTTPError as exc:
-                detail = exc.read().decode(errors="replace")[:500]
-                last_error = f"HTTP {exc.code} from {self.url}: {detail}"
-                if exc.code < 500:
-                    raise RewardError(f"remote reward {self.url}: {last_error}", reward=self.url) from exc
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-                reason = getattr(exc, "reason", exc)
-                if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
-                    last_error = f"timed out after {self.timeout} s"
-                else:
-                    last_error = f"{type(exc).__name__}: {reason}"
-        else:
-            raise RewardError(
-                f"remote reward {self.url}: no answer after {self.retries + 1} attempts "
-                f"(timeout {self.timeout} s each); last error: {last_error}",
-                reward=self.url,
-            )
-        if not isinstance(answer, dict) or "rewards" not in answer:
-            raise RewardError(f"remote reward {self.url}: answer has no 'rewards' field: {str(answer)[:200]}",
+        _, data = self._attempts("POST", body)
+        answer = self._json("POST", data)
+        if not isinstance(answer, dict) or not isinstance(answer.get("rewards"), list):
+            raise RewardError(f"remote reward {self.url}: the answer has no 'rewards' list: {str(answer)[:200]}",
                               reward=self.url)
-        return np.asarray(answer["rewards"], dtype=np.float64), dict(answer.get("info") or {})
+        info = answer.get("info") or {}
+        if not isinstance(info, dict):
+            raise RewardError(f"remote reward {self.url}: the answer's 'info' is not an object: {str(info)[:200]}",
+                              reward=self.url)
+        try:
+            rewards = np.asarray(answer["rewards"])  # its values are checked by CombinedReward (validate_rewards)
+        except (TypeError, ValueError) as exc:
+            raise RewardError(f"remote reward {self.url}: the answer's 'rewards' are not a flat list: "
+                              f"{str(answer['rewards'])[:200]}", reward=self.url) from exc
+        return rewards, dict(info)

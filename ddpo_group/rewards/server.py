@@ -1,128 +1,332 @@
 """The reference reward server: any registered reward (or plugin spec) over HTTP, the protocol of
-``ddpo_group.rewards.remote``.
+``ddpo_group.rewards.remote``, served by uvicorn (the optional extra: ``pip install "ddpo-group[server]"``).
 
     python -m ddpo_group.rewards.server --serve aesthetic --port 8000 [--host 0.0.0.0]
         [--device cuda] [--kwargs '{"mlp_weights": "/path/to/sac+logos+ava1-l14-linearMSE.pth"}']
 
-It prints "serving reward 'NAME' on http://HOST:PORT" once it listens (with --port 0 the
-OS picks a free port) and scores one request at a time. It binds to 127.0.0.1 (this machine
-only) unless --host says otherwise, and unpickles nothing. Limits, each answered with an
-error naming it: --max-body-mb (64, HTTP 413 before the body is read), --max-images (256 per
-request, 413), --max-pixels (2048 x 2048 per image, read from the PNG header, 413),
---read-timeout (30 s for the body to arrive, else 408); a body without Content-Length gets 411.
-To serve other machines deliberately, bind an interface (--host 0.0.0.0) on a trusted network
-only, or keep 127.0.0.1 and reach it through an SSH tunnel (ssh -L 8000:127.0.0.1:8000 HOST):
-there is no authentication.
+It prints "serving reward 'NAME' on http://HOST:PORT" once it listens (with --port 0 the OS picks a
+free port) and logs one line per request to stderr (method, path, status, images, milliseconds). It
+binds to 127.0.0.1 (this machine only) unless --host says otherwise, and unpickles nothing.
+
+Paths: POST / or POST /NAME scores a batch (NAME: the served reward's short name, e.g. /aesthetic);
+GET /, /health or /NAME answers the description {"reward": NAME, "protocol": 1, "paths": [...],
+"limits": {...}}. Another path is 404 naming the served paths, another method 405.
+
+Limits, each answered with a JSON {"error": ...} naming the flag:
+  --max-body-mb (64)        a larger body is 413, refused from its Content-Length before it is read
+  --max-images (256)        more images in one request: 413
+  --max-pixels (2048*2048)  an image with more pixels (read from its PNG header, before decoding): 413
+  --request-timeout (30 s)  the whole request (headers and body) must arrive within this many seconds
+                            of the connection (or of the previous answer on a kept-alive connection),
+                            else 408 and the connection is closed: a client sending a byte at a time
+                            holds nothing for longer
+  --max-connections (32)    open connections at once (uvicorn's limit_concurrency); past it 503
+  --workers (1)             threads that decode and score requests (rewards block); the others wait
+a body that is not Content-Type application/json is 415, one that is not the protocol's JSON 400, a
+reward that raises 500. To serve other machines deliberately, bind an interface (--host 0.0.0.0) on a
+trusted network only, or keep 127.0.0.1 and reach it through an SSH tunnel
+(ssh -L 8000:127.0.0.1:8000 HOST): there is no authentication.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
 import json
+import logging
+import socket
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 from PIL import Image
 
-from ddpo_group.rewards.registry import get_reward
-from ddpo_group.rewards.remote import RequestTooLarge, decode_images, to_json
+from ddpo_group.rewards.registry import component_name, get_reward
+from ddpo_group.rewards.remote import PROTOCOL_VERSION, RequestTooLarge, decode_images, to_json
 
-DEFAULT_MAX_BODY_MB = 64.0
-DEFAULT_MAX_IMAGES = 256
-DEFAULT_MAX_PIXELS = 2048 * 2048
-DEFAULT_READ_TIMEOUT = 30.0
+logger = logging.getLogger("ddpo_group.rewards.server")
+
+INSTALL_HINT = 'the reward server needs uvicorn: pip install "ddpo-group[server]"'
+_STARTED = "ddpo_group.request_started"  # scope key: loop time at which the request's deadline started
 
 
-def make_server(reward_fn, host: str = "127.0.0.1", port: int = 0, max_body_mb: float = DEFAULT_MAX_BODY_MB,
-                max_images: int = DEFAULT_MAX_IMAGES, max_pixels: int = DEFAULT_MAX_PIXELS,
-                read_timeout: float = DEFAULT_READ_TIMEOUT) -> ThreadingHTTPServer:
-    """HTTP server answering the protocol above with `reward_fn`; call serve_forever() on it.
+@dataclass(frozen=True)
+class Limits:
+    """What one request may cost the server; every field is a command-line flag (module docstring)."""
 
-    `server.server_address` holds the bound (host, port). Requests are scored one at a time.
-    Limits, each answered with a JSON error naming it: a body over max_body_mb MB is refused (413)
-    before it is read, a body without Content-Length gets 411, one that does not arrive within
-    read_timeout seconds 408; more than max_images images or an image of more than max_pixels
-    pixels (read from its header, before decoding) 413. Nothing is unpickled.
+    max_body_mb: float = 64.0
+    max_images: int = 256
+    max_pixels: int = 2048 * 2048
+    request_timeout: float = 30.0
+    max_connections: int = 32
+    workers: int = 1
+
+    def __post_init__(self):
+        for field in ("max_body_mb", "max_images", "max_pixels", "request_timeout", "max_connections", "workers"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"--{field.replace('_', '-')} must be > 0, got {getattr(self, field)!r}")
+
+
+class RewardApp:
+    """The ASGI application: the reward protocol over one reward, within `limits` (module docstring).
+
+    reward_fn(images, prompts, metadata) -> (rewards, info) runs in a pool of `limits.workers` threads,
+    together with the JSON parsing and PNG decoding of its request.
     """
-    max_body_bytes = int(max_body_mb * 2**20)
-    lock = threading.Lock()
 
-    class Handler(BaseHTTPRequestHandler):
-        timeout = read_timeout  # socket timeout: a client that sends less than it announced is answered 408
+    def __init__(self, reward_fn, name: str, limits: Limits = Limits()):
+        self.reward_fn, self.name, self.limits = reward_fn, name, limits
+        self.score_paths = ["/", f"/{name}"]
+        self.description = {
+            "reward": name, "protocol": PROTOCOL_VERSION,
+            "paths": {"score (POST)": self.score_paths, "describe (GET)": ["/", "/health", f"/{name}"]},
+            "limits": asdict(limits),
+        }
+        self.executor = concurrent.futures.ThreadPoolExecutor(limits.workers, thread_name_prefix="reward")
 
-        def _answer(self, code: int, payload: dict) -> None:
-            body = json.dumps(payload, default=to_json).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            if code >= 400:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _read_body(self) -> bytes | None:
-            """The request body, or None after answering 411 / 413 / 408."""
-            length = self.headers.get("Content-Length")
-            if length is None or not length.strip().isdigit():
-                self._answer(411, {"error": "a Content-Length header (a number of bytes) is required"})
-                return None
-            length = int(length)
-            if length > max_body_bytes:
-                self._answer(413, {"error": f"body of {length} bytes is over the server's limit --max-body-mb "
-                                            f"{max_body_bytes / 2**20:g} (MB)"})
-                return None
-            try:
-                body = self.rfile.read(length)
-            except (TimeoutError, OSError):
-                body = b""
-            if len(body) < length:
-                self._answer(408, {"error": f"received {len(body)} of the {length} bytes announced by Content-Length "
-                                            f"within {read_timeout:g} s"})
-                return None
-            return body
-
-        def do_POST(self):
-            body = self._read_body()
-            if body is None:
-                self.close_connection = True
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":  # lifespan is off; no websockets
+            return
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        status, payload, images, headers = 500, {"error": "internal error"}, 0, []
+        try:
+            answer = await self._answer(scope, receive, loop)
+            if answer is None:  # the client went away
+                status = 499
                 return
-            try:
-                request = json.loads(body)
-                if len(request["images"]) > max_images:
-                    raise RequestTooLarge(
-                        f"{len(request['images'])} images in one request, over the server's limit --max-images {max_images}"
-                    )
-                images = decode_images(request["images"], max_pixels=max_pixels)
-                prompts = list(request["prompts"])
-                metadata = list(request.get("metadata") or [{} for _ in prompts])
-                if not len(images) == len(prompts) == len(metadata):
-                    raise ValueError(
-                        f"got {len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata"
-                    )
-            except RequestTooLarge as exc:
-                self._answer(413, {"error": str(exc)})
-                return
-            except (ValueError, KeyError, TypeError, OSError, Image.DecompressionBombError) as exc:
-                self._answer(400, {"error": f"bad request: {exc}"})
-                return
-            try:
-                with lock:
-                    rewards, info = reward_fn(images, prompts, metadata)
-                rewards = np.asarray(torch.as_tensor(rewards).detach().cpu(), dtype=np.float64)
-                self._answer(200, {"rewards": rewards.tolist(), "info": info or {}})
-            except Exception as exc:
-                self._answer(500, {"error": f"{type(exc).__name__}: {exc}"})
+            status, payload, images, *more = answer
+            headers = more[0] if more else []
+        except Exception as exc:  # the server's own bug: answer it rather than drop the connection
+            payload = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            if status != 499:
+                await self._send(send, status, payload, headers)
+            client = scope.get("client") or ("-", 0)
+            logger.info("%s %s %d images=%d %.1f ms client=%s:%s", scope["method"], scope["path"], status, images,
+                        (time.perf_counter() - start) * 1000, client[0], client[1])
 
-        def log_message(self, format, *args):  # keep the reward server's stderr quiet
-            pass
+    async def _send(self, send, status: int, payload: dict, headers) -> None:
+        body = json.dumps(payload, default=to_json).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())] + headers
+        if status >= 400:  # the rest of a refused body is not read: the connection cannot carry another request
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
-    return ThreadingHTTPServer((host, port), Handler)
+    async def _answer(self, scope, receive, loop):
+        """(status, payload, number of images[, extra headers]), or None when the client disconnected."""
+        method, path = scope["method"], scope["path"]
+        if method in ("GET", "HEAD"):
+            if path in ("/", "/health", f"/{self.name}"):
+                return 200, self.description, 0
+            return 404, {"error": self._wrong_path(path)}, 0
+        if method != "POST":
+            return 405, {"error": f"method {method} is not served: POST scores a batch, GET describes the server"}, 0, \
+                [(b"allow", b"GET, HEAD, POST")]
+        if path not in self.score_paths:
+            return 404, {"error": self._wrong_path(path)}, 0
+        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        content_type = headers.get("content-type", "")
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            return 415, {"error": f"Content-Type must be application/json, got {content_type or 'none'!r}"}, 0
+        max_bytes = int(self.limits.max_body_mb * 2**20)
+        length = headers.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+            return 413, {"error": f"body of {int(length)} bytes is over the server's limit --max-body-mb "
+                                  f"{self.limits.max_body_mb:g} (MB)"}, 0
+        deadline = scope.get(_STARTED, loop.time()) + self.limits.request_timeout
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                return 408, {"error": f"the request did not arrive within the server's limit --request-timeout "
+                                      f"{self.limits.request_timeout:g} (s): {size} bytes of "
+                                      f"{length or 'an unknown number of'} received"}, 0
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > max_bytes:
+                return 413, {"error": f"body of more than {size} bytes is over the server's limit --max-body-mb "
+                                      f"{self.limits.max_body_mb:g} (MB)"}, 0
+            if not message.get("more_body", False):
+                break
+        return await loop.run_in_executor(self.executor, self._score, b"".join(chunks))
+
+    def _wrong_path(self, path: str) -> str:
+        return (f"no such path {path!r}: this server serves reward {self.name!r}, scored by POST "
+                f"{' or '.join(self.score_paths)} (GET / or /health describes it)")
+
+    def _score(self, body: bytes):
+        """Runs in a worker thread: parse, decode, score. (status, payload, number of images)."""
+        limits = self.limits
+        try:
+            request = json.loads(body)
+            if not isinstance(request, dict):
+                raise ValueError(f"the body is a JSON {type(request).__name__}, not an object")
+            if len(request["images"]) > limits.max_images:
+                raise RequestTooLarge(f"{len(request['images'])} images in one request, over the server's limit "
+                                      f"--max-images {limits.max_images}")
+            images = decode_images(request["images"], max_pixels=limits.max_pixels)
+            prompts = list(request["prompts"])
+            metadata = list(request.get("metadata") or [{} for _ in prompts])
+            if not len(images) == len(prompts) == len(metadata):
+                raise ValueError(f"got {len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata")
+        except RequestTooLarge as exc:
+            return 413, {"error": str(exc)}, 0
+        except (ValueError, KeyError, TypeError, OSError, Image.DecompressionBombError) as exc:
+            detail = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+            return 400, {"error": f"bad request: {detail}"}, 0
+        try:
+            rewards, info = self.reward_fn(images, prompts, metadata)
+            rewards = np.asarray(torch.as_tensor(rewards).detach().cpu(), dtype=np.float64)
+            return 200, {"rewards": rewards.tolist(), "info": info or {}}, len(prompts)
+        except Exception as exc:
+            return 500, {"error": f"{type(exc).__name__}: {exc}"}, len(prompts)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _deadline_protocol(request_timeout: float):
+    """uvicorn's h11 protocol with a deadline on the request headers: a connection that has not sent a whole
+    request head within `request_timeout` s of opening (or of its previous answer) is answered 408 and
+    closed (closed silently when it sent nothing); the body's share of the deadline is kept by RewardApp."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class DeadlineProtocol(H11Protocol):
+        _timer = None
+
+        def _arm(self):
+            if self._timer is not None:
+                self._timer.cancel()
+            self._started, self._received = self.loop.time(), 0
+            self._timer = self.loop.call_later(request_timeout, self._expired)
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data):
+            self._received += len(data)
+            super().data_received(data)
+
+        def handle_events(self):
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle and self._timer is not None:  # a request head arrived: the app keeps its time
+                self.cycle.scope[_STARTED] = self._started
+                self._timer.cancel()
+                self._timer = None
+
+        def on_response_complete(self):
+            self._arm()
+            super().on_response_complete()
+
+        def connection_lost(self, exc):
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            super().connection_lost(exc)
+
+        def _expired(self):
+            self._timer = None
+            if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+                return
+            if self._received:
+                body = json.dumps({"error": f"the request head did not arrive within the server's limit "
+                                            f"--request-timeout {request_timeout:g} (s)"}).encode()
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+                                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+                client = self.client or ("-", 0)
+                logger.info("- - 408 images=0 %.1f ms client=%s:%s (request head not received)",
+                            request_timeout * 1000, client[0], client[1])
+            self.transport.close()
+
+    return DeadlineProtocol
+
+
+class RewardServer:
+    """A RewardApp served by uvicorn on a socket bound at construction (`url` is known at once).
+
+        server = RewardServer(get_reward("jpeg_compressibility"), name="jpeg_compressibility", port=0)
+        server.serve_forever()            # or: with server.running() as url: ...  (a background thread)
+
+    ImportError with the install line when uvicorn is missing.
+    """
+
+    def __init__(self, reward_fn, name: str, host: str = "127.0.0.1", port: int = 0, limits: Limits = Limits()):
+        try:
+            import uvicorn
+        except ImportError as exc:
+            raise ImportError(INSTALL_HINT) from exc
+        self.app = RewardApp(reward_fn, name, limits)
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+        except OSError:
+            self.socket.close()
+            raise
+        self.socket.listen(min(limits.max_connections, socket.SOMAXCONN))
+        bound_host, bound_port = self.socket.getsockname()[:2]
+        self.server_address = (bound_host, bound_port)
+        self.url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
+        config = uvicorn.Config(
+            self.app, http=_deadline_protocol(limits.request_timeout), lifespan="off", log_config=None,
+            access_log=False, limit_concurrency=limits.max_connections, timeout_keep_alive=5,
+            timeout_graceful_shutdown=max(1, int(limits.request_timeout)), server_header=False,
+        )
+        self.server = uvicorn.Server(config)
+        self._thread = None
+
+    def serve_forever(self) -> None:
+        """Serve until Ctrl-C / SIGTERM (in the main thread) or stop(); then release the socket and the workers."""
+        try:
+            self.server.run(sockets=[self.socket])
+        finally:
+            self.socket.close()
+            self.app.close()
+
+    def start(self) -> str:
+        """Serve in a daemon thread; returns the URL once uvicorn accepts connections."""
+        self._thread = threading.Thread(target=self.serve_forever, name="reward-server", daemon=True)
+        self._thread.start()
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the reward server on {self.url} stopped while starting")
+            time.sleep(0.01)
+        return self.url
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def make_server(reward_fn, host: str = "127.0.0.1", port: int = 0, name: str | None = None, **limits) -> RewardServer:
+    """RewardServer for `reward_fn` (named `name`, default its function name); limits as keyword arguments
+    (Limits' fields, e.g. max_body_mb=1, request_timeout=1.0)."""
+    if name is None:
+        name = getattr(reward_fn, "__name__", None) or getattr(getattr(reward_fn, "func", None), "__name__", None)
+        name = name or type(reward_fn).__name__
+    return RewardServer(reward_fn, name, host, port, Limits(**limits))
 
 
 def main(argv=None) -> None:
+    defaults = Limits()
     parser = argparse.ArgumentParser(description="Serve a registered reward over HTTP (see module docstring).")
     parser.add_argument("--serve", required=True, metavar="REWARD_NAME",
                         help="registered reward name, 'module:function' or 'file.py:function'")
@@ -130,12 +334,25 @@ def main(argv=None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--device", default=None, help="device for model-based rewards, e.g. cuda")
     parser.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for the reward")
-    parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB, help="largest request body (MB)")
-    parser.add_argument("--max-images", type=int, default=DEFAULT_MAX_IMAGES, help="most images in one request")
-    parser.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, help="most pixels in one image")
-    parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT,
-                        help="seconds a request body may take to arrive")
+    parser.add_argument("--max-body-mb", type=float, default=defaults.max_body_mb, help="largest request body (MB)")
+    parser.add_argument("--max-images", type=int, default=defaults.max_images, help="most images in one request")
+    parser.add_argument("--max-pixels", type=int, default=defaults.max_pixels, help="most pixels in one image")
+    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
+                        help="seconds the whole request (headers and body) may take to arrive")
+    parser.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                        help="open connections at once; past it requests are answered 503")
+    parser.add_argument("--workers", type=int, default=defaults.workers,
+                        help="threads that score requests (1: one request at a time)")
     args = parser.parse_args(argv)
+    try:
+        import uvicorn  # noqa: F401  checked before a reward model loads
+    except ImportError:
+        sys.exit(f"reward server: error: {INSTALL_HINT}")
+    try:
+        limits = Limits(args.max_body_mb, args.max_images, args.max_pixels, args.request_timeout,
+                        args.max_connections, args.workers)
+    except ValueError as err:
+        sys.exit(f"reward server: error: {err}")
     try:
         kwargs = json.loads(args.kwargs)
     except json.JSONDecodeError as err:
@@ -149,16 +366,14 @@ def main(argv=None) -> None:
             reward_fn.check_ready()
     except (ValueError, TypeError, ImportError, OSError) as err:  # an unknown reward, bad kwargs, a missing model
         sys.exit(f"reward server: error: --serve {args.serve!r}: {' '.join(str(err).split())}")
-    server = make_server(reward_fn, args.host, args.port, max_body_mb=args.max_body_mb, max_images=args.max_images,
-                         max_pixels=args.max_pixels, read_timeout=args.read_timeout)
-    host, port = server.server_address[:2]
-    print(f"serving reward {args.serve!r} on http://{host}:{port}", flush=True)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+        server = RewardServer(reward_fn, component_name(args.serve), args.host, args.port, limits)
+    except OSError as err:
+        sys.exit(f"reward server: error: cannot listen on --host {args.host} --port {args.port}: {err.strerror or err}")
+    logging.basicConfig(format="%(asctime)s %(message)s", level=logging.INFO, stream=sys.stderr)
+    logging.getLogger("uvicorn").setLevel(logging.WARNING)
+    print(f"serving reward {args.serve!r} on {server.url}", flush=True)
+    server.serve_forever()
 
 
 if __name__ == "__main__":
