@@ -124,7 +124,7 @@ def plot_proxy_vs_gold(runs, name: str, title: str | None = None) -> bytes:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(5.2, 3.2), layout="constrained")
+    fig = Figure(figsize=(5.2, 3.2 + 0.15 * len(runs)), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     gold_ax = ax.twinx()
@@ -159,7 +159,8 @@ def plot_proxy_vs_gold(runs, name: str, title: str | None = None) -> bytes:
     ax.set_title(title or f"proxy vs gold {name}: {verdict}", fontsize=9)
     lines = ax.get_legend_handles_labels()
     gold_lines = gold_ax.get_legend_handles_labels()
-    ax.legend(lines[0] + gold_lines[0], lines[1] + gold_lines[1], fontsize=6, loc="best")
+    fig.legend(lines[0] + gold_lines[0], lines[1] + gold_lines[1], fontsize=6, loc="outside lower center",
+               ncol=2, frameon=False)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)
     return buffer.getvalue()
