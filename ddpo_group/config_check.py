@@ -346,4 +346,22 @@ def check_config(config, num_processes=1, has_gpu=None):
             )
     if not config.reward_fn and not config.reward_weights:
         raise ConfigError("no reward: set config.reward_fn or config.reward_weights")
+    _check_eval_rewards(config)
     return config
+
+
+def _check_eval_rewards(config):
+    """config.eval_rewards: comma-separated reward specs that resolve, scored at evaluations (eval_freq > 0)."""
+    from ddpo_group.rewards.registry import resolve_reward
+
+    specs = [spec.strip() for spec in config.eval_rewards.split(",") if spec.strip()]
+    if specs and not config.eval_freq:
+        raise ConfigError(
+            f"config.eval_rewards={config.eval_rewards!r} is scored at the fixed-noise evaluations, and "
+            "config.eval_freq=0 runs none: set config.eval_freq (e.g. 10), or config.eval_rewards=''"
+        )
+    for spec in specs:
+        try:
+            resolve_reward(spec)
+        except Exception as err:  # an unknown name, a missing file or module, an error importing it
+            raise ConfigError(f"config.eval_rewards: {err}") from err

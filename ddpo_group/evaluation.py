@@ -14,6 +14,8 @@ results are gathered (every process gets the whole result); grid images stay on 
 
 The trainer's evaluation phase is an `Evaluator`: it evaluates the current weights on the config's
 evaluation prompts into the epoch's metrics (eval/*) and writes the fixed grid samples/eval_XXXX.png.
+With `config.eval_rewards` it also scores the same images with those evaluation-only ("gold") rewards
+(eval/gold/<name>_mean, _std) and flags the proxy rising while a gold falls (ddpo_group/hacking.py).
 """
 
 import logging
@@ -24,7 +26,9 @@ import numpy as np
 import torch
 
 from ddpo_group.grids import save_epoch_samples
+from ddpo_group.hacking import GOLD_PREFIX, PROXY_KEY, PROXY_STD_KEY, diverged_at, gold_key
 from ddpo_group.prompts import load_prompts
+from ddpo_group.rewards import build_reward_fn
 
 logger = logging.getLogger("ddpo_group")
 
@@ -36,7 +40,7 @@ def sample_generator(seed, prompt_index, image_index):
 
 @torch.no_grad()
 def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, guidance_scale, eta, seed=1234,
-             batch_size=32, accelerator=None, grid_prompts=0, should_stop=None):
+             batch_size=32, accelerator=None, grid_prompts=0, should_stop=None, gold_fn=None):
     """Rewards of `images_per_prompt` fixed-noise images of every prompt record.
 
     Args:
@@ -45,9 +49,12 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         grid_prompts: keep the images of the first this many prompts (for a grid), on the main process.
         should_stop: a callable asked before each batch of a one-process evaluation; when it says True the
             evaluation ends there and returns None (a stop signal need not wait for the whole evaluation).
+        gold_fn: a CombinedReward of evaluation-only rewards (``gold_reward_fn``) that scores the same images;
+            each of its components is one gold reward.
 
     Returns: {"reward_mean", "reward_std", "components": {name: mean}, "per_prompt": (P,) means,
-    "rewards": (P, J) array, "images": (k*J, 3, H, W) CPU tensor or None, "grid_prompts": their prompts}.
+    "rewards": (P, J) array, "images": (k*J, 3, H, W) CPU tensor or None, "grid_prompts": their prompts,
+    "gold": {name: (P, J) array} (empty without gold_fn)}.
     """
     pairs = [(i, j) for i in range(len(records)) for j in range(images_per_prompt)]
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
@@ -63,10 +70,13 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         with context:
             batch = policy.sample(prompts, num_steps, guidance_scale, eta, generator=generators, model=model)
         images = batch.images.float().cpu()
-        total, components, _ = reward_fn(images, prompts, [records[i].metadata for i, _ in chunk])
+        metadata = [records[i].metadata for i, _ in chunk]
+        total, components, _ = reward_fn(images, prompts, metadata)
+        gold = gold_fn(images, prompts, metadata)[1] if gold_fn is not None else {}
         for n, (i, j) in enumerate(chunk):
             keep = images[n] if i < grid_prompts else None
-            results.append((i, j, float(total[n]), {k: float(v[n]) for k, v in components.items()}, keep))
+            results.append((i, j, float(total[n]), {k: float(v[n]) for k, v in components.items()}, keep,
+                            {k: float(v[n]) for k, v in gold.items()}))
     if accelerator is not None and world > 1:
         from accelerate.utils import gather_object
 
@@ -74,10 +84,13 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
     rewards = np.full((len(records), images_per_prompt), np.nan)
     component_sums = {}
     grid = {}
-    for i, j, value, parts, image in results:
+    gold = {}
+    for i, j, value, parts, image, gold_parts in results:
         rewards[i, j] = value
         for name, part in parts.items():
             component_sums.setdefault(name, []).append(part)
+        for name, part in gold_parts.items():
+            gold.setdefault(name, np.full((len(records), images_per_prompt), np.nan))[i, j] = part
         if image is not None:
             grid[(i, j)] = image
     images = None
@@ -91,7 +104,20 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         "rewards": rewards,
         "images": images,
         "grid_prompts": [records[i].prompt for i in range(min(grid_prompts, len(records)))],
+        "gold": gold,
     }
+
+
+def gold_specs(eval_rewards):
+    """The reward specs of config.eval_rewards (comma-separated; blanks ignored)."""
+    return [spec.strip() for spec in str(eval_rewards or "").split(",") if spec.strip()]
+
+
+def gold_reward_fn(eval_rewards, device=None):
+    """The CombinedReward of the evaluation-only rewards of config.eval_rewards (None when it names none): one
+    component per spec, named as training reward components are (the short name, the spec when two collide)."""
+    specs = gold_specs(eval_rewards)
+    return build_reward_fn(None, {spec: 1.0 for spec in specs}, device=device) if specs else None
 
 
 class Evaluator:
@@ -106,6 +132,12 @@ class Evaluator:
         self._training_prompts = prompts
         self._prompts = None
         self.first = None  # (epoch, reward mean) of this process's first evaluation: the console's "since"
+        # evaluation-only ("gold") rewards: built and loaded now, so a missing model fails before the first epoch
+        self.gold_fn = gold_reward_fn(config.eval_rewards, device=accelerator.device)
+        if self.gold_fn is not None:
+            self.gold_fn.check_ready()
+        self.history = None  # metrics of the run's evaluations so far (the divergence rule reads them)
+        self.diverged = set()  # gold rewards whose divergence the console has announced
 
     @property
     def prompts(self):
@@ -116,14 +148,15 @@ class Evaluator:
 
     def __call__(self, epoch, metrics, policy, model, should_stop=None):
         """Evaluate `model` (the weights after `epoch` epochs) into `metrics`: eval/reward_mean, eval/reward_std,
-        eval/<component>, eval/grid, time/eval; nothing when `should_stop` interrupted it (a stop signal)."""
+        eval/<component>, eval/grid, time/eval, and per gold reward of config.eval_rewards eval/gold/<name>_mean,
+        _std and _diverged; nothing when `should_stop` interrupted it (a stop signal)."""
         config, acc = self.config, self.accelerator
         start = time.perf_counter()
         result = evaluate(
             policy, model, self.prompts, self.reward_fn, config.eval_images_per_prompt, config.sample.num_steps,
             config.sample.guidance_scale, config.sample.eta, seed=config.eval_seed,
             batch_size=config.eval_batch_size or config.sample.batch_size, accelerator=acc,
-            grid_prompts=config.eval_grid_prompts, should_stop=should_stop,
+            grid_prompts=config.eval_grid_prompts, should_stop=should_stop, gold_fn=self.gold_fn,
         )
         if result is None:  # stopped by a signal between evaluation batches: no partial numbers are logged
             logger.warning("evaluation of epoch %d interrupted by a stop signal", epoch)
@@ -132,6 +165,10 @@ class Evaluator:
         metrics["eval/reward_std"] = result["reward_std"]
         for name, value in result["components"].items():
             metrics[f"eval/{name}"] = value
+        for name, values in result["gold"].items():
+            metrics[gold_key(name)] = float(np.mean(values))
+            metrics[gold_key(name, "std")] = float(np.std(values))
+        announce = self._divergence(epoch, metrics) if result["gold"] else []
         if acc.is_main_process and result["images"] is not None:
             per_image = config.eval_images_per_prompt
             shown = len(result["grid_prompts"])
@@ -145,7 +182,58 @@ class Evaluator:
         if acc.is_main_process:
             components = result["components"] if len(result["components"]) > 1 else {}  # one is the reward itself
             logger.info(
-                "eval epoch %d: reward %.4f ± %.4f (%+.4f since epoch %d)%s", epoch, result["reward_mean"],
+                "eval epoch %d: reward %.4f ± %.4f (%+.4f since epoch %d)%s%s", epoch, result["reward_mean"],
                 result["reward_std"], result["reward_mean"] - self.first[1], self.first[0],
                 "".join(f", {name} {value:.4f}" for name, value in components.items()),
+                "".join(f", gold {name} {metrics[gold_key(name)]:.4f} ({self._gold_change(name, metrics):+.4f})"
+                        for name in result["gold"]),
             )
+            for line in announce:
+                logger.warning(line)
+
+    def _earlier_evaluations(self, epoch):
+        """The evaluation rows of this run before `epoch` (a resumed run's are in its metrics.jsonl)."""
+        import json
+
+        rows = []
+        path = self.run_dir.file("metrics.jsonl")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:  # a torn last line of an interrupted run
+                        continue
+                    if isinstance(row, dict) and PROXY_KEY in row and row.get("epoch", epoch) < epoch:
+                        rows.append(row)
+        return rows
+
+    def _gold_change(self, name, metrics):
+        first = next((row for row in self.history if gold_key(name) in row), metrics)
+        return metrics[gold_key(name)] - first[gold_key(name)]
+
+    def _divergence(self, epoch, metrics):
+        """Apply the divergence rule (ddpo_group/hacking.py) to the evaluations so far and this one: writes
+        eval/gold/<name>_diverged (1.0 / 0.0) into `metrics`; returns the console lines of first divergences."""
+        if self.history is None:
+            self.history = self._earlier_evaluations(epoch)
+            for row in self.history:  # a resumed run announced these before
+                self.diverged |= {key[len(GOLD_PREFIX):-len("_diverged")] for key, value in row.items()
+                                  if key.startswith(GOLD_PREFIX) and key.endswith("_diverged") and value}
+        lines = []
+        for key in [k for k in metrics if k.startswith(GOLD_PREFIX) and k.endswith("_mean")]:
+            name = key[len(GOLD_PREFIX):-len("_mean")]
+            rows = [row for row in self.history if key in row] + [metrics]
+            proxy, gold = [row[PROXY_KEY] for row in rows], [row[key] for row in rows]
+            flags = diverged_at(proxy, gold, rows[0].get(PROXY_STD_KEY, 0.0), rows[0].get(gold_key(name, "std"), 0.0))
+            metrics[gold_key(name, "diverged")] = float(flags[-1])
+            if flags[-1] and name not in self.diverged:
+                self.diverged.add(name)
+                peak = max(range(len(gold)), key=gold.__getitem__)
+                lines.append(
+                    f"reward hacking? at epoch {epoch} the training reward rose {proxy[-1] - proxy[0]:+.4f} since "
+                    f"epoch {rows[0].get('epoch')} while gold {name} fell {gold[peak] - gold[-1]:.4f} below its best "
+                    f"(epoch {rows[peak].get('epoch')}); {gold_key(name, 'diverged')}=1; ddpo-group-inspect draws both"
+                )
+        self.history.append({k: v for k, v in metrics.items() if k.startswith("eval/") or k == "epoch"})
+        return lines

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ddpo_group.hacking import hacking_section
+
 RUN_DIR_HELP = (
     "expected a run directory written by the trainer (logdir/run_name) containing metrics.jsonl "
     "(one JSON object per epoch), and optionally config.json and samples/"
@@ -680,6 +682,7 @@ def build_report(
         "<p>" + "<br>".join(_e(run.path) for run in runs) + "</p>",
         _summary_section(runs),
         _evaluation_section(runs),
+        hacking_section(runs),
         _config_section(runs),
         _curves_section(runs),
         _steps_section(runs),

@@ -71,6 +71,14 @@ def get_config():
     config.eval_batch_size = 0
     # Prompts shown in the fixed evaluation grid samples/eval_XXXX.png (0: no grid).
     config.eval_grid_prompts = 8
+    # Evaluation-only ("gold") rewards, the reward-hacking monitor: comma-separated reward specs in reward_fn's
+    # forms (registered name, entry point, "package.module:function", "path/to/file.py:function", "http://host:port"),
+    # e.g. "shapes_alignment" or "aesthetic,clip_score". Each evaluation also scores its images with each of them
+    # (eval/gold/<name>_mean, eval/gold/<name>_std; the training reward stays eval/reward_mean) and flags
+    # eval/gold/<name>_diverged = 1 when the training reward has risen while that gold reward fell (the rule:
+    # ddpo_group/hacking.py); the console says so once and the report draws both. They never train; they take no
+    # keyword arguments (wrap one in a file.py:function for that). Needs eval_freq > 0.
+    config.eval_rewards = ""
     # Write each rank's rewards, prompt ids and advantages to run_dir/debug/ every epoch (tests, debugging).
     config.debug_dump = False
     # Plugins imported before the config is checked: comma-separated module names or .py paths that

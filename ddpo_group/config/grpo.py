@@ -17,6 +17,7 @@
     tiny_awm        advantage-weighted matching (forward process, PPO ratio of matching losses) on the main job's task
     tiny_group_ppo_sampled  Algorithm 2 training one random step per segment (weighted) instead of its endpoint
     tiny_early_window  GRPO + KL trained only at the 2 noisiest steps (Flow-GRPO-Fast / MixGRPO style)
+    tiny_hacking    reward hacking on show: trains on JPEG incompressibility, watches shapes_alignment (gold)
     test            the random-weight tiny pipeline, a few seconds; for tests and smoke checks
     sd35            GRPO + KL on SD3.5-Medium (flow matching, SDE steps) with Flow-GRPO's settings, one GPU
     flux            GRPO + KL on FLUX.1-dev (flow matching, SDE steps), bf16, LoRA, one GPU
@@ -225,6 +226,18 @@ def tiny_early_window():
     config = tiny_all()
     config.train.timestep_selection = "early"
     config.train.early_steps = 2
+    return config
+
+
+def tiny_hacking():
+    """The reward-hacking monitor on show (docs/hacking.md): the main job's prompts, sampler, KL and learning
+    rate, but trained on a proxy, JPEG incompressibility (detail: bytes of the image's JPEG), while every
+    evaluation (every 5 epochs) also scores the images with the gold reward shapes_alignment. The model adds
+    detail that breaks the flat background and the shape: the proxy rises and the gold falls (3 seeds)."""
+    config = tiny()
+    config.reward_fn = "jpeg_incompressibility"
+    config.eval_rewards = "shapes_alignment"
+    config.eval_freq = 5
     return config
 
 
@@ -454,6 +467,7 @@ VARIANTS = {
     "tiny_awm": tiny_awm,
     "tiny_group_ppo_sampled": tiny_group_ppo_sampled,
     "tiny_early_window": tiny_early_window,
+    "tiny_hacking": tiny_hacking,
     "test": test,
     "sd35": sd35,
     "flux": flux,
