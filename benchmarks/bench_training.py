@@ -97,7 +97,11 @@ METHODS = {
     ),
     "early_window": (
         "GRPO + KL trained only at the first (noisiest) 2 steps, Flow-GRPO-Fast / MixGRPO style",
-        "tiny", "sd15", {"train.timestep_selection": "early", "train.early_steps": 2},
+        "tiny_early_window", "sd15", {"train.timestep_selection": "early", "train.early_steps": 2},
+    ),
+    "gae": (
+        "PPO with a critic and GAE advantages over the denoising steps, all timesteps, reference KL",
+        "tiny_gae", "sd15", {"algorithm.adv_estimator": "gae"},
     ),
     "group_ppo_all": (
         "Algorithm 2's advantages, actor trained on every valid step with the segment advantage",

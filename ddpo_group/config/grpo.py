@@ -9,14 +9,14 @@
     tiny_squares    the same on all 36 square prompts
     tiny_all        GRPO on all 108 shapes-world prompts (slower to show learning)
     tiny_one_prompt GRPO on a single prompt the shapes-world model gets wrong: a visible rise in 2 minutes
-    tiny_ddpo       the DDPO baseline on the shapes-world model
+    tiny_ddpo       the main job with DDPO (per-prompt stat tracking, no dual clip, no KL) instead of GRPO + KL
     tiny_group_ppo  Group-PPO on the main job's task: noise and training at the segment's first step, per-prompt baseline, KL
     tiny_group_ppo_alg2  Group-PPO on the main job's task as Algorithm 2 is written (its reward falls; docs/group_ppo.md)
-    tiny_gae        PPO with a critic and GAE over timesteps on the shapes-world model
+    tiny_gae        the main job with a critic and GAE advantages over the steps instead of GRPO's group baseline
     tiny_nft        DiffusionNFT (forward process, no log-probs) on the main job's task and evaluation
     tiny_awm        advantage-weighted matching (forward process, PPO ratio of matching losses) on the main job's task
-    tiny_group_ppo_sampled  Algorithm 2 training one random step per segment (weighted) instead of its endpoint
-    tiny_early_window  GRPO + KL trained only at the 2 noisiest steps (Flow-GRPO-Fast / MixGRPO style)
+    tiny_group_ppo_sampled  tiny_group_ppo_alg2 training one random step per segment (weighted) instead of its endpoint
+    tiny_early_window  the main job trained only at the 2 noisiest steps (Flow-GRPO-Fast / MixGRPO style)
     tiny_hacking    reward hacking on show: trains on JPEG incompressibility, watches shapes_alignment (gold)
     test            the random-weight tiny pipeline, a few seconds; for tests and smoke checks
     sd35            GRPO + KL on SD3.5-Medium (flow matching, SDE steps) with Flow-GRPO's settings, one GPU
@@ -26,6 +26,12 @@
     tiny_flux       a random-weight tiny FLUX pipeline (flow matching), seconds; tests and smoke checks
     qwen_image      GRPO on Qwen-Image (flow matching, true CFG) with LoRA r64, Flow-Factory / verl settings, one GPU
     tiny_qwen_image  a random-weight tiny Qwen-Image pipeline (Qwen2.5-VL text, true CFG), seconds; tests and smoke checks
+
+The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
+tiny_early_window, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
+prompts, sampler steps, group size, epochs and evaluation, so their evaluations compare with the main job's
+(tests/test_variants.py checks the changed fields; README "Configs" gives each one's measured result). A learning
+rate differs from the main job's 2e-4 only where a measured sweep chose it, and the variant's docstring says so.
 """
 
 from ddpo_group.config import base
@@ -192,9 +198,15 @@ def tiny_one_prompt():
 
 
 def tiny_ddpo():
-    config = _tiny_common(base.get_config())
+    """DDPO (ddpo-pytorch's algorithm) on the main job's task (prompts, sampler, evaluation, learning rate and clip
+    range as `tiny`): per-prompt stat tracking of the rewards, PPO on all steps without the dual clip, no reference
+    model or KL (ddpo-pytorch has none). No learning-rate sweep: the main job's 2e-4."""
+    config = tiny()
     config.algorithm.adv_estimator = "ddpo"
-    config.train.clip_ratio_c = 1e4
+    config.train.clip_ratio_c = 1e4  # ddpo-pytorch has no dual clip
+    config.train.use_reference_model = False
+    config.train.use_kl_loss = False
+    config.train.beta = 0.0
     return config
 
 
@@ -215,15 +227,17 @@ def tiny_group_ppo_alg2():
 
 
 def tiny_group_ppo_sampled():
-    """Algorithm 2 with one step drawn inside each segment (weighted by its length) instead of the endpoint."""
+    """Algorithm 2 (tiny_group_ppo_alg2, its learning rate 5e-5 included) with one step drawn inside each segment
+    (weighted by its length) instead of the endpoint: it differs from tiny_group_ppo_alg2 only in the trained step."""
     config = tiny_group_ppo_alg2()
     config.train.timestep_selection = "segment_sample"
     return config
 
 
 def tiny_early_window():
-    """GRPO + KL trained only at the 2 noisiest steps (Flow-GRPO-Fast / MixGRPO's window; 2 = Group-PPO's K here)."""
-    config = tiny_all()
+    """The main job (GRPO + KL, its learning rate 2e-4) trained only at the 2 noisiest steps (Flow-GRPO-Fast /
+    MixGRPO's window; 2 = Group-PPO's K here). No learning-rate sweep."""
+    config = tiny()
     config.train.timestep_selection = "early"
     config.train.early_steps = 2
     return config
@@ -242,7 +256,9 @@ def tiny_hacking():
 
 
 def tiny_gae():
-    config = _tiny_common(base.get_config())
+    """The main job (GRPO's KL to the reference, its learning rate 2e-4) with PPO's critic and GAE advantages over
+    the denoising steps instead of GRPO's group baseline. No learning-rate sweep."""
+    config = tiny()
     config.algorithm.adv_estimator = "gae"
     return config
 

@@ -1,0 +1,149 @@
+"""The tiny_* algorithm variants are the main job (`tiny`) with only their method's fields changed, so their
+evaluations compare with the main job's; and the command README's Configs table gives for each measures exactly it.
+
+Each variant's changed fields are declared here by hand (what its name says), not read from the code: a field
+changed in config/grpo.py without being declared, or declared without being changed, fails."""
+
+import importlib.util
+import os
+import re
+import shlex
+
+import pytest
+
+from ddpo_group.config import grpo
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+NO_KL = {"train.use_reference_model", "train.use_kl_loss", "train.beta"}
+# variant -> the fields (dotted) in which it differs from tiny(): its method, nothing of the task.
+DECLARED = {
+    # DDPO: per-prompt stat tracking, no dual clip, no KL (ddpo-pytorch has none); the main job's lr
+    "tiny_ddpo": {"algorithm.adv_estimator", "train.clip_ratio_c"} | NO_KL,
+    # a critic and GAE instead of GRPO's group baseline; KL and lr as the main job
+    "tiny_gae": {"algorithm.adv_estimator"},
+    # the Group-PPO design that learns: noise (a 1-step SDE window at step 0) and training at the segment's first
+    # step, per-prompt normalisation; lr 5e-5 from the Group-PPO study's sweep
+    "tiny_group_ppo": {"algorithm.adv_estimator", "train.timestep_selection", "sample.sde_window_size",
+                       "group_ppo.advantage_norm", "train.learning_rate"},
+    # Algorithm 2 as written: endpoints, no reference model, segments of at most 8; lr 5e-5 from the sweep
+    "tiny_group_ppo_alg2": {"algorithm.adv_estimator", "train.timestep_selection", "group_ppo.max_group_size",
+                            "train.learning_rate"} | (NO_KL - {"train.beta"}),
+    # tiny_group_ppo_alg2 with another trained step
+    "tiny_group_ppo_sampled": {"algorithm.adv_estimator", "train.timestep_selection", "group_ppo.max_group_size",
+                               "train.learning_rate"} | (NO_KL - {"train.beta"}),
+    # the main job trained at the 2 noisiest steps (train.early_steps' default is 2)
+    "tiny_early_window": {"train.timestep_selection"},
+    # forward-process objectives without KL; AWM's lr 1e-4 from its sweep
+    "tiny_nft": {"train.objective", "forward.num_timesteps"} | NO_KL,
+    "tiny_awm": {"train.objective", "forward.num_timesteps", "train.learning_rate"} | NO_KL,
+}
+# What makes an evaluation comparable with the main job's: no algorithm variant may change these (the SDE window of
+# the Group-PPO design changes where the sampler's noise is, not its steps, guidance or noise level).
+TASK_FIELDS = re.compile(
+    r"^(prompt_fn.*|reward_.*|pretrained\..*|eval_.*|num_epochs|seed|mixed_precision|use_lora|"
+    r"sample\.(?!sde_window_size$|sde_window_start$).*|"
+    r"train\.(batch_size|gradient_accumulation_steps|num_inner_epochs|cfg))$")
+# Fields of the method: a tiny_* variant that changes one of these is an algorithm variant and must be declared.
+ALGORITHM_FIELDS = re.compile(
+    r"^(algorithm\..*|group_ppo\..*|forward\..*|critic\..*|per_prompt_stat_tracking\..*|sample\.sde_window.*|"
+    r"train\.(objective|timestep_selection|timestep_fraction|early_steps|use_kl_loss|beta|use_reference_model|"
+    r"policy_loss|loss_agg_mode|clip_ratio_c|kl_type))$")
+# The bench's run bookkeeping (benchmarks/bench_training.py build_method_config); everything else must be equal.
+BOOKKEEPING = {"num_epochs", "logdir", "run_name", "log_images_every", "eval_freq", "save_freq", "log_with",
+               "resume_from", "seed"}
+
+
+def flat(config, prefix=""):
+    out = {}
+    for key, value in (config.to_dict() if hasattr(config, "to_dict") else config).items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def changed(a, b):
+    return {key for key in set(a) | set(b) if a.get(key, KeyError) != b.get(key, KeyError)}
+
+
+@pytest.mark.parametrize("variant", sorted(DECLARED))
+def test_algorithm_variant_differs_from_tiny_only_in_its_declared_fields(variant):
+    assert changed(flat(grpo.get_config(variant)), flat(grpo.tiny())) == DECLARED[variant]
+
+
+@pytest.mark.parametrize("variant", sorted(DECLARED))
+def test_algorithm_variant_runs_the_main_jobs_task_and_evaluation(variant):
+    config = grpo.get_config(variant)
+    # the main job as README describes it: 18 big-square prompts, shapes_alignment, 40 epochs of 2 x 32
+    # trajectories of 10 steps in groups of 8, fixed-noise evaluation of 8 images per prompt every 10 epochs
+    assert config.pretrained.model == "tiny-shapes"
+    assert config.prompt_fn == "shapes_big_squares.txt"
+    assert config.reward_fn == "shapes_alignment"
+    assert config.num_epochs == 40
+    assert (config.sample.num_steps, config.sample.batch_size, config.sample.num_batches_per_epoch) == (10, 32, 2)
+    assert config.sample.group_size == 8
+    assert config.sample.guidance_scale == 3.0 and config.sample.eta == 1.0
+    assert (config.eval_freq, config.eval_images_per_prompt, config.eval_seed) == (10, 8, 1234)
+
+
+def test_no_declared_field_is_part_of_the_task():
+    for variant, fields in DECLARED.items():
+        assert not [f for f in fields if TASK_FIELDS.match(f)], variant
+
+
+def test_a_learning_rate_other_than_the_main_jobs_is_named_in_the_docstring():
+    """A learning rate differs only where a measured sweep chose it, and the variant's docstring says which."""
+    main_lr = grpo.tiny().train.learning_rate
+    assert main_lr == 2e-4
+    for variant in DECLARED:
+        lr = grpo.get_config(variant).train.learning_rate
+        if lr != main_lr:
+            written = f"{lr:.0e}".replace("e-0", "e-")  # 5e-05 -> 5e-5
+            assert written in grpo.VARIANTS[variant].__doc__, (variant, written)
+
+
+def test_every_tiny_variant_that_changes_the_method_is_declared():
+    tiny = flat(grpo.tiny())
+    for name in grpo.VARIANTS:
+        if name.startswith("tiny_") and name not in DECLARED:
+            method_changes = [f for f in changed(flat(grpo.get_config(name)), tiny) if ALGORITHM_FIELDS.match(f)]
+            assert not method_changes, f"{name} changes {method_changes}: declare it in DECLARED"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_training", os.path.join(REPO_ROOT, "benchmarks",
+                                                                                 "bench_training.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def readme_commands():
+    """{variant: bench_training.py arguments} from the rows of README's Configs table that give one."""
+    with open(os.path.join(REPO_ROOT, "README.md")) as f:
+        text = f.read()
+    prefix = re.search(r"`\.venv/bin/python benchmarks/bench_training\.py ([^`]*) ARGS`", text)
+    assert prefix, "README: the common bench_training.py command of the Configs table (`... ARGS`)"
+    commands = {}
+    for row in re.findall(r"^\| `(tiny_\w+)` \|.*`(--common-variant [^`]*)`.*\|$", text, flags=re.M):
+        commands[row[0]] = shlex.split(prefix.group(1)) + shlex.split(row[1])
+    return commands
+
+
+def test_readme_gives_every_algorithm_variant_a_command_that_trains_exactly_it(tmp_path):
+    bench = _load_bench()
+    commands = readme_commands()
+    assert set(DECLARED) <= set(commands)
+    for variant in sorted(DECLARED):
+        args = bench.parse_args(commands[variant])
+        assert (args.seeds, args.seed_start, args.epochs, args.eval_freq, args.jobs) == (3, 42, 40, 5, 1)
+        assert len(args.methods) == 1 and args.model == "tiny-shapes"
+        assert bench.parse_method_spec(args.methods[0])[0] == variant  # the label the results table shows
+        built = bench.build_method_config(args.methods[0], args.model, args.epochs, str(tmp_path / "run"), args.reward,
+                                          bench._sample_overrides(args), args.common_variant, seed=42,
+                                          eval_freq=args.eval_freq)
+        differ = changed(flat(built), flat(grpo.get_config(variant)))
+        assert differ <= BOOKKEEPING, (variant, differ - BOOKKEEPING)
+        assert (built.num_epochs, built.eval_freq, built.seed) == (40, 5, 42)
