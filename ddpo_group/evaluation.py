@@ -13,7 +13,11 @@ With an accelerator every process evaluates its share of the (prompt, image) pai
 results are gathered (every process gets the whole result); grid images stay on the main process.
 
 The trainer's evaluation phase is an `Evaluator`: it evaluates the current weights on the config's
-evaluation prompts into the epoch's metrics (eval/*) and writes the fixed grid samples/eval_XXXX.png.
+evaluation prompts into the epoch's metrics (eval/*) and writes the fixed grid samples/eval_XXXX.png with
+samples/eval_XXXX.json (ddpo_group.grids: each image's prompt, reward, prompt_index and image_index, and the
+document's seed, prompts and (P, J) rewards). The final evaluation (the trainer's eval_only row, the final
+weights) keeps the images of more prompts than the grid's (FINAL_IMAGE_PROMPTS, all of a small prompt set) and
+marks its JSON "final": the report's best and worst samples come from it.
 With `config.eval_rewards` it also scores the same images with those evaluation-only ("gold") rewards
 (eval/gold/<name>_mean, _std) and flags the proxy rising while a gold falls (ddpo_group/hacking.py).
 """
@@ -31,6 +35,9 @@ from ddpo_group.prompts import load_prompts
 from ddpo_group.rewards import build_reward_fn
 
 logger = logging.getLogger("ddpo_group")
+# The final evaluation keeps the images of the first max(eval_grid_prompts, this many) prompts for the report (held
+# in memory until they are written: 32 prompts x 2 images at 512 px are 200 MB of float32).
+FINAL_IMAGE_PROMPTS = 32
 
 
 def sample_generator(seed, prompt_index, image_index):
@@ -152,11 +159,13 @@ class Evaluator:
         _std and _diverged; nothing when `should_stop` interrupted it (a stop signal)."""
         config, acc = self.config, self.accelerator
         start = time.perf_counter()
+        final = bool(metrics.get("eval_only"))  # the final weights: every image kept for the report's best / worst
         result = evaluate(
             policy, model, self.prompts, self.reward_fn, config.eval_images_per_prompt, config.sample.num_steps,
             config.sample.guidance_scale, config.sample.eta, seed=config.eval_seed,
             batch_size=config.eval_batch_size or config.sample.batch_size, accelerator=acc,
-            grid_prompts=config.eval_grid_prompts, should_stop=should_stop, gold_fn=self.gold_fn,
+            grid_prompts=max(config.eval_grid_prompts, FINAL_IMAGE_PROMPTS) if final else config.eval_grid_prompts,
+            should_stop=should_stop, gold_fn=self.gold_fn,
         )
         if result is None:  # stopped by a signal between evaluation batches: no partial numbers are logged
             logger.warning("evaluation of epoch %d interrupted by a stop signal", epoch)
@@ -170,13 +179,16 @@ class Evaluator:
             metrics[gold_key(name, "std")] = float(np.std(values))
         announce = self._divergence(epoch, metrics) if result["gold"] else []
         if acc.is_main_process and result["images"] is not None:
-            per_image = config.eval_images_per_prompt
-            shown = len(result["grid_prompts"])
+            per_image, kept = config.eval_images_per_prompt, len(result["grid_prompts"])
             grid = save_epoch_samples(
                 self.run_dir.path, epoch, result["images"], [p for p in result["grid_prompts"] for _ in range(per_image)],
-                result["rewards"][:shown].reshape(-1), None, per_image, max_rows=shown, prefix="eval",
+                result["rewards"][:kept].reshape(-1), None, per_image, max_rows=min(kept, config.eval_grid_prompts),
+                prefix="eval", record_fields=[{"prompt_index": i, "image_index": j} for i in range(kept) for j in range(per_image)],
+                extra={"final": final, "seed": config.eval_seed, "prompts": [r.prompt for r in self.prompts],
+                       "rewards": result["rewards"].tolist()},
             )
-            metrics["eval/grid"] = os.path.relpath(grid, self.run_dir.path)
+            if grid is not None:
+                metrics["eval/grid"] = os.path.relpath(grid, self.run_dir.path)
         metrics["time/eval"] = time.perf_counter() - start
         self.first = self.first or (epoch, result["reward_mean"])
         if acc.is_main_process:

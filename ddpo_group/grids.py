@@ -6,7 +6,8 @@ under `run_dir/samples/`:
     epoch_XXXX.png        the grid (each cell captioned "r=<reward> a=<advantage>", the prompt on the left)
     epoch_XXXX/NNN.png    every sample on its own, NNN = its index in the epoch batch
     epoch_XXXX.json       {"epoch", "group_size", "grid", "records": [{index, prompt, reward, advantage, image}]}
-                          where `grid` and each `image` are paths relative to the samples/ folder
+                          where `grid` and each `image` are paths relative to the samples/ folder (`grid` is
+                          null when max_rows=0); `extra` adds document fields, `record_fields` fields per record
 
 Every file is written to a temporary file in the same folder and moved into place with
 `os.replace`, so a crash never leaves a half-written PNG or JSON behind. The JSON is written
@@ -263,22 +264,26 @@ def save_epoch_samples(
     max_rows: int = 8,
     upscale: int | None = None,
     prefix: str = "epoch",
-) -> Path:
-    """Write the epoch's grid, single images and JSON records; return the grid path.
+    extra: dict | None = None,
+    record_fields: Sequence[dict] | None = None,
+) -> Path | None:
+    """Write the epoch's grid, single images and JSON records; return the grid path (None with max_rows=0).
 
     Files are named samples/{prefix}_XXXX (prefix "eval" for the fixed evaluation grids).
+    extra: more fields of the JSON document (e.g. the evaluation's seed); record_fields: N dicts, each merged
+    into its sample's record (e.g. {"prompt_index": i, "image_index": j}).
 
     images: (N, 3, H, W) float in [0, 1]; prompts: N strings; rewards: (N,); advantages: (N,)
     per-sample advantages, or None. Grid rows come from `group_rows(prompts, group_size)`,
-    capped at `max_rows` rows; `group_size` columns. Every sample (not only those in the grid)
+    capped at `max_rows` rows (0: no grid image); `group_size` columns. Every sample (not only those in the grid)
     is saved as samples/epoch_XXXX/NNN.png and listed in samples/epoch_XXXX.json.
     """
     if epoch < 0:
         raise ValueError(f"epoch must be >= 0, got {epoch}")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    if max_rows < 0:
+        raise ValueError(f"max_rows must be >= 0 (0: no grid image), got {max_rows}")
     array = _to_numpy(images)
     if array.ndim != 4 or array.shape[1] != 3:
         raise ValueError(f"images must have shape (N, 3, H, W) with values in [0, 1], got {tuple(array.shape)}")
@@ -316,26 +321,27 @@ def save_epoch_samples(
                 "reward": float(rewards[index]),
                 "advantage": advantage if np.isfinite(advantage) else None,
                 "image": image_rel,
+                **(record_fields[index] if record_fields is not None else {}),
             }
         )
 
-    rows = group_rows(prompts, group_size)[:max_rows]
-    cells: list[Any] = []
-    captions: list[str] = []
-    for _, indices in rows:
-        for slot in range(group_size):
-            if slot < len(indices):
-                index = indices[slot]
-                cells.append(array[index])
-                captions.append(format_caption(rewards[index], advantages[index]))
-            else:
-                cells.append(None)
-                captions.append("")
-    grid = make_grid(cells, group_size, captions=captions, row_labels=[p for p, _ in rows], upscale=upscale)
-    grid_path = samples_dir / f"{stem}.png"
-    save_png(grid, grid_path)
-    save_json(
-        {"epoch": int(epoch), "group_size": int(group_size), "grid": grid_path.name, "records": records},
-        samples_dir / f"{stem}.json",
-    )
+    grid_path = None
+    if max_rows:
+        rows = group_rows(prompts, group_size)[:max_rows]
+        cells: list[Any] = []
+        captions: list[str] = []
+        for _, indices in rows:
+            for slot in range(group_size):
+                if slot < len(indices):
+                    index = indices[slot]
+                    cells.append(array[index])
+                    captions.append(format_caption(rewards[index], advantages[index]))
+                else:
+                    cells.append(None)
+                    captions.append("")
+        grid = make_grid(cells, group_size, captions=captions, row_labels=[p for p, _ in rows], upscale=upscale)
+        grid_path = samples_dir / f"{stem}.png"
+        save_png(grid, grid_path)
+    document = {"epoch": int(epoch), "group_size": int(group_size), "grid": grid_path.name if grid_path else None}
+    save_json({**document, **(extra or {}), "records": records}, samples_dir / f"{stem}.json")
     return grid_path

@@ -1,19 +1,27 @@
 """Run inspection: one self-contained HTML report for a run directory (or two, side by side).
 
-The report shows a summary that compares evaluations and 5-epoch windows (single epochs are
-noise), the fixed-noise evaluation curve beside the smoothed training reward with the fixed
-evaluation grids (first, middle, last) and scripts/evaluate.py's evaluation.json results, the
-run's config, reward curves (reward_mean +- reward_std, each reward/<component> and
-eval/<component>), kl / loss / clipfrac and the other scalar metrics that were logged,
-the time per phase, the per-epoch sample grids, and for a few prompts the best and worst
-samples of the last logged epoch with their rewards and advantages. Every image is embedded
-as a base64 data URI, so the single .html file can be moved and opened anywhere.
+The report opens with a headline (status, and failed.json's reason when the run failed; variant, algorithm,
+model, rewards, prompt set, epochs, wall time, seed, final and best evaluation), then a summary that compares
+evaluations and 5-epoch windows (single epochs are noise); the fixed-noise evaluation curve beside the
+smoothed training reward with the fixed evaluation grids (first, middle, last; in compare mode a table whose
+cell holds both runs' image of the same prompt and the same noise) and scripts/evaluate.py's evaluation.json
+results; for a few prompts the best and worst samples of the final weights (the run's final evaluation,
+samples/eval_XXXX.json marked "final"; runs without one: the last logged epoch's samples, and the report says
+so); reward curves, kl / loss / clipfrac and the other scalar metrics, the time per phase, the per-step heat
+maps, the run's config, and the per-epoch sample grids.
+
+Every image is embedded as a base64 data URI, so the single .html file can be moved and opened anywhere, up to
+a size cap (`max_bytes`, MAX_REPORT_BYTES by default): past it the per-epoch sample grids are thinned evenly
+(the first and the last kept) and what is left out is linked (paths relative to the report) and counted at
+the top of the report. Images are shown at their own size or larger (never shrunk more than 2x).
 
 A run directory is what the trainer writes (docs/CONTRACTS.md, "run directory"):
 
-    run_dir/metrics.jsonl          one JSON object per epoch (required)
+    run_dir/metrics.jsonl          one JSON object per epoch (required, unless the run failed or stopped before it)
     run_dir/config.json            the run's config (optional)
+    run_dir/failed.json, stopped.json, resumes.jsonl    how the run ended, its resumes (optional)
     run_dir/samples/epoch_XXXX.png / .json / epoch_XXXX/NNN.png   (ddpo_group.grids, optional)
+    run_dir/samples/eval_XXXX.png / .json / eval_XXXX/NNN.png     (ddpo_group.evaluation, optional)
 
 Entry point: `ddpo-group-inspect` / scripts/inspect_run.py (ddpo_group.cli.inspect_main).
 """
@@ -27,6 +35,8 @@ import json
 import math
 import os
 import re
+import textwrap
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,11 +51,23 @@ RUN_DIR_HELP = (
 SCALAR_KEYS = ("kl", "approx_kl", "clipfrac", "loss")
 SCALAR_PREFIXES = ("group/", "tracker/", "critic/")
 TIME_KEYS = ("time/sample", "time/reward", "time/train")
+# The phases of an epoch that do not overlap (time/old_log_probs is part of time/train): their sum is the
+# headline's wall time.
+PHASE_KEYS = ("time/sample", "time/reward", "time/advantages", "time/train", "time/critic", "time/eval")
 RUN_STYLES = ("-", "--")
+RUN_COLORS = ("tab:blue", "tab:orange")
 _SAMPLE_JSON = re.compile(r"^epoch_(\d+)\.json$")
 _SAMPLE_PNG = re.compile(r"^epoch_(\d+)\.png$")
 _EVAL_PNG = re.compile(r"^eval_(\d+)\.png$")
+_EVAL_JSON = re.compile(r"^eval_(\d+)\.json$")
 SMOOTHING = 5  # epochs in the training reward's moving average and in the summary's windows
+# The report's size cap: 8 MB of HTML. A 5000-epoch run's grids would make it 150 MB or more; past the cap the
+# sample grids are thinned evenly and the rest linked. Everything else (plots, evaluation, best and worst) comes first.
+MAX_REPORT_BYTES = 8 * 2**20
+TEXT_RESERVE = 256 * 2**10  # room kept for the report's text when the images of the early sections are embedded
+COMPARE_PROMPTS = 8  # prompts in compare mode's paired evaluation table
+MIN_SHOWN_WIDTH = 96  # a sample image narrower than this is enlarged (nearest neighbour) by an integer factor
+MAX_SHOWN_WIDTH = 384  # a wider one is shown at max(this, half its width): never shrunk more than 2x
 
 
 @dataclass
@@ -58,7 +80,11 @@ class RunData:
     grids: dict[int, Path] = field(default_factory=dict)  # epoch -> samples/epoch_XXXX.png
     sample_files: dict[int, Path] = field(default_factory=dict)  # epoch -> samples/epoch_XXXX.json
     eval_grids: dict[int, Path] = field(default_factory=dict)  # epoch -> samples/eval_XXXX.png
+    eval_files: dict[int, Path] = field(default_factory=dict)  # epoch -> samples/eval_XXXX.json
     evaluations: dict[str, dict] = field(default_factory=dict)  # checkpoint name -> its evaluation.json
+    failed: dict | None = None  # failed.json: the run stopped on an error
+    stopped: dict | None = None  # stopped.json: a signal stopped the run before num_epochs
+    resumes: list[dict] = field(default_factory=list)  # resumes.jsonl rows
     name: str = ""  # label in legends and headings; the folder name by default
 
     def __post_init__(self):
@@ -97,22 +123,54 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
 
 
+def _read_marker(path: Path) -> dict | None:
+    """failed.json / stopped.json as a dict, None when absent; an unreadable one still says the run ended so."""
+    if not path.is_file():
+        return None
+    try:
+        document = _read_json(path)
+    except (OSError, ValueError) as err:
+        return {"error": f"{path.name} is unreadable ({err})"}
+    return document if isinstance(document, dict) else {"error": f"{path.name} holds {type(document).__name__}"}
+
+
+def _read_resumes(path: Path) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
 def load_run(run_dir: str | os.PathLike) -> RunData:
-    """Read metrics.jsonl, config.json (if present) and the list of sample epochs of a run."""
+    """Read metrics.jsonl, config.json, the run's end markers and the list of sample and evaluation files.
+
+    A run that failed (failed.json) or stopped (stopped.json) before its first metrics row is read with no
+    rows: the report says why it ended."""
     path = Path(run_dir)
     if not path.exists():
         raise ValueError(f"run directory {path} does not exist; {RUN_DIR_HELP}")
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory; {RUN_DIR_HELP}")
     metrics_path = path / "metrics.jsonl"
-    if not metrics_path.is_file():
+    failed, stopped = _read_marker(path / "failed.json"), _read_marker(path / "stopped.json")
+    if metrics_path.is_file():
+        metrics = read_metrics(metrics_path)
+    elif failed is not None or stopped is not None:
+        metrics = []
+    else:
         raise ValueError(f"{metrics_path} not found; {RUN_DIR_HELP}")
-    metrics = read_metrics(metrics_path)
     config_path = path / "config.json"
     config = _read_json(config_path) if config_path.is_file() else None
     if config is not None and not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
-    run = RunData(path=path, config=config, metrics=metrics)
+    run = RunData(path=path, config=config, metrics=metrics, failed=failed, stopped=stopped,
+                  resumes=_read_resumes(path / "resumes.jsonl"))
     samples_dir = path / "samples"
     if samples_dir.is_dir():
         for entry in sorted(samples_dir.iterdir()):
@@ -122,6 +180,8 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                 run.sample_files[int(match.group(1))] = entry
             elif match := _EVAL_PNG.match(entry.name):
                 run.eval_grids[int(match.group(1))] = entry
+            elif match := _EVAL_JSON.match(entry.name):
+                run.eval_files[int(match.group(1))] = entry
     for evaluation in sorted(path.glob("checkpoints/checkpoint_*/evaluation.json")):
         document = _read_json(evaluation)
         if isinstance(document, dict):
@@ -129,18 +189,23 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     return run
 
 
-def read_sample_records(run: RunData, epoch: int) -> list[dict]:
-    """Records of samples/epoch_XXXX.json, each with `image_path` (absolute Path) added."""
-    path = run.sample_files[epoch]
+def _read_records(run: RunData, path: Path, evaluation: bool = False) -> tuple[dict, list[dict]]:
+    """(document, records) of a samples JSON (epoch_XXXX.json or eval_XXXX.json); each record gets `image_path`
+    (an absolute Path inside the run directory, or None) and, for evaluation files, prompt_index / image_index."""
     document = _read_json(path)
     records = document.get("records") if isinstance(document, dict) else document
     if not isinstance(records, list):
         raise ValueError(f"{path}: expected a list of records or an object with a 'records' list")
+    document = document if isinstance(document, dict) else {}
+    group = document.get("group_size") if isinstance(document.get("group_size"), int) else None
     out = []
     for i, record in enumerate(records):
         if not isinstance(record, dict) or "prompt" not in record or "reward" not in record:
             raise ValueError(f"{path}: record {i} must be an object with at least 'prompt' and 'reward'")
         record = dict(record)
+        if evaluation and group and "prompt_index" not in record and isinstance(record.get("index"), int):
+            # evaluation files from before the indices were stored: image j of prompt i is record i * J + j
+            record["prompt_index"], record["image_index"] = divmod(record["index"], group)
         image = record.get("image")
         record["image_path"] = None
         if image:
@@ -151,7 +216,75 @@ def read_sample_records(run: RunData, epoch: int) -> list[dict]:
             else:
                 record["image_path"] = image_path
         out.append(record)
-    return out
+    return document, out
+
+
+def read_sample_records(run: RunData, epoch: int) -> list[dict]:
+    """Records of samples/epoch_XXXX.json, each with `image_path` (absolute Path) added."""
+    return _read_records(run, run.sample_files[epoch])[1]
+
+
+def read_eval_records(run: RunData, epoch: int) -> tuple[dict, list[dict]]:
+    """(document, records) of samples/eval_XXXX.json: the evaluation's seed, prompts, (P, J) rewards and "final"
+    flag (runs from before these were stored have none), and a record per kept image."""
+    return _read_records(run, run.eval_files[epoch], evaluation=True)
+
+
+@dataclass
+class SampleSource:
+    """Where a run's best and worst samples come from: the final evaluation, else the last logged epoch."""
+
+    records: list[dict]
+    label: str  # a sentence for the report: which weights, which epoch
+    short: str  # a few words for the headline and headings
+    first_means: dict[str, float]  # mean reward per prompt at the start (first evaluation / first sample epoch)
+    final: bool  # from the final weights
+
+
+def _means_of_document(document: dict, records: Sequence[dict]) -> dict[str, float]:
+    """Mean reward per prompt: from the evaluation's (P, J) rewards of every prompt when stored, else the records."""
+    prompts, rewards = document.get("prompts"), document.get("rewards")
+    if isinstance(prompts, list) and isinstance(rewards, list) and len(prompts) == len(rewards):
+        means = {}
+        for prompt, row in zip(prompts, rewards):
+            values = [v for v in (row if isinstance(row, list) else []) if _number(v) is not None]
+            if values:
+                means[str(prompt)] = sum(values) / len(values)
+        return means
+    return _mean_reward_by_prompt(records)
+
+
+def sample_source(run: RunData) -> SampleSource | None:
+    """The final evaluation's records (samples/eval_XXXX.json with "final": true, the latest), else the last
+    sample epoch's (runs from before the final evaluation kept its images, eval_freq=0, or stopped early)."""
+    final = None
+    if run.eval_files:  # the final evaluation is the run's last (epoch num_epochs)
+        epoch = max(run.eval_files)
+        document, records = read_eval_records(run, epoch)
+        final = (epoch, document, records) if document.get("final") else None
+    if final is not None:
+        epoch, document, records = final
+        first = min(run.eval_files)
+        first_document, first_records = read_eval_records(run, first) if first != epoch else ({}, [])
+        seed = f", noise seed {document['seed']}" if "seed" in document else ""
+        return SampleSource(
+            records=records, final=True, short=f"final weights (after {epoch} epochs)",
+            label=f"the final evaluation: the final weights, after {epoch} epochs (fixed noise{seed}, "
+                  f"samples/eval_{epoch:04d}.json); ranked by the change since the evaluation after {first} epochs",
+            first_means=_means_of_document(first_document, first_records),
+        )
+    if not run.sample_files:
+        return None
+    epochs = sorted(run.sample_files)
+    last = read_sample_records(run, epochs[-1])
+    first_means = _mean_reward_by_prompt(read_sample_records(run, epochs[0])) if len(epochs) > 1 else {}
+    return SampleSource(
+        records=last, final=False, short=f"training samples of epoch {epochs[-1]}, not the final weights",
+        label=f"the training samples of epoch {epochs[-1]} (the last logged sample epoch: the weights after "
+              f"{epochs[-1]} epochs, random noise), not the final weights: this run has no final-evaluation "
+              "records (written before they were kept, eval_freq=0, or it ended before its final evaluation)",
+        first_means=first_means,
+    )
 
 
 def _number(value: Any) -> float | None:
@@ -192,6 +325,11 @@ def _png_data_uri(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
 
 
+def _data_uri_length(num_bytes: int) -> int:
+    """Characters of the data URI of a PNG of `num_bytes` bytes (base64: 4 per 3, padded)."""
+    return len("data:image/png;base64,") + 4 * math.ceil(num_bytes / 3)
+
+
 def _figure_png(fig) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -201,14 +339,15 @@ def _figure_png(fig) -> bytes:
     return buffer.getvalue()
 
 
-def _new_axes(title: str):
+def _new_axes(title: str, size: tuple[float, float] = (4.6, 3.0)):
     # Figure + Agg canvas directly: no pyplot, no global backend switch in the caller's process.
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(4.6, 3.0), layout="constrained")
+    fig = Figure(figsize=size, layout="constrained")
     ax = fig.add_subplot()
-    ax.set_title(title, fontsize=10)
+    # wrapped to the figure's width (about 0.6 em per character): a title is never clipped at the sides
+    ax.set_title(textwrap.fill(title, max(20, int(size[0] * 72 / (10 * 0.6)))), fontsize=10)
     ax.set_xlabel("epoch", fontsize=9)
     ax.tick_params(labelsize=8)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -216,32 +355,43 @@ def _new_axes(title: str):
     return fig, ax
 
 
+def _legend_below(fig, ax, fontsize: int = 8) -> None:
+    """The legend under the axes, outside them (constrained layout makes room): it never covers a curve."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(2, len(handles)), fontsize=fontsize,
+                   frameon=False)
+
+
 def plot_curves(runs: Sequence[RunData]) -> list[tuple[str, bytes]]:
-    """One PNG per metric panel: reward_mean +- reward_std, then each other logged scalar (runs overlaid)."""
+    """One PNG per metric panel: reward_mean +- reward_std, then each other logged scalar (runs overlaid; with
+    two runs a legend under the panel, one run needs none: the panel's title names the metric)."""
     panels = []
-    colors = ("tab:blue", "tab:orange")
     if any(metric_series(run.metrics, "reward_mean")[0] for run in runs):
         fig, ax = _new_axes("reward_mean +- reward_std")
         for i, run in enumerate(runs):
             xs, means = metric_series(run.metrics, "reward_mean")
             if not xs:
                 continue
-            ax.plot(xs, means, RUN_STYLES[i], color=colors[i], label=run.name, marker="." if len(xs) < 30 else None)
+            ax.plot(xs, means, RUN_STYLES[i], color=RUN_COLORS[i], label=run.name, marker="." if len(xs) < 30 else None)
             by_epoch = dict(zip(*metric_series(run.metrics, "reward_std")))
             band = [(x, m, by_epoch[x]) for x, m in zip(xs, means) if x in by_epoch]
             if band:
                 bx, bm, bs = zip(*band)
                 ax.fill_between(bx, [m - s for m, s in zip(bm, bs)], [m + s for m, s in zip(bm, bs)],
-                                color=colors[i], alpha=0.2)
-        ax.legend(fontsize=8)
+                                color=RUN_COLORS[i], alpha=0.2)
+        if len(runs) > 1:
+            _legend_below(fig, ax)
         panels.append(("reward_mean +- reward_std", _figure_png(fig)))
     for key in _keys_in_order(runs):
         fig, ax = _new_axes(key)
         for i, run in enumerate(runs):
             xs, ys = metric_series(run.metrics, key)
             if xs:
-                ax.plot(xs, ys, RUN_STYLES[i], color=colors[i], label=run.name, marker="." if len(xs) < 30 else None)
-        ax.legend(fontsize=8)
+                ax.plot(xs, ys, RUN_STYLES[i], color=RUN_COLORS[i], label=run.name,
+                        marker="." if len(xs) < 30 else None)
+        if len(runs) > 1:
+            _legend_below(fig, ax)
         panels.append((key, _figure_png(fig)))
     return panels
 
@@ -250,15 +400,14 @@ def plot_times(runs: Sequence[RunData]) -> bytes | None:
     """Seconds per phase (time/sample, time/reward, time/train) per epoch; None when none was logged."""
     if not any(metric_series(run.metrics, key)[0] for run in runs for key in TIME_KEYS):
         return None
-    fig, ax = _new_axes("time per phase (s)")
-    fig.set_size_inches(6.0, 3.2)
+    fig, ax = _new_axes("time per phase (s)", size=(6.0, 3.4))
     for i, run in enumerate(runs):
         for key, color in zip(TIME_KEYS, ("tab:green", "tab:purple", "tab:red")):
             xs, ys = metric_series(run.metrics, key)
             if xs:
                 label = key if len(runs) == 1 else f"{run.name}: {key}"
                 ax.plot(xs, ys, RUN_STYLES[i], color=color, label=label)
-    ax.legend(fontsize=7)
+    _legend_below(fig, ax, fontsize=7)
     return _figure_png(fig)
 
 
@@ -352,15 +501,16 @@ def plot_step_heatmaps(runs: Sequence[RunData], keys: Sequence[str] | None = Non
     return _figure_png(fig)
 
 
-def _steps_section(runs: Sequence[RunData]) -> str:
+
+def _steps_section(runs: Sequence[RunData], inline: Inline) -> str:
     png = plot_step_heatmaps(runs)
     header = "<h2>Per-step view</h2>"
     if png is None:
         return header + "<p>no per-step metrics (steps/*) in this run: it was written before they were logged</p>"
     return (
         header + "<p>Each panel is epoch (x) by denoising step (y, 0 = the noisiest, on top); grey cells had "
-        "nothing to measure (no density, not trained, no critic). What each quantity means: docs/diagnostics.md "
-        "in the ddpo-group repository.</p>" + _img(_png_data_uri(png), "per-step heat maps", "wide")
+        "nothing to measure (no density, not trained, no critic); a column per run. What each quantity means: "
+        "docs/diagnostics.md in the ddpo-group repository.</p>" + inline.plot(png, "per-step heat maps", "wide")
     )
 
 
@@ -373,19 +523,10 @@ def _mean_reward_by_prompt(records: Sequence[dict]) -> dict[str, float]:
     return {prompt: sum(v) / len(v) for prompt, v in sums.items()}
 
 
-def choose_prompts(run: RunData, num_prompts: int = 3) -> list[str]:
-    """The `num_prompts` prompts of the last sample epoch whose mean reward changed most.
-
-    change(p) = |mean reward of p in the last sample epoch - mean reward of p in the first|;
-    prompts absent from the first epoch (or a single sample epoch) rank after, by first appearance.
-    """
-    if not run.sample_files:
-        return []
-    epochs = sorted(run.sample_files)
-    last = read_sample_records(run, epochs[-1])
-    order = list(dict.fromkeys(record["prompt"] for record in last))
-    last_means = _mean_reward_by_prompt(last)
-    first_means = _mean_reward_by_prompt(read_sample_records(run, epochs[0])) if len(epochs) > 1 else {}
+def _rank_prompts(source: SampleSource, num_prompts: int) -> list[str]:
+    order = list(dict.fromkeys(record["prompt"] for record in source.records))
+    last_means = _mean_reward_by_prompt(source.records)
+    first_means = source.first_means
 
     def rank(item: tuple[int, str]):
         position, prompt = item
@@ -396,19 +537,70 @@ def choose_prompts(run: RunData, num_prompts: int = 3) -> list[str]:
     return [prompt for _, prompt in sorted(enumerate(order), key=rank)[:num_prompts]]
 
 
+def choose_prompts(run: RunData, num_prompts: int = 3) -> list[str]:
+    """The `num_prompts` prompts of the run's best / worst samples (`sample_source`) whose mean reward changed most.
+
+    change(p) = |mean reward of p there - mean reward of p at the start| (the first evaluation, or the first
+    sample epoch); prompts absent from the start rank after, by first appearance.
+    """
+    source = sample_source(run)
+    return [] if source is None else _rank_prompts(source, num_prompts)
+
+
 def _e(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _img(data_uri: str, alt: str, css_class: str = "") -> str:
+def shown_width(width: int) -> int:
+    """The width an image of `width` pixels is shown at: small ones enlarged by an integer factor to at least
+    MIN_SHOWN_WIDTH (32 -> 96), wide ones at max(MAX_SHOWN_WIDTH, width / 2), never narrower than half their width."""
+    if width < MIN_SHOWN_WIDTH:
+        return width * math.ceil(MIN_SHOWN_WIDTH / width)
+    return min(width, max(MAX_SHOWN_WIDTH, math.ceil(width / 2)))
+
+
+def _img(data_uri: str, alt: str, css_class: str = "", size: tuple[int, int] | None = None) -> str:
     cls = f' class="{css_class}"' if css_class else ""
-    return f'<img{cls} src="{data_uri}" alt="{_e(alt)}">'
+    dims = f' width="{size[0]}" height="{size[1]}"' if size else ""
+    return f'<img{cls}{dims} src="{data_uri}" alt="{_e(alt)}">'
 
 
-def _file_img(path: Path | None, alt: str, css_class: str = "") -> str:
-    if path is None or not path.is_file():
-        return f'<span class="missing">missing image: {_e(path)}</span>'
-    return _img(_png_data_uri(path.read_bytes()), alt, css_class)
+class Inline:
+    """The report's images within its size cap: embedded while they fit in `limit` characters, else linked
+    (a path relative to the report's folder) and counted in the report's "left out" note."""
+
+    def __init__(self, limit: int, link_base: Path):
+        self.limit, self.used, self.link_base = limit, 0, link_base
+        self.left_out: list[tuple[str, Path]] = []  # (section, file)
+
+    def plot(self, png: bytes, alt: str, css_class: str = "plot") -> str:
+        """A plot is always embedded (tens of KB); it counts against the cap."""
+        uri = _png_data_uri(png)
+        self.used += len(uri)
+        return _img(uri, alt, css_class)
+
+    def link(self, path: Path, text: str) -> str:
+        href = urllib.parse.quote(Path(os.path.relpath(path, self.link_base)).as_posix())
+        return f'<a class="linked" href="{_e(href)}">{_e(text)}</a>'
+
+    def file(self, path: Path | None, alt: str, css_class: str, section: str) -> str:
+        """An image file of the run: a sample at `shown_width`, a grid at its own size; a link past the cap."""
+        if path is None or not path.is_file():
+            return f'<span class="missing">missing image: {_e(path)}</span>'
+        cost = _data_uri_length(path.stat().st_size)
+        if self.used + cost > self.limit:
+            self.left_out.append((section, path))
+            return self.link(path, f"{alt} (linked: over the report's size cap)")
+        self.used += cost
+        size = None
+        if css_class == "sample":
+            from PIL import Image
+
+            with Image.open(path) as image:
+                width, height = image.size
+            shown = shown_width(width)
+            size = (shown, max(1, round(height * shown / width)))
+        return _img(_png_data_uri(path.read_bytes()), alt, css_class, size)
 
 
 def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
@@ -448,9 +640,155 @@ def _config_section(runs: Sequence[RunData]) -> str:
             if run.config is not None
             else f"<p>no config.json in {_e(run.path)}</p>"
         )
-        cells.append(f'<div class="col"><details><summary>{_e(run.name)}: config.json</summary>{body}</details></div>')
-    parts.append(f'<div class="cols">{"".join(cells)}</div>')
+        cells.append(f'<div class="half"><details><summary>{_e(run.name)}: config.json</summary>{body}</details></div>')
+    parts.append(f'<div class="halves">{"".join(cells)}</div>')
     return "\n".join(parts)
+
+
+def _cfg(config: dict | None, dotted: str, default: Any = None) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def duration(seconds: float) -> str:
+    """'42.5 s', '5 min 25 s', '2 h 03 min'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def trained_epochs(run: RunData) -> int:
+    """Epochs trained: 1 + the last epoch of a training row (the final evaluation's eval_only row is not one)."""
+    epochs = [_number(row.get("epoch")) for row in run.metrics if not row.get("eval_only")]
+    epochs = [e for e in epochs if e is not None]
+    return int(max(epochs)) + 1 if epochs else 0
+
+
+def wall_time(run: RunData) -> float:
+    """Seconds in the logged phases (PHASE_KEYS) over every row: sampling, rewards, advantages, training,
+    critic, evaluation; model loading and checkpoint writing are not logged."""
+    return sum(_number(row.get(key)) or 0.0 for row in run.metrics for key in PHASE_KEYS)
+
+
+def run_status(run: RunData) -> tuple[str, str]:
+    """(css class, sentence): failed (failed.json's reason), stopped (stopped.json), incomplete, or finished."""
+    done, planned = trained_epochs(run), _cfg(run.config, "num_epochs")
+    if run.failed is not None:
+        failed = run.failed
+        where = f" at epoch {failed['epoch']}" if "epoch" in failed else ""
+        when = f" ({failed['time']})" if failed.get("time") else ""
+        return "failed", f"FAILED{where}: {failed.get('error', 'no reason recorded')}{when} (failed.json)"
+    if run.stopped is not None:
+        stopped = run.stopped
+        resume = stopped.get("resume") or f"--config.resume_from={run.path}"
+        return "stopped", (f"stopped by signal {stopped.get('signal')} after epoch {stopped.get('epoch')} "
+                           f"(stopped.json); resume with {resume}")
+    if isinstance(planned, int) and done < planned:
+        return "incomplete", (f"incomplete: {done} of {planned} epochs logged and no failed.json or stopped.json "
+                              "(still running, or killed before it could say so)")
+    return "ok", f"finished: {done} of {planned} epochs" if isinstance(planned, int) else f"{done} epochs logged"
+
+
+def _evaluations(run: RunData) -> list[tuple[float, float, bool]]:
+    """(epoch, eval/reward_mean, is the final weights' row) of every evaluation row."""
+    out = []
+    for i, row in enumerate(run.metrics):
+        value = _number(row.get("eval/reward_mean"))
+        if value is not None:
+            epoch = _number(row.get("epoch"))
+            out.append((i if epoch is None else epoch, value, bool(row.get("eval_only"))))
+    return out
+
+
+def headline(run: RunData, source: SampleSource | None) -> list[tuple[str, str]]:
+    """The headline's (field, value) pairs of one run, from its config.json, metrics.jsonl and end markers."""
+    config = run.config
+    if config is None:
+        fields = ["variant", "algorithm", "model", "reward(s)", "prompt set", "seed"]
+        values = dict.fromkeys(fields, "not recorded (no config.json)")
+    else:
+        variant = config.get("variant")
+        values = {"variant": variant if variant else (
+            "not recorded (config.json from before the variant was kept)" if variant is None
+            else "none: a config file of the user's own")}
+        estimator, objective = _cfg(config, "algorithm.adv_estimator", "?"), _cfg(config, "train.objective", "stepwise")
+        algorithm = [f"{objective} (forward process), advantages {estimator}" if objective not in (None, "stepwise")
+                     else f"{estimator}, policy loss {_cfg(config, 'train.policy_loss', '?')}"]
+        if _cfg(config, "train.use_kl_loss"):
+            algorithm.append(f"KL {_cfg(config, 'train.kl_type', '')} beta {_cfg(config, 'train.beta')}")
+        values["algorithm"] = ", ".join(algorithm)
+        model = str(_cfg(config, "pretrained.model", "?"))
+        if _cfg(config, "pretrained.revision"):
+            model += f" @ {_cfg(config, 'pretrained.revision')}"
+        model += f", LoRA r{_cfg(config, 'lora_rank')}" if _cfg(config, "use_lora") else ", full fine-tune"
+        values["model"] = model
+        rewards = str(_cfg(config, "reward_fn", "?"))
+        weights = _cfg(config, "reward_weights") or {}
+        if isinstance(weights, dict) and weights:
+            rewards += " (" + ", ".join(f"{k} x {v}" for k, v in weights.items()) + f"; {_cfg(config, 'reward_aggregation')})"
+        values["reward(s)"] = rewards
+        eval_prompts = _cfg(config, "eval_prompt_fn") or "the training prompts"
+        values["prompt set"] = f"{_cfg(config, 'prompt_fn', '?')}; evaluation: {eval_prompts}"
+        values["seed"] = f"{_cfg(config, 'seed')} (evaluation noise {_cfg(config, 'eval_seed')})"
+    planned = _cfg(config, "num_epochs")
+    values["epochs"] = f"{trained_epochs(run)} of {planned}" if planned is not None else f"{trained_epochs(run)}"
+    seconds = wall_time(run)
+    values["wall time"] = f"{duration(seconds)} in the logged phases" if seconds else "not logged"
+    evals = _evaluations(run)
+    finals = [e for e in evals if e[2]]
+    if finals:
+        epoch, value, _ = finals[-1]
+        start = f"; {evals[0][1]:.4f} after {evals[0][0]:g} epochs" if evals[0] is not finals[-1] else ""
+        values["final eval"] = f"{value:.4f} (the final weights, after {epoch:g} epochs{start})"
+    elif evals:
+        epoch, value, _ = evals[-1]
+        values["final eval"] = f"none (no evaluation of the final weights); the last: {value:.4f} after {epoch:g} epochs"
+    else:
+        values["final eval"] = "no evaluation logged (config.eval_freq=0)"
+    if evals:
+        epoch, value, _ = max(evals, key=lambda e: e[1])
+        values["best eval"] = f"{value:.4f} (after {epoch:g} epochs)"
+    else:
+        values["best eval"] = ""
+    values["samples shown"] = source.short if source is not None else "none (no sample records)"
+    order = ["variant", "algorithm", "model", "reward(s)", "prompt set", "epochs", "wall time", "seed", "final eval",
+             "best eval", "samples shown"]
+    return [(key, values.get(key, "")) for key in order]
+
+
+LEFT_OUT = "<!-- left out -->"
+
+
+def _headline_section(runs: Sequence[RunData], sources: Sequence[SampleSource | None]) -> str:
+    statuses = [run_status(run) for run in runs]
+    banners = "".join(
+        f'<p class="status {cls}">{_e(run.name + ": " if len(runs) > 1 else "")}{_e(text)}</p>'
+        for run, (cls, text) in zip(runs, statuses)
+    )
+    for run in runs:
+        for resume in run.resumes:
+            failure = resume.get("previous_failure")
+            if isinstance(failure, dict):
+                banners += (f'<p class="status earlier">{_e(run.name)}: resumed at epoch {_e(resume.get("epoch"))} '
+                            f'after a failure at epoch {_e(failure.get("epoch"))}: {_e(failure.get("error"))}</p>')
+    fields = [headline(run, source) for run, source in zip(runs, sources)]
+    header = f'<tr><th></th>{"".join(f"<th>{_e(run.name)}</th>" for run in runs)}</tr>' if len(runs) > 1 else ""
+    rows = "".join(
+        f"<tr><th>{_e(key)}</th>" + "".join(f"<td>{_e(f[row][1])}</td>" for f in fields) + "</tr>"
+        for row, (key, _) in enumerate(fields[0])
+    )
+    note = ("<p class=\"small\">wall time: the sum of the logged phases (time/sample, time/reward, time/advantages, "
+            "time/train, time/critic, time/eval) over every epoch, resumes included; model loading and checkpoints "
+            "are not in it.</p>")
+    return f'{banners}<table class="headline">{header}{rows}</table>{note}{LEFT_OUT}'
 
 
 def smoothed(xs: Sequence[float], ys: Sequence[float], window: int = SMOOTHING) -> list[float]:
@@ -458,22 +796,29 @@ def smoothed(xs: Sequence[float], ys: Sequence[float], window: int = SMOOTHING) 
     return [sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1]) for i in range(len(ys))]
 
 
-def plot_evaluation(runs: Sequence[RunData]) -> bytes | None:
-    """eval/reward_mean (fixed noise) per evaluation, beside the training reward_mean smoothed over SMOOTHING epochs."""
+def evaluation_figure(runs: Sequence[RunData]):
+    """The matplotlib Figure of `plot_evaluation` (None when no run logged an evaluation): a title that fits,
+    the legend under the axes."""
     if not any(metric_series(run.metrics, "eval/reward_mean")[0] for run in runs):
         return None
-    colors = ("tab:blue", "tab:orange")
-    fig, ax = _new_axes(f"evaluation (fixed noise) and training reward ({SMOOTHING}-epoch mean)")
+    fig, ax = _new_axes(f"Fixed-noise evaluation and training reward ({SMOOTHING}-epoch mean)", size=(7.2, 3.8))
     for i, run in enumerate(runs):
+        prefix = f"{run.name}: " if len(runs) > 1 else ""
         xs, ys = metric_series(run.metrics, "eval/reward_mean")
         if xs:
-            ax.plot(xs, ys, RUN_STYLES[i], color=colors[i], marker="o", label=f"{run.name} eval/reward_mean")
+            ax.plot(xs, ys, RUN_STYLES[i], color=RUN_COLORS[i], marker="o", label=f"{prefix}eval/reward_mean")
         xs, ys = metric_series(run.metrics, "reward_mean")
         if xs:
-            ax.plot(xs, smoothed(xs, ys), ":", color=colors[i], label=f"{run.name} reward_mean, {SMOOTHING}-epoch mean")
-    ax.set_xlabel("epoch (evaluations: weights after that many epochs)")
-    ax.legend(fontsize=8)
-    return _figure_png(fig)
+            ax.plot(xs, smoothed(xs, ys), ":", color=RUN_COLORS[i], label=f"{prefix}reward_mean, {SMOOTHING}-epoch mean")
+    ax.set_xlabel("epoch (evaluations: the weights after that many epochs)", fontsize=9)
+    _legend_below(fig, ax)
+    return fig
+
+
+def plot_evaluation(runs: Sequence[RunData]) -> bytes | None:
+    """eval/reward_mean (fixed noise) per evaluation, beside the training reward_mean smoothed over SMOOTHING epochs."""
+    fig = evaluation_figure(runs)
+    return None if fig is None else _figure_png(fig)
 
 
 def _window_mean(values: Sequence[float], first: bool) -> str:
@@ -483,24 +828,114 @@ def _window_mean(values: Sequence[float], first: bool) -> str:
     return f"{sum(part) / len(part):.4f}"
 
 
-def _evaluation_section(runs: Sequence[RunData]) -> str:
+def _three(epochs: Sequence[int]) -> list[int]:
+    """First, middle and last of sorted epochs (fewer when there are fewer)."""
+    return sorted({epochs[0], epochs[len(epochs) // 2], epochs[-1]}) if epochs else []
+
+
+def _sample_figure(record: dict | None, caption: str, inline: Inline, section: str, alt: str | None = None) -> str:
+    if record is None:
+        return f'<figure><span class="missing">none</span><figcaption>{_e(caption)}</figcaption></figure>'
+    if record.get("outside"):
+        image = f'<span class="missing">not shown: {_e(record["outside"])} is outside the run directory</span>'
+    else:
+        alt = alt or f"{caption} {record.get('prompt', '')}"
+        image = inline.file(record.get("image_path"), alt, "sample", section)
+    return f"<figure>{image}<figcaption>{_e(caption)}</figcaption></figure>"
+
+
+def _paired_table(runs: Sequence[RunData], documents: Sequence[dict], records: Sequence[list[dict]],
+                  inline: Inline) -> str:
+    """Both runs' evaluation images, a cell per (prompt, image): run A's and run B's image of the same prompt and the
+    same noise side by side (image j of prompt i starts from noise seeded by (seed, i, j) in both)."""
+    seeds = [doc.get("seed", _cfg(run.config, "eval_seed")) for run, doc in zip(runs, documents)]
+    by_index = [{(r["prompt_index"], r["image_index"]): r for r in recs if "prompt_index" in r} for recs in records]
+    by_prompt = {(r["prompt"], r["image_index"]): r for r in records[1] if "image_index" in r}
+    if not by_index[0]:
+        return "<p>no per-image records in the evaluation files (samples/eval_XXXX.json)</p>"
+    prompt_indices = sorted({i for i, _ in by_index[0]})
+    images = sorted({j for _, j in by_index[0]})
+    notes = []
+    same_seed = seeds[0] is not None and seeds[0] == seeds[1]
+    if not same_seed:
+        notes.append(f"the runs' evaluation seeds differ ({seeds[0]} vs {seeds[1]}): a cell holds the same prompt, "
+                     "not the same noise")
+    if len(prompt_indices) > COMPARE_PROMPTS:
+        notes.append(f"the first {COMPARE_PROMPTS} of {len(prompt_indices)} evaluation prompts")
+    rows = []
+    other_noise = 0
+    for i in prompt_indices[:COMPARE_PROMPTS]:
+        prompt = next(r["prompt"] for (pi, _), r in by_index[0].items() if pi == i)
+        cells = []
+        for j in images:
+            first = by_index[0].get((i, j))
+            second = by_index[1].get((i, j))
+            same_noise = same_seed
+            if second is None or second["prompt"] != prompt:
+                second = by_prompt.get((prompt, j))  # the prompt sits elsewhere in run B's list: other noise
+                same_noise = False
+            other_noise += 0 if same_noise else 1
+            flag = "" if same_noise else '<span class="missing">not the same noise</span>'
+            captions = [f"{run.name}: r={r['reward']:.3f}" if r is not None and _number(r.get("reward")) is not None
+                        else f"{run.name}: none" for run, r in zip(runs, (first, second))]
+            cells.append(
+                f'<td class="cell" data-cell="{i},{j}" data-same-noise="{str(same_noise).lower()}">'
+                f'<div class="pair">{_sample_figure(first, captions[0], inline, "evaluation images")}'
+                f'{_sample_figure(second, captions[1], inline, "evaluation images")}</div>{flag}</td>'
+            )
+        rows.append(f'<tr><th class="prompt">{_e(prompt)}</th>{"".join(cells)}</tr>')
+    if other_noise and same_seed:
+        notes.append(f"{other_noise} cells pair a prompt that sits at another place in the second run's prompt list: "
+                     "the same prompt, other noise")
+    header = "".join(f"<th>image {j}</th>" for j in images)
+    note = f'<p class="small">{_e("; ".join(notes))}</p>' if notes else ""
+    return (f'{note}<div class="scroll"><table class="paired"><tr><th>prompt</th>{header}</tr>{"".join(rows)}'
+            "</table></div>")
+
+
+def _paired_evaluation(runs: Sequence[RunData], inline: Inline) -> str:
+    """Compare mode: at the first and middle common evaluation and at each run's last, a table whose cell holds
+    both runs' image of one prompt and one noise."""
+    epochs = [sorted(run.eval_files) for run in runs]
+    common = sorted(set(epochs[0]) & set(epochs[1]))
+    pairs = [(e, e) for e in sorted({common[0], common[len(common) // 2]})] if common else []
+    pairs = list(dict.fromkeys(pairs + [(epochs[0][-1], epochs[1][-1])]))
+    parts = ["<h3>Fixed evaluation images side by side: in each cell the same prompt and the same noise, "
+             f"{_e(runs[0].name)} left, {_e(runs[1].name)} right</h3>"]
+    for epoch_a, epoch_b in pairs:
+        (doc_a, rec_a), (doc_b, rec_b) = read_eval_records(runs[0], epoch_a), read_eval_records(runs[1], epoch_b)
+        if epoch_a == epoch_b:
+            title = f"after {epoch_a} epochs"
+        else:
+            title = f"{runs[0].name} after {epoch_a} epochs, {runs[1].name} after {epoch_b} epochs"
+        if doc_a.get("final") and doc_b.get("final"):
+            title += " (the final weights)"
+        parts.append(f"<h4>{_e(title)}</h4>" + _paired_table(runs, (doc_a, doc_b), (rec_a, rec_b), inline))
+    return "\n".join(parts)
+
+
+def _evaluation_section(runs: Sequence[RunData], inline: Inline) -> str:
     parts = ["<h2>Evaluation</h2>"]
     figure = plot_evaluation(runs)
     if figure is None:
         parts.append("<p>no evaluation logged (set config.eval_freq, e.g. --config.eval_freq=10)</p>")
     else:
-        parts.append(_img(_png_data_uri(figure), "evaluation curve", "plot"))
-    for run in runs:
-        epochs = sorted(run.eval_grids)
-        if epochs:
-            shown = sorted({epochs[0], epochs[len(epochs) // 2], epochs[-1]})
+        parts.append(inline.plot(figure, "evaluation curve"))
+    if len(runs) == 2 and all(run.eval_files for run in runs):
+        parts.append(_paired_evaluation(runs, inline))
+    else:
+        for run in runs:
+            shown = _three(sorted(run.eval_grids))
+            if not shown:
+                continue
             cells = "".join(
                 f'<div class="col"><h4>{_e(run.name)}: after {epoch} epochs</h4>'
-                f'{_file_img(run.eval_grids[epoch], f"eval grid {epoch}", "grid")}</div>'
+                f'{inline.file(run.eval_grids[epoch], f"eval grid {epoch}", "grid", "evaluation grids")}</div>'
                 for epoch in shown
             )
-            parts.append(f"<h3>Fixed evaluation grids: the same prompts and noise, first / middle / last</h3>"
-                         f'<div class="cols">{cells}</div>')
+            parts.append("<h3>Fixed evaluation grids: the same prompts and noise, first / middle / last (shown at "
+                         f'their own size)</h3><div class="cols">{cells}</div>')
+    for run in runs:
         if run.evaluations:
             rows = "".join(
                 f"<tr><td>{_e(name)}</td><td>{_e(_fmt(doc.get('mean')))}</td><td>{_e(doc.get('num_prompts', ''))} x "
@@ -551,72 +986,117 @@ def _legacy_summary(runs: Sequence[RunData]) -> str:
     return f"<details><summary>first and last single rows</summary><table><tr><th>metric</th>{header}</tr>{''.join(rows)}</table></details>"
 
 
-def _curves_section(runs: Sequence[RunData]) -> str:
+def _curves_section(runs: Sequence[RunData], inline: Inline) -> str:
     panels = plot_curves(runs)
     parts = ["<h2>Curves</h2>"]
     if not panels:
         parts.append("<p>no numeric metrics logged yet</p>")
-    parts.append('<div class="panels">' + "".join(_img(_png_data_uri(png), key, "plot") for key, png in panels) + "</div>")
+    parts.append('<div class="panels">' + "".join(inline.plot(png, key) for key, png in panels) + "</div>")
     times = plot_times(runs)
     if times is not None:
-        parts.append("<h3>Time per phase</h3>" + _img(_png_data_uri(times), "time per phase", "plot"))
+        parts.append("<h3>Time per phase</h3>" + inline.plot(times, "time per phase"))
     return "\n".join(parts)
 
 
-def _grids_section(runs: Sequence[RunData]) -> str:
+def thin_evenly(count: int, keep: int) -> list[int]:
+    """`keep` of the indices 0 .. count-1, evenly spaced, the first and the last among them (keep >= 2)."""
+    if keep >= count:
+        return list(range(count))
+    if keep <= 0:
+        return []
+    if keep == 1:
+        return [count - 1]
+    return sorted({round(i * (count - 1) / (keep - 1)) for i in range(keep)})
+
+
+def _grids_section(runs: Sequence[RunData], inline: Inline, available: int) -> tuple[str, str]:
+    """(html, what was left out) of the per-epoch sample grids within `available` characters: every epoch when
+    they fit, else evenly thinned (first and last kept) and the others linked."""
     epochs = sorted(set().union(*(run.grids for run in runs)))
-    parts = ["<h2>Sample grids</h2>"]
+    heading = "<h2>Sample grids</h2>"
     if not epochs:
-        return parts[0] + "<p>no sample grids (samples/epoch_XXXX.png) in this run</p>"
-    for epoch in epochs:
+        return heading + "<p>no sample grids (samples/epoch_XXXX.png) in this run</p>", ""
+    costs = [sum(_data_uri_length(run.grids[e].stat().st_size) for run in runs if e in run.grids) + 400 for e in epochs]
+
+    def links(left: Sequence[int]) -> str:
+        if not left:
+            return ""
+        items = " ".join(
+            inline.link(run.grids[e], f"{run.name + ' ' if len(runs) > 1 else ''}{e}") for e in left for run in runs
+            if e in run.grids
+        )
+        return (f"<details><summary>{len(left)} more sample grids, linked (files beside the report; the size cap "
+                f"left them out)</summary><p>{items}</p></details>")
+
+    keep = len(epochs)
+    while True:
+        chosen = thin_evenly(len(epochs), keep)
+        kept = set(chosen)
+        left = [e for i, e in enumerate(epochs) if i not in kept]
+        link_html = links(left)
+        total = sum(costs[i] for i in chosen) + len(link_html)
+        if total <= available or keep == 0:
+            break
+        keep = min(keep - 1, max(0, int(keep * available / total)))
+    parts = [heading]
+    note = ""
+    if left:
+        note = (f"{len(left)} of {len(epochs)} per-epoch sample grids ({len(chosen)} shown, evenly spaced, the first and "
+                "the last kept; the others are linked under Sample grids)")
+        parts.append(f"<p class=\"small\">{_e(note)}.</p>")
+    for i in chosen:
+        epoch = epochs[i]
         cells = []
         for run in runs:
-            content = _file_img(run.grids[epoch], f"{run.name} epoch {epoch}", "grid") if epoch in run.grids else "<p>no grid</p>"
+            if epoch in run.grids:
+                uri = _png_data_uri(run.grids[epoch].read_bytes())
+                inline.used += len(uri)
+                content = _img(uri, f"{run.name} epoch {epoch}", "grid")
+            else:
+                content = "<p>no grid</p>"
             label = f"<h4>{_e(run.name)}</h4>" if len(runs) > 1 else ""
             cells.append(f'<div class="col">{label}{content}</div>')
-        parts.append(f'<h3>epoch {epoch}</h3><div class="cols">{"".join(cells)}</div>')
-    return "\n".join(parts)
+        parts.append(f'<h3>epoch {epoch}</h3><div class="pair">{"".join(cells)}</div>')
+    parts.append(link_html)
+    return "\n".join(parts), note
 
 
-def _sample_cell(record: dict) -> str:
-    advantage = _number(record.get("advantage"))
-    caption = f"r={record['reward']:.3f} a={'n/a' if advantage is None else f'{advantage:+.2f}'}"
-    if record.get("outside"):
-        image = f'<span class="missing">not shown: {_e(record["outside"])} is outside the run directory</span>'
-    else:
-        image = _file_img(record.get("image_path"), f"sample {record.get('index', '')}", "sample")
-    return f'<figure>{image}<figcaption>{_e(caption)}</figcaption></figure>'
+def _sample_cell(record: dict, inline: Inline) -> str:
+    """A best / worst sample captioned with its reward (and a training sample's advantage)."""
+    caption = f"r={record['reward']:.3f}"
+    if "prompt_index" not in record:  # a training sample: it has an advantage (an evaluation image has none)
+        advantage = _number(record.get("advantage"))
+        caption += f" a={'n/a' if advantage is None else f'{advantage:+.2f}'}"
+    return _sample_figure(record, caption, inline, "best and worst samples", alt=f"sample {record.get('index', '')}")
 
 
-def _prompts_section(runs: Sequence[RunData], prompts: Sequence[str], top_k: int) -> str:
-    parts = [f"<h2>Best and worst samples (last sample epoch, top {top_k})</h2>"]
+def _prompts_section(runs: Sequence[RunData], sources: Sequence[SampleSource | None], prompts: Sequence[str],
+                     top_k: int, inline: Inline) -> str:
+    parts = [f"<h2>Best and worst samples (top {top_k} per prompt)</h2>"]
+    for run, source in zip(runs, sources):
+        who = f"{run.name}: " if len(runs) > 1 else ""
+        parts.append(f"<p>{_e(who)}from {_e(source.label) if source else 'no sample records'}.</p>")
     if not prompts:
-        return parts[0] + "<p>no sample records (samples/epoch_XXXX.json) to choose prompts from</p>"
-    last_records = {}
-    for run in runs:
-        if run.sample_files:
-            epoch = max(run.sample_files)
-            last_records[run.name] = (epoch, read_sample_records(run, epoch))
+        return "\n".join(parts) + "<p>no sample records (samples/eval_XXXX.json or epoch_XXXX.json) to choose prompts from</p>"
     for prompt in prompts:
         parts.append(f"<h3>{_e(prompt)}</h3>")
         cells = []
-        for run in runs:
-            if run.name not in last_records:
+        for run, source in zip(runs, sources):
+            if source is None:
                 cells.append(f'<div class="col"><p>{_e(run.name)}: no sample records</p></div>')
                 continue
-            epoch, records = last_records[run.name]
-            mine = [r for r in records if r["prompt"] == prompt and _number(r.get("reward")) is not None]
-            header = f"<h4>{_e(run.name)}, epoch {epoch}</h4>" if len(runs) > 1 else f"<h4>epoch {epoch}</h4>"
+            mine = [r for r in source.records if r["prompt"] == prompt and _number(r.get("reward")) is not None]
+            header = f"<h4>{_e(run.name)}, {_e(source.short)}</h4>" if len(runs) > 1 else ""
             if not mine:
-                cells.append(f'<div class="col">{header}<p>not sampled in this epoch</p></div>')
+                cells.append(f'<div class="col">{header}<p>not among these samples</p></div>')
                 continue
             ranked = sorted(mine, key=lambda r: r["reward"], reverse=True)
             shown = min(top_k, (len(ranked) + 1) // 2)  # best and worst never show the same image twice
-            best = "".join(_sample_cell(r) for r in ranked[:shown])
-            worst = "".join(_sample_cell(r) for r in ranked[shown:][::-1][:top_k])
+            best = "".join(_sample_cell(r, inline) for r in ranked[:shown])
+            worst = "".join(_sample_cell(r, inline) for r in ranked[shown:][::-1][:top_k])
             cells.append(
-                f'<div class="col">{header}<p>best</p><div class="row">{best}</div>'
-                f'<p>worst</p><div class="row">{worst}</div></div>'
+                f'<div class="col">{header}<div class="bw"><div><p>best</p><div class="row">{best}</div></div>'
+                f'<div><p>worst</p><div class="row">{worst}</div></div></div></div>'
             )
         parts.append(f'<div class="cols">{"".join(cells)}</div>')
     return "\n".join(parts)
@@ -625,15 +1105,32 @@ def _prompts_section(runs: Sequence[RunData], prompts: Sequence[str], top_k: int
 CSS = """
 body { font-family: sans-serif; margin: 1.5em; color: #222; }
 table { border-collapse: collapse; font-size: 0.85em; margin-bottom: 1em; }
-td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
-.cols { display: flex; gap: 1.5em; align-items: flex-start; }
-.col { flex: 1; min-width: 0; }
+td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; vertical-align: top; }
+table.headline th { background: #f3f3f3; }
+.status { padding: 0.4em 0.8em; font-weight: bold; margin: 0.3em 0; }
+.status.ok { background: #e6f4e6; }
+.status.failed { background: #fbe3e3; color: #900; }
+.status.stopped, .status.incomplete, .status.earlier { background: #fff4d6; }
+.leftout { background: #fff4d6; padding: 0.4em 0.8em; }
+.small { font-size: 0.85em; color: #555; }
+.cols { display: flex; flex-wrap: wrap; gap: 1.5em; align-items: flex-start; }
+.col { flex: 0 0 auto; max-width: 100%; overflow-x: auto; }
+.pair { display: flex; gap: 1em; align-items: flex-start; overflow-x: auto; }
+.pair > .col { flex: 0 0 auto; max-width: none; }
+.halves { display: flex; gap: 1.5em; align-items: flex-start; }
+.half { flex: 1; min-width: 0; }
+.scroll { overflow-x: auto; max-width: 100%; }
 .panels { display: flex; flex-wrap: wrap; gap: 0.5em; }
-img.grid { max-width: 100%; image-rendering: pixelated; }
+img.grid { image-rendering: pixelated; }
 img.wide { max-width: 100%; }
-img.sample { width: 96px; image-rendering: pixelated; }
+img.sample { image-rendering: pixelated; }
+table.paired td.cell .pair { gap: 4px; }
+th.prompt { max-width: 12em; font-weight: normal; }
 .row { display: flex; flex-wrap: wrap; gap: 6px; }
-figure { margin: 0; font-size: 0.8em; text-align: center; width: 100px; overflow-wrap: anywhere; }
+.bw { display: flex; gap: 2em; align-items: flex-start; }
+.bw p { margin: 0.2em 0; }
+figure { margin: 0; font-size: 0.8em; text-align: center; width: min-content; overflow-wrap: anywhere; }
+figcaption { min-width: 6em; }
 pre { font-size: 0.8em; background: #f6f6f6; padding: 0.5em; overflow-x: auto; }
 .missing { color: #a00; font-size: 0.8em; }
 """
@@ -645,11 +1142,16 @@ def build_report(
     prompts: Sequence[str] | None = None,
     top_k: int = 4,
     num_prompts: int = 3,
+    max_bytes: int = MAX_REPORT_BYTES,
+    link_base: str | os.PathLike | None = None,
 ) -> str:
     """The HTML text of the report for `run_dir` (and `compare` side by side, if given).
 
     prompts: prompts to show best/worst samples for; None = `choose_prompts(run, num_prompts)`
     of the first run (of the second when the first has no sample records).
+    max_bytes: the report's size cap (UTF-8 bytes); images past it are linked, the per-epoch sample grids thinned
+    evenly, and the report says what it left out. link_base: the folder the report will be written to (links to
+    what is left out are relative to it); default run_dir.
     """
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -659,40 +1161,57 @@ def build_report(
         for run in runs:
             resolved = run.path.resolve()
             run.name = f"{resolved.parent.name}/{resolved.name}"
+    sources = [sample_source(run) for run in runs]
     if prompts is None:
         chosen: list[str] = []
-        for run in runs:
-            chosen = chosen or choose_prompts(run, num_prompts)
+        for source in sources:
+            chosen = chosen or ([] if source is None else _rank_prompts(source, num_prompts))
     else:
         chosen = list(prompts)
         known = set()
-        for run in runs:
-            if run.sample_files:
-                known |= {r["prompt"] for r in read_sample_records(run, max(run.sample_files))}
+        for source in sources:
+            if source is not None:
+                known |= {r["prompt"] for r in source.records}
         unknown = [p for p in chosen if p not in known]
         if unknown:
-            examples = ", ".join(repr(p) for p in sorted(known)[:5]) or "none (no samples/epoch_XXXX.json)"
-            raise ValueError(
-                f"prompts: {unknown!r} not sampled in the last sample epoch of "
-                f"{' or '.join(str(run.path) for run in runs)}; prompts there include: {examples}"
-            )
+            examples = ", ".join(repr(p) for p in sorted(known)[:5]) or "none (no samples/eval_XXXX.json or epoch_XXXX.json)"
+            where = " or ".join(f"{run.path} ({source.short if source else 'no samples'})" for run, source in zip(runs, sources))
+            raise ValueError(f"prompts: {unknown!r} not sampled in the samples the report shows of {where}; "
+                             f"prompts there include: {examples}")
+    inline = Inline(max_bytes - TEXT_RESERVE, Path(link_base) if link_base is not None else runs[0].path)
     title = " vs ".join(run.name for run in runs)
+    grids = "<!-- sample grids -->"
     body = [
         f"<h1>ddpo-group run report: {_e(title)}</h1>",
         "<p>" + "<br>".join(_e(run.path) for run in runs) + "</p>",
+        _headline_section(runs, sources),
         _summary_section(runs),
-        _evaluation_section(runs),
+        _evaluation_section(runs, inline),
         hacking_section(runs),
+        _prompts_section(runs, sources, chosen, top_k, inline),
+        _curves_section(runs, inline),
+        _steps_section(runs, inline),
         _config_section(runs),
-        _curves_section(runs),
-        _steps_section(runs),
-        _grids_section(runs),
-        _prompts_section(runs, chosen, top_k),
+        grids,  # last: the per-epoch sample grids get the room the rest leaves under the size cap
     ]
-    return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{_e(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
-    )
+    head = ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f"<title>{_e(title)}</title><style>{CSS}</style></head>\n<body>\n")
+    tail = "\n</body></html>\n"
+    note_room = 4096  # the "left out" note written into the headline below
+    used = len(head.encode()) + len(tail) + sum(len(part.encode()) + 1 for part in body) + note_room
+    grids_html, grids_left = _grids_section(runs, inline, max(0, max_bytes - used))
+    body[body.index(grids)] = grids_html
+    left = [grids_left] if grids_left else []
+    by_section: dict[str, int] = {}
+    for section, _ in inline.left_out:
+        by_section[section] = by_section.get(section, 0) + 1
+    left += [f"{count} {section} (linked where they would be)" for section, count in by_section.items()]
+    note = ""
+    if left:
+        note = (f'<p class="leftout">Left out of this report to keep it under {max_bytes / 2**20:.1f} MB: '
+                + "; ".join(_e(item) for item in left) + ". The files are in the run directory.</p>")
+    body = [part.replace(LEFT_OUT, note, 1) if LEFT_OUT in part else part for part in body]
+    return head + "\n".join(body) + tail
 
 
 def write_step_heatmaps(run_dirs: Sequence[str | os.PathLike], output: str | os.PathLike,
@@ -730,16 +1249,18 @@ def write_report(
     compare: str | os.PathLike | None = None,
     prompts: Sequence[str] | None = None,
     top_k: int = 4,
+    max_bytes: int = MAX_REPORT_BYTES,
 ) -> Path:
     """Build the report and write it (atomically) to `output`; default run_dir/report.html,
     or run_dir/report_vs_<compare name>.html with `compare`. Returns the path written."""
     from ddpo_group.grids import atomic_write
 
-    text = build_report(run_dir, compare=compare, prompts=prompts, top_k=top_k)
     if output is None:
         name = "report.html" if compare is None else f"report_vs_{Path(compare).resolve().name}.html"
         output = Path(run_dir) / name
     output = Path(output)
+    text = build_report(run_dir, compare=compare, prompts=prompts, top_k=top_k, max_bytes=max_bytes,
+                        link_base=output.resolve().parent)
 
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:

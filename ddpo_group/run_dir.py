@@ -291,6 +291,7 @@ def find_checkpoint(path):
 SAFE_RESUME_FIELDS = (
     "num_epochs", "save_freq", "num_checkpoint_limit", "log_images_every", "log_with", "project_name",
     "resume_from", "resume_allow_changes", "run_name", "logdir", "reward_workers", "reward_timeout", "debug_dump",
+    "variant",  # a label (config/grpo.py's name): runs from before it was stored have none
 )
 
 

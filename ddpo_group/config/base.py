@@ -21,6 +21,9 @@ def get_config():
     ###### General ######
     # Name of the run: outputs go to logdir/run_name/. Empty: a timestamp is used.
     config.run_name = ""
+    # The built-in variant this config came from (set by ddpo_group/config/grpo.py's get_config; "" for a config
+    # file of your own). A label kept in the run's config.json for the report's headline; it changes nothing.
+    config.variant = ""
     # A run directory belongs to one run: starting a new run (not a resume) in one that already holds a run is
     # refused, unless overwrite=True, which deletes the earlier run's files first. A live run locks its directory.
     config.overwrite = False

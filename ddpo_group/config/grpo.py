@@ -498,4 +498,6 @@ VARIANTS = {
 def get_config(name="sd15"):
     if name not in VARIANTS:
         raise ValueError(f"unknown config variant {name!r} in config/grpo.py; choose one of {sorted(VARIANTS)}")
-    return VARIANTS[name]()
+    config = VARIANTS[name]()
+    config.variant = name  # kept in the run's config.json: the report's headline names the variant
+    return config
