@@ -96,6 +96,22 @@ def _unknown_variant(argv: Sequence[str]) -> str | None:
     )
 
 
+def _missing_config_file(argv: Sequence[str]) -> str | None:
+    """A one-line error for a --config FILE.py[:ARG] whose file does not exist, else None."""
+    import os
+
+    value = _config_value(argv)
+    if value is None:
+        return None
+    file = value.rpartition(":")[0] if ".py:" in value else (value if value.endswith(".py") else "")
+    if file and not os.path.isfile(file):
+        return (
+            f"config file {file!r} does not exist (--config {value}, looked in {os.getcwd()}); give a built-in variant "
+            "NAME or FILE.py[:ARG] (ddpo-group-train --help)"
+        )
+    return None
+
+
 def _override_fields(argv: Sequence[str]) -> list[str]:
     """The dotted field names of the --config.FIELD=VALUE (or --config.FIELD VALUE) arguments."""
     return [arg[len("--config."):].split("=", 1)[0] for arg in argv if arg.startswith("--config.")]
@@ -127,6 +143,58 @@ def one_line(err: BaseException) -> str:
     return text if own else f"{type(err).__name__}: {text} (DDPO_GROUP_DEBUG=1 shows the traceback)"
 
 
+def cpu_threads() -> int:
+    """Give this process the torch CPU threads `accelerate launch` gives scripts/train.py: $OMP_NUM_THREADS, else one
+    (the launcher sets OMP_NUM_THREADS=1 in the processes it starts unless it is set). torch's own default, a thread
+    per core in every process, oversubscribes a machine whose cores other processes use too. Returns the count."""
+    import os
+
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not threads.isdigit() or int(threads) < 1:
+        threads = os.environ["OMP_NUM_THREADS"] = "1"  # and for the processes this one starts
+    torch.set_num_threads(int(threads))
+    return int(threads)
+
+
+def _allow_dotted_keys_on_the_command_line() -> None:
+    """--config.FIELD='{...}' for a sub-config (reward_weights, reward_kwargs) accepts keys with dots, the documented
+    '{"http://host:port": 1.0}' and 'path/to/file.py:function' specs; ml_collections' own parser refuses them."""
+    import ast
+
+    import ml_collections
+    from absl import flags
+    from ml_collections import config_flags
+
+    class DottedKeysParser(flags.ArgumentParser):
+        def parse(self, argument):
+            if isinstance(argument, ml_collections.ConfigDict):  # the field's default
+                return argument
+            try:
+                value = ast.literal_eval(argument)
+            except (SyntaxError, ValueError) as err:
+                raise ValueError(f"{argument!r} is not a dict literal such as '{{\"aesthetic\": 1.0}}' ({err})") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"{argument!r} is not a dict literal such as '{{\"aesthetic\": 1.0}}'")
+            return ml_collections.ConfigDict(value, allow_dotted_keys=True)
+
+        def flag_type(self):
+            return "config_dict"
+
+    config_flags.register_flag_parser_for_type(ml_collections.ConfigDict, DottedKeysParser())
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing with its errors (a value that does not parse, a config file that cannot be read) as one line."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        sys.exit(f"ddpo-group-train: error: {' '.join(str(err).split())} (ddpo-group-train --help)")
+
+
 def train_main(argv: Sequence[str] | None = None) -> None:
     """ddpo-group-train / scripts/train.py: `--config NAME | FILE.py[:VARIANT] [--config.FIELD=VALUE ...]`.
 
@@ -143,7 +211,7 @@ def train_main(argv: Sequence[str] | None = None) -> None:
         sys.exit(0)
     debug = os.environ.get("DDPO_GROUP_DEBUG", "").lower() in ("1", "true", "yes")
     overrides = _override_fields(argv[1:])
-    problem = _unknown_variant(argv[1:]) or _unknown_override(overrides)
+    problem = _missing_config_file(argv[1:]) or _unknown_variant(argv[1:]) or _unknown_override(overrides)
     if problem:
         sys.exit(f"ddpo-group-train: error: {problem}")
 
@@ -152,6 +220,8 @@ def train_main(argv: Sequence[str] | None = None) -> None:
 
     from ddpo_group.config import grpo
 
+    cpu_threads()
+    _allow_dotted_keys_on_the_command_line()
     default = f"{os.path.abspath(grpo.__file__)}:tiny"
     if "config" not in flags.FLAGS:
         config_flags.DEFINE_config_file("config", default, "Training configuration: NAME or FILE.py[:VARIANT].")
@@ -176,7 +246,7 @@ def train_main(argv: Sequence[str] | None = None) -> None:
             sys.exit(128 + int(info.get("signal") or 0) if info.get("signal") else 1)
 
     try:
-        app.run(main, argv=_resolve_config_argument(argv))
+        app.run(main, argv=_resolve_config_argument(argv), flags_parser=_parse_flags)
     except KeyboardInterrupt:  # Ctrl-C before the epochs start (during them the run stops itself: stopped.json)
         if debug:
             raise

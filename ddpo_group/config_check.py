@@ -8,6 +8,8 @@ types, reward aggregations) are checked against that registry, so a name registe
 (`config.plugins`) is accepted like a built-in one; an estimator's needs are its registered properties.
 """
 
+import os
+
 import ml_collections
 
 from ddpo_group.algos.advantages import get_adv_estimator, registered_adv_estimators
@@ -16,6 +18,7 @@ from ddpo_group.algos.losses import AGG_MODES, KL_TYPES, registered_policy_losse
 from ddpo_group.diffusion.flow import SDE_TYPES
 from ddpo_group.plugins import PluginError, import_plugins
 from ddpo_group.rewards.combine import REWARD_AGGREGATIONS
+from ddpo_group.rewards.registry import list_rewards, unknown_reward_message
 
 CRITIC_TRAIN_STEPS = ("endpoints", "all")
 TIMESTEP_SELECTIONS = ("all", "fraction", "endpoints", "segment_start", "segment_sample", "early")
@@ -346,8 +349,37 @@ def check_config(config, num_processes=1, has_gpu=None):
             )
     if not config.reward_fn and not config.reward_weights:
         raise ConfigError("no reward: set config.reward_fn or config.reward_weights")
+    _check_rewards(config)
     _check_eval_rewards(config)
     return config
+
+
+def _check_rewards(config):
+    """The rewards the config names exist, before any model loads: a plain name is registered (or an entry point;
+    the closest names are suggested), the file of a 'file.py:function' spec exists, and reward_kwargs names only
+    rewards in use. Servers and 'module:function' specs are resolved when the rewards are built."""
+    weights = config.reward_weights.to_dict()
+    field = "reward_weights" if weights else "reward_fn"
+    specs = [spec.strip() for spec in (weights or [config.reward_fn])]
+    for spec in specs:
+        if spec.startswith(("http://", "https://")):
+            continue
+        if ":" not in spec:
+            if spec not in list_rewards():
+                raise ConfigError(f"config.{field}: {unknown_reward_message(spec)}")
+            continue
+        target = spec.rsplit(":", 1)[0]
+        if (target.endswith(".py") or "/" in target or os.sep in target) and not os.path.isfile(target):
+            raise ConfigError(
+                f"config.{field}: the file {target!r} of reward {spec!r} does not exist (looked in {os.getcwd()}); "
+                "give the path of a .py file, absolute or relative to the current directory"
+            )
+    unused = sorted(set(config.reward_kwargs.to_dict()) - set(weights or [config.reward_fn]))
+    if unused:
+        raise ConfigError(
+            f"config.reward_kwargs names {unused}, which are not rewards in use ({sorted(weights or [config.reward_fn])}); "
+            "key reward_kwargs by the reward's spec exactly as reward_fn or reward_weights give it"
+        )
 
 
 def _check_eval_rewards(config):

@@ -69,6 +69,24 @@ class MetricsLog:
             self.evals.append((metrics["epoch"], metrics["eval/reward_mean"]))
         if self.tracking:
             self.accelerator.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["epoch"])
+            self._log_grids(metrics)
+
+    def _log_grids(self, metrics):
+        """The row's grids (samples/grid, eval/grid: PNG paths in the run directory) as tracker images at its epoch."""
+        grids = {key: path for key, path in metrics.items() if key.endswith("/grid") and isinstance(path, str)}
+        if not grids or not self.accelerator.is_main_process:
+            return
+        import numpy as np
+        from PIL import Image
+
+        for key, path in grids.items():
+            with Image.open(os.path.join(self.run_dir.path, path)) as image:
+                pixels = np.asarray(image.convert("RGB"))
+            for tracker in self.accelerator.trackers:
+                if tracker.name == "tensorboard":
+                    tracker.log_images({key: pixels[None]}, step=metrics["epoch"], dataformats="NHWC")
+                elif hasattr(tracker, "log_images"):
+                    tracker.log_images({key: [pixels]}, step=metrics["epoch"])
 
     def epoch_row(self, epoch, samples, metrics, global_step, prompts):
         """The epoch's row: reward statistics of the gathered batch, memory, a sample grid every

@@ -29,7 +29,8 @@ import ml_collections
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ddpo_group.config_check import ConfigError, load_base_config
+from ddpo_group.config_check import FREE_FORM_FIELDS, ConfigError, load_base_config
+from ddpo_group.prompts import BUILTIN_PROMPT_SETS
 
 logger = logging.getLogger("ddpo_group")
 
@@ -64,6 +65,7 @@ class RunDir:
         """(RunDir, the config the run trains with): a resumed run's stored config with the user's `overrides`
         (`resumed_config`), or a new run under config.logdir/config.run_name (refused when another run is
         there and config.overwrite is not set). Reads only."""
+        config = with_resolved_paths(config)
         if config.resume_from:
             checkpoint, state, path = find_checkpoint(config.resume_from)
             config, changes = resumed_config(config, path, overrides)
@@ -295,10 +297,60 @@ SAFE_RESUME_FIELDS = (
 )
 
 
+def _absolute(path):
+    """`path` made absolute when it names an existing file or directory from here; anything else as given (a name
+    the loader looks up elsewhere: a built-in set, a shipped asset, a registered reward, a hub model)."""
+    return os.path.abspath(os.path.expanduser(path)) if path and os.path.exists(os.path.expanduser(path)) else path
+
+
+def _absolute_spec(spec):
+    """A 'path/to/file.py:function' spec (reward, prompt plugin) with its file made absolute; other specs as given."""
+    if not isinstance(spec, str) or ":" not in spec or spec.startswith(("http://", "https://")):
+        return spec
+    target, attr = spec.rsplit(":", 1)
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        return f"{_absolute(target)}:{attr}"
+    return spec
+
+
+def _offline_model(name):
+    """Whether `name` is a model a family builds offline ("tiny-shapes", ...), which no local directory shadows."""
+    from ddpo_group.diffusion.policy import FAMILIES  # only asked when a directory of that name exists here
+
+    return any(name in cls.offline_models for cls in FAMILIES.values())
+
+
+def with_resolved_paths(config):
+    """A copy of `config` whose relative file paths are absolute (from the current directory), so that the run's
+    config.json works from any directory (a resume from elsewhere, scripts/evaluate.py): prompt_fn / eval_prompt_fn
+    files and prompt_fn_kwargs.path, 'file.py:function' specs (prompt_fn, reward_fn, the keys of reward_weights and
+    reward_kwargs), .py files of plugins, and pretrained.model when it is a local directory. Names (built-in prompt
+    sets and shipped prompt files, registered rewards, modules, hub models, URLs) are kept as given."""
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        for field in ("prompt_fn", "eval_prompt_fn"):
+            value = config.get(field)
+            if isinstance(value, str) and value not in BUILTIN_PROMPT_SETS and value != "from_file":
+                config[field] = _absolute(value) if os.path.isfile(value) else _absolute_spec(value)
+        if isinstance(config.prompt_fn_kwargs.get("path"), str):
+            config.prompt_fn_kwargs.path = _absolute(config.prompt_fn_kwargs.path)
+        config.reward_fn = _absolute_spec(config.reward_fn)
+        for field in ("reward_weights", "reward_kwargs"):
+            config[field] = ml_collections.ConfigDict(
+                {_absolute_spec(spec): value for spec, value in config[field].to_dict().items()}, allow_dotted_keys=True)
+        entries = [entry.strip() for entry in config.plugins.split(",") if entry.strip()]
+        config.plugins = ",".join(_absolute(e) if e.endswith(".py") or os.sep in e or "/" in e else e for e in entries)
+        if os.path.isdir(os.path.expanduser(config.pretrained.model)) and not _offline_model(config.pretrained.model):
+            config.pretrained.model = _absolute(config.pretrained.model)
+    return config
+
+
 def _flat(d, prefix=""):
+    """A nested config dict as {dotted field: value}; the free-form sub-configs (reward_weights, whose keys may hold
+    dots) are one value each."""
     out = {}
     for key, value in d.items():
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict) and value and not (not prefix and key in FREE_FORM_FIELDS):
             out.update(_flat(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
@@ -322,11 +374,11 @@ def resumed_config(given, run_dir, overrides=None):
     with base.unlocked():
         for key, value in stored.items():
             if key in base:
-                base[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+                base[key] = ml_collections.ConfigDict(value, allow_dotted_keys=True) if isinstance(value, dict) else value
     stored_flat = _flat(json.loads(json.dumps(base.to_dict(), default=str)))
     given_flat = _flat(json.loads(json.dumps(given.to_dict(), default=str)))
     fields = given_flat.keys() if overrides is None else [f for f in given_flat if any(
-        f == o or f.startswith(o + ".") for o in overrides)]
+        f == o or f.startswith(o + ".") or o.startswith(f + ".") for o in overrides)]
     changes = {f: [stored_flat.get(f), given_flat[f]] for f in fields if stored_flat.get(f) != given_flat[f]}
     experiment = [f for f in changes if f.split(".")[0] not in SAFE_RESUME_FIELDS]
     if experiment and not given.resume_allow_changes:

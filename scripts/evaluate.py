@@ -2,66 +2,136 @@
 
     .venv/bin/python scripts/evaluate.py --model tiny-shapes --prompts shapes_squares.txt --images-per-prompt 4
     .venv/bin/python scripts/evaluate.py --checkpoint runs/NAME/checkpoints/checkpoint_60
+    .venv/bin/python scripts/evaluate.py --checkpoint runs/NAME          # its latest checkpoint
 
 A checkpoint is read with the settings of its run (config.json beside checkpoints/): its prompts,
 reward, steps, guidance, eta and evaluation seed and images per prompt, unless a flag says otherwise.
 The evaluation is ddpo_group.evaluation's, the one the trainer logs as eval/reward_mean: image j
 of prompt i starts from the same noise in every evaluation, so two models compare directly.
-Prints a summary and writes JSON (evaluation.json beside a checkpoint).
+Prints a summary and writes JSON (evaluation.json beside a checkpoint). Runs with one torch thread unless
+OMP_NUM_THREADS says otherwise (as scripts/train.py does under accelerate launch). A bad input (a flag, a path, a
+checkpoint, a prompt set, a reward) stops with one line naming it (DDPO_GROUP_DEBUG=1: the traceback).
 """
 
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ddpo_group.diffusion.policy import load_policy  # noqa: E402
-from ddpo_group.evaluation import evaluate  # noqa: E402
-from ddpo_group.prompts import load_prompts  # noqa: E402
-from ddpo_group.rewards import build_reward_fn  # noqa: E402
+PROG = "evaluate.py"
+CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+
+
+class EvaluateError(ValueError):
+    """A bad input of this script (a path, a checkpoint, a flag value); the message names it and says what to do."""
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
+def find_run_checkpoint(path):
+    """(checkpoint_N directory, run directory, the run's config dict) for --checkpoint: a checkpoint_N directory, or a
+    run directory (its latest checkpoint). EvaluateError naming the path and the fix otherwise."""
+    given = path
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise EvaluateError(f"--checkpoint {given}: no such directory; give a checkpoint of a run, "
+                            "RUN_DIR/checkpoints/checkpoint_N, or the run directory RUN_DIR (its latest checkpoint)")
+    if not CHECKPOINT_RE.match(os.path.basename(path)):
+        root = os.path.join(path, "checkpoints")
+        names = [n for n in os.listdir(root) if CHECKPOINT_RE.match(n)] if os.path.isdir(root) else []
+        if not names:
+            raise EvaluateError(f"--checkpoint {given}: neither a checkpoint_N directory nor a run directory with "
+                                "checkpoints/checkpoint_N; give RUN_DIR/checkpoints/checkpoint_N")
+        path = os.path.join(root, max(names, key=lambda n: int(CHECKPOINT_RE.match(n)[1])))
+    run_dir = os.path.dirname(path)
+    if os.path.basename(run_dir) == "checkpoints":
+        run_dir = os.path.dirname(run_dir)
+    config_path = os.path.join(run_dir, "config.json")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+        _ = config["pretrained"]["model"], config["use_lora"]  # the fields this script needs
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise EvaluateError(f"--checkpoint {given}: the run's settings {config_path} are missing or unreadable "
+                            f"({type(err).__name__}: {err}); is it a checkpoint written by the trainer?") from None
+    return path, run_dir, config
 
 
 def load_checkpoint_policy(checkpoint):
     """The run's model with the checkpoint's trained weights (full weights or LoRA), and the run's config."""
-    run_dir = os.path.dirname(os.path.abspath(checkpoint))
-    if os.path.basename(run_dir) == "checkpoints":
-        run_dir = os.path.dirname(run_dir)
-    with open(os.path.join(run_dir, "config.json")) as f:
-        config = json.load(f)
+    from ddpo_group.diffusion.policy import load_policy
+
+    checkpoint, _, config = find_run_checkpoint(checkpoint)
     policy = load_policy(config["pretrained"]["model"])
     sample = config.get("sample", {})
     policy.configure(sde_type=sample.get("sde_type", ""), max_sequence_length=sample.get("max_sequence_length", 0),
                      resolution=sample.get("resolution", 0))
-    if config["use_lora"]:
-        policy.pipeline.load_lora_weights(os.path.join(checkpoint, "lora"))
-    else:
-        policy.load_trainable(policy.trainable_module, checkpoint, use_lora=False)
+    weights = os.path.join(checkpoint, "lora") if config["use_lora"] else checkpoint
+    if not os.path.isdir(weights):
+        raise EvaluateError(f"checkpoint {checkpoint} has no lora/ directory (the run trained LoRA weights): it is "
+                            "incomplete; evaluate another checkpoint_N of the run")
+    try:
+        if config["use_lora"]:
+            policy.pipeline.load_lora_weights(weights)
+        else:
+            policy.load_trainable(policy.trainable_module, checkpoint, use_lora=False)
+    except Exception as err:
+        raise EvaluateError(f"could not load the trained weights of checkpoint {checkpoint} ({type(err).__name__}: "
+                            f"{' '.join(str(err).split())[:300]}); evaluate another checkpoint_N of the run") from None
     return policy, config
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _Parser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny-shapes", help="model to evaluate (ignored with --checkpoint)")
-    parser.add_argument("--checkpoint", default=None, help="a checkpoint_N directory of a run")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a checkpoint_N directory of a run, or a run directory (its latest checkpoint)")
     parser.add_argument("--prompts", default=None, help="prompt set (default: the run's eval/training prompts, or shapes)")
     parser.add_argument("--reward", default=None, help="reward (default: the run's, or shapes_alignment)")
-    parser.add_argument("--images-per-prompt", type=int, default=None, help="default: the run's, or 4")
-    parser.add_argument("--num-steps", type=int, default=None, help="denoising steps (default: the run's, or 10)")
+    parser.add_argument("--images-per-prompt", type=_positive_int, default=None, help="default: the run's, or 4")
+    parser.add_argument("--num-steps", type=_positive_int, default=None, help="denoising steps (default: the run's, or 10)")
     parser.add_argument("--guidance-scale", type=float, default=None)
     parser.add_argument("--eta", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None, help="noise seed (default: the run's eval_seed, or 1234)")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=_positive_int, default=64)
     parser.add_argument("--output", default=None, help="JSON file to write (default: beside the checkpoint, or print only)")
     args = parser.parse_args(argv)
 
-    run = {}
+    import torch
+
+    from ddpo_group.cli import cpu_threads
+    from ddpo_group.diffusion.policy import load_policy
+    from ddpo_group.evaluation import evaluate
+    from ddpo_group.prompts import load_prompts
+    from ddpo_group.rewards import build_reward_fn
+    from ddpo_group.run_dir import write_json_atomic
+
+    threads = cpu_threads()  # one thread per process (or $OMP_NUM_THREADS), as scripts/train.py under accelerate launch
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise EvaluateError(f"--output {args.output}: its directory does not exist; create it or write elsewhere")
+    run, checkpoint = {}, None
     if args.checkpoint:
-        policy, run = load_checkpoint_policy(args.checkpoint)
+        checkpoint = find_run_checkpoint(args.checkpoint)[0]  # a bad path is named before any model loads
+    records = load_prompts(args.prompts) if args.prompts else None
+    if checkpoint:
+        policy, run = load_checkpoint_policy(checkpoint)
     else:
         policy = load_policy(args.model)
     sample = run.get("sample", {})
@@ -72,15 +142,16 @@ def main(argv=None):
     guidance = args.guidance_scale or sample.get("guidance_scale", 3.0)
     eta = args.eta if args.eta is not None else sample.get("eta", 1.0)
     seed = args.seed if args.seed is not None else run.get("eval_seed", 1234)
-    records = load_prompts(prompts)
+    records = records or load_prompts(prompts)
     reward_fn = build_reward_fn(reward)
     reward_fn.check_ready()
     start = time.perf_counter()
-    result = evaluate(policy, None, records, reward_fn, images_per_prompt, num_steps, guidance, eta, seed=seed,
-                      batch_size=args.batch_size)
+    with torch.no_grad():
+        result = evaluate(policy, None, records, reward_fn, images_per_prompt, num_steps, guidance, eta, seed=seed,
+                          batch_size=args.batch_size)
     per_prompt = result["per_prompt"]
     summary = {
-        "model": args.checkpoint or args.model,
+        "model": checkpoint or args.model,
         "prompts": prompts,
         "reward": reward,
         "num_prompts": len(records),
@@ -95,20 +166,33 @@ def main(argv=None):
         "fraction_of_prompts_at_least_0.9": float((per_prompt >= 0.9).mean()),
         "per_prompt": {r.prompt: float(v) for r, v in zip(records, per_prompt)},
         "seconds": time.perf_counter() - start,
+        "torch_threads": threads,
     }
     print(
         f"{summary['model']}: mean {reward} {summary['mean']:.4f} over {len(records)} prompts x "
         f"{images_per_prompt} images ({summary['fraction_of_prompts_at_least_0.9']:.0%} of prompts >= 0.9), "
         f"{summary['seconds']:.0f} s"
     )
-    output = args.output or (os.path.join(args.checkpoint, "evaluation.json") if args.checkpoint else None)
+    output = args.output or (os.path.join(checkpoint, "evaluation.json") if checkpoint else None)
     if output:
-        with open(output, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_json_atomic(output, summary)
         print(f"wrote {output}")
     return summary
 
 
+def run(argv=None):
+    """main() with every error as one line (DDPO_GROUP_DEBUG=1: the traceback) and a non-zero exit."""
+    from ddpo_group.cli import one_line
+
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        sys.exit(f"{PROG}: interrupted (Ctrl-C)")
+    except Exception as err:
+        if os.environ.get("DDPO_GROUP_DEBUG", "").lower() in ("1", "true", "yes"):
+            raise
+        sys.exit(f"{PROG}: error: {err if isinstance(err, EvaluateError) else one_line(err)}")
+
+
 if __name__ == "__main__":
-    with torch.no_grad():
-        main()
+    run()

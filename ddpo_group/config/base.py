@@ -289,7 +289,7 @@ def get_config():
     # A registered reward name, "package.module:function", "path/to/file.py:function" or "http://host:port".
     config.reward_fn = "jpeg_compressibility"
     # Several rewards with weights, e.g. {"aesthetic": 1.0, "jpeg_compressibility": 0.1}; empty: reward_fn alone.
-    config.reward_weights = ml_collections.ConfigDict()
+    config.reward_weights = ml_collections.ConfigDict(allow_dotted_keys=True)  # keys may be URLs, file.py:fn specs
     # "sum_then_normalize" (weighted sum, then advantages; Flow-GRPO) or
     # "normalize_then_sum" (advantages per reward, then weighted sum; MixGRPO).
     config.reward_aggregation = "sum_then_normalize"
@@ -299,6 +299,6 @@ def get_config():
     # the reward (0: no limit). Generous for reward servers and large models.
     config.reward_timeout = 600.0
     # Keyword arguments of each reward, by reward name, e.g. {"aesthetic": {"weights_path": "/path/mlp.safetensors"}}.
-    config.reward_kwargs = ml_collections.ConfigDict()
+    config.reward_kwargs = ml_collections.ConfigDict(allow_dotted_keys=True)
 
     return config

@@ -21,6 +21,7 @@ instance is the reward; it may define `check_ready()`), a function is the reward
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.metadata
@@ -50,6 +51,21 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
 def list_rewards() -> list[str]:
     """Names usable as a reward spec without a path: registered rewards and entry points."""
     return sorted(set(REWARD_REGISTRY) | set(_entry_points()))
+
+
+def closest_rewards(name: str, n: int = 1) -> list[str]:
+    """The registered reward and entry-point names closest to `name` (difflib), best first."""
+    return difflib.get_close_matches(name, list_rewards(), n=n, cutoff=0.6)
+
+
+def unknown_reward_message(spec: str) -> str:
+    """One line for a reward name that is neither registered nor an entry point: the closest names, then all."""
+    close = closest_rewards(spec)
+    hint = f" (did you mean {' or '.join(repr(name) for name in close)}?)" if close else ""
+    return (
+        f"unknown reward {spec!r}{hint}; registered rewards and entry points: {', '.join(list_rewards())}. "
+        "A plugin is named 'package.module:function', 'path/to/file.py:function' or 'http://host:port'"
+    )
 
 
 def _load_from_file(path: str, attr: str, spec: str):
@@ -104,11 +120,7 @@ def resolve_reward(spec: str):
         entry_points = _entry_points()
         if spec in entry_points:
             return entry_points[spec].load()
-        raise ValueError(
-            f"unknown reward {spec!r}; registered rewards and entry points: "
-            f"{', '.join(list_rewards())}. A plugin is named 'package.module:function', "
-            f"'path/to/file.py:function' or 'http://host:port'"
-        )
+        raise ValueError(unknown_reward_message(spec))
     target, attr = spec.rsplit(":", 1)
     if not target or not attr:
         raise ValueError(f"reward spec {spec!r}: expected 'module:function' or 'file.py:function'")
