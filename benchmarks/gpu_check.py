@@ -1,28 +1,44 @@
-"""GPU check: the SD variants train in fp16 and bf16 with LoRA, exactly on-policy, at a known cost.
+"""GPU check: SD-1.5, SD3.5 and FLUX architectures train in fp16 / bf16 with LoRA, exactly on-policy, at a known cost.
 
-    python benchmarks/gpu_check.py                      # a CUDA machine: SD-1.5 architecture, random weights
-    python benchmarks/gpu_check.py --dtypes bf16        # one dtype
-    python benchmarks/gpu_check.py --device cpu --arch tiny --dtypes bf16 --steps 4   # the code path on a CPU
+    python benchmarks/gpu_check.py                      # a CUDA machine: SD-1.5 and SD3.5-Medium, random weights
+    python benchmarks/gpu_check.py --arch flux --dtypes bf16                       # FLUX.1-dev (12B)
+    python benchmarks/gpu_check.py --arch flux --flux-depth 8,16 --dtypes bf16     # FLUX with fewer blocks
+    python benchmarks/gpu_check.py --device cpu --arch tiny,tiny-sd3 --dtypes bf16 --steps 4   # the code path on a CPU
 
-No hub: the pipeline is SD 1.5's architecture built from configs with random weights
-(`load_pipeline("random-sd15")`, UNet 859.5M parameters, 512x512). Rewards on random weights mean
-nothing, so only precision, speed and memory are checked. For each dtype:
+No hub: every architecture is built from the published configs' numbers with random weights (offline names,
+the loading route of "random-sd15"):
 
-    sampling      time of `sample_trajectories` vs the pipeline's own `pipeline(...)` call, same
-                  dtype, batch `--sample-batch` (8), `--sample-steps` (50) steps, CFG 5, eta 1
-    UNet fwd+bwd  the bare cost of one training forward + backward of the LoRA UNet on a micro-batch
-                  of `--train-batch` (4) trajectories with CFG (8 rows), under autocast
-    variants      one epoch of config/grpo.py:sd15, :ddpo, :group_ppo and :group_ppo_alg2 (LoRA, `--steps` denoising
-                  steps, reward jpeg_compressibility, one optimizer step per epoch), read back from
-                  metrics.jsonl: the on-policy max |log ratio| before the first optimizer step,
-                  approx_kl and clipfrac (all three must be exactly 0), the layout noise that
-                  recomputing pi_old removed, the training pass in seconds per trajectory-step,
-                  peak GPU memory; and `nft` / `awm`, sd15 with the forward-process objective of
-                  :tiny_nft / :tiny_awm (docs/forward.md), whose exactness check is the first window's
-                  max |prediction - old model's prediction| (exactly 0: the sampling model is the policy)
+    sd15      "random-sd15": SD 1.5 (UNet 859.5M), DDIM, 512 px
+    sd35      "random-sd35": SD3.5-Medium (MMDiT-X transformer 2.24B + 0.23B position table, 16-channel VAE),
+              small CLIP text encoders of the real widths and no T5 (zero T5 embeddings of 256 tokens, as SD3 does
+              without one); the `sd35` preset's sampling (Flow-GRPO's "sde" step, eta 0.7, CFG 4.5), 512 px
+    flux      "random-flux": FLUX.1-dev (transformer 11.9B: 19 double + 38 single blocks; `--flux-depth D,S`
+              builds fewer, and the output says so), small CLIP-L / 1-layer T5 of the real widths; the `flux`
+              preset's sampling (guidance embedding 3.5, eta 0.9), 512 px
+    tiny, tiny-sd3, tiny-flux   the tiny offline models: the same code path in seconds on a CPU
 
-It prints a table, writes benchmarks/results/gpu_check.json (or --output), and exits 1 if any
-on-policy ratio is not exactly 1 or any optimizer step was skipped. Not part of CI (CI has no GPU).
+Rewards on random weights mean nothing, so precision, exactness, speed and memory are checked. For each
+architecture and dtype:
+
+    sampling      time of the policy's sampler (`sample_trajectories` for SD) vs the pipeline's own `pipeline(...)`,
+                  same dtype, batch `--sample-batch` (8), `--sample-steps` (SD 50, flow 10); for the flow models also
+                  the largest |image difference| at noise level 0 (the ODE path) against `pipeline(...)` (reported:
+                  the pipeline keeps its latents in the model dtype, the policy in float32)
+    fwd+bwd       the bare cost of one training forward + backward of the LoRA model (`policy.predict`, CFG as in
+                  training) on a micro-batch of `--train-batch` (4) sampled states, under autocast
+    algorithms    `--epochs` (2) epochs of GRPO (the arch's preset: sd15 / sd35 / flux), DDPO, Group-PPO (learning
+                  design and Algorithm 2), and the forward-process objectives NFT / AWM, LoRA, `--steps` denoising
+                  steps, reward jpeg_compressibility, at learning rate `--lr` (1e-30) with `--optimizer-steps` (4)
+                  optimizer steps per epoch. Read back from metrics.jsonl, every epoch: the on-policy max |log ratio|
+                  before the first optimizer step, approx_kl and clipfrac (all three exactly 0: at lr 1e-30 the
+                  weights do not move, so the recompute pass of pi_old must equal every later training forward
+                  bit for bit), the layout noise that recomputing pi_old removed, the training pass in seconds per
+                  trajectory-step, peak GPU memory, skipped optimizer steps. For NFT / AWM the on-policy number
+                  is the first window's max |prediction - old model's prediction| (exactly 0 as well).
+
+It prints a table, writes benchmarks/results/gpu_check.json (or --output), and exits 1 if any on-policy ratio
+is not exactly 1, any approx_kl or clipfrac is not exactly 0, any optimizer step was skipped or a sampled step
+lost its density. Not part of CI (CI has no GPU).
 """
 
 import argparse
@@ -42,16 +58,30 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "config"))
 import grpo  # noqa: E402  config/grpo.py
 import torch  # noqa: E402
 
-from ddpo_group.diffusion.loading import load_pipeline  # noqa: E402
-from ddpo_group.diffusion.lora import add_lora  # noqa: E402
+from ddpo_group.diffusion.flux import FLUX_DEV_TRANSFORMER, register_random_flux  # noqa: E402
+from ddpo_group.diffusion.policy import load_policy  # noqa: E402
 from ddpo_group.diffusion.sampling import sample_trajectories  # noqa: E402
 from ddpo_group.trainer import train  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-VARIANTS = ("sd15", "ddpo", "group_ppo", "group_ppo_alg2", "nft", "awm")
-# forward-process objectives on the sd15 variant: the objective's fields come from these tiny variants
+ALGORITHMS = ("grpo", "ddpo", "group_ppo", "group_ppo_alg2", "nft", "awm")
+ALIASES = {"sd15": "grpo"}  # the SD-1.5 GRPO preset's name, as earlier versions of this script called it
+# the algorithm's preset (SD 1.5) in ddpo_group/config/grpo.py; the forward objectives take their fields from
+# the tiny variants (train.objective, forward.*) on top of GRPO's preset
+ALGORITHM_PRESETS = {"grpo": "sd15", "ddpo": "ddpo", "group_ppo": "group_ppo", "group_ppo_alg2": "group_ppo_alg2"}
 FORWARD_VARIANTS = {"nft": "tiny_nft", "awm": "tiny_awm"}
-MODELS = {"sd15": "random-sd15", "tiny": "tiny"}
+# model: offline name; flow: the preset whose model-specific settings (sampling step, noise, guidance, resolution,
+# LoRA, KL scale, skipped last step) a flow run takes; resolution 0: the model's own; sample_steps: sampling check
+ARCHS = {
+    "sd15": dict(model="random-sd15", flow=None, resolution=0, sample_steps=50),
+    "sd35": dict(model="random-sd35", flow="sd35", resolution=512, sample_steps=10),
+    "flux": dict(model="random-flux", flow="flux", resolution=512, sample_steps=10),
+    "tiny": dict(model="tiny", flow=None, resolution=0, sample_steps=50),
+    "tiny-sd3": dict(model="tiny-sd3", flow="sd35", resolution=0, sample_steps=10, max_sequence_length=16),
+    "tiny-flux": dict(model="tiny-flux", flow="flux", resolution=0, sample_steps=10, max_sequence_length=16),
+}
+FLOW_SAMPLE_FIELDS = ("sde_type", "eta", "guidance_scale", "max_sequence_length", "cps_log_prob", "flow_grid",
+                      "flow_grid_shift")
 PROMPTS = ["a photo of a cat", "a photo of a dog", "a red circle", "a blue square"]
 
 
@@ -71,56 +101,118 @@ def timed(fn, device, repeats=1):
     return result, (time.perf_counter() - start) / repeats
 
 
-def check_sampling(model, device, dtype, batch, steps):
-    """Seconds of sample_trajectories and of pipeline(...) for the same batch, dtype and steps."""
-    pipeline = load_pipeline(model, torch_dtype=dtype).to(device)
+def arch_settings(arch, args):
+    """The arch's entry with the model name (a reduced FLUX registered under its own name), resolution and notes."""
+    spec = dict(ARCHS[arch], notes=[])
+    if arch == "flux":
+        full = (FLUX_DEV_TRANSFORMER["num_layers"], FLUX_DEV_TRANSFORMER["num_single_layers"])
+        depth = tuple(int(n) for n in args.flux_depth.split(","))
+        if depth != full:
+            spec["model"] = register_random_flux(*depth)
+            spec["notes"].append(f"FLUX depth reduced to {depth[0]} double + {depth[1]} single blocks "
+                                 f"(FLUX.1-dev has {full[0]} + {full[1]}): memory and time are not FLUX.1-dev's")
+    if args.resolution:
+        spec["resolution"] = args.resolution
+    if args.sample_steps:
+        spec["sample_steps"] = args.sample_steps
+    return spec
+
+
+def flow_sample_settings(spec):
+    """The flow preset's sampling settings for this arch (sde_type, eta, guidance, ...)."""
+    preset = grpo.get_config(spec["flow"]).sample
+    settings = {field: preset[field] for field in FLOW_SAMPLE_FIELDS}
+    if "max_sequence_length" in spec:
+        settings["max_sequence_length"] = spec["max_sequence_length"]
+    return settings
+
+
+def load_configured_policy(spec, device, dtype):
+    """The arch's policy on `device` with every part in `dtype`, configured as the arch's runs sample."""
+    policy = load_policy(spec["model"], torch_dtype=dtype)
+    policy.pipeline.to(device, dtype)
+    if spec["flow"]:
+        s = flow_sample_settings(spec)
+        policy.configure(sde_type=s["sde_type"], max_sequence_length=s["max_sequence_length"],
+                         resolution=spec["resolution"], cps_log_prob=s["cps_log_prob"], flow_grid=s["flow_grid"],
+                         flow_grid_shift=s["flow_grid_shift"])
+    return policy
+
+
+def check_sampling(spec, device, dtype, batch):
+    """Seconds of the policy's sampler and of pipeline(...) for the same batch, dtype and steps; the flow models'
+    ODE path (noise 0) against pipeline(...). Returns the policy, its last trajectories and the numbers."""
+    policy = load_configured_policy(spec, device, dtype)
+    pipeline, steps = policy.pipeline, spec["sample_steps"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    entry = {}
+    if spec["flow"]:
+        s = flow_sample_settings(spec)
+        guidance, eta = s["guidance_scale"], s["eta"]
+        side = policy.resolution
+        call = dict(num_inference_steps=steps, guidance_scale=guidance, height=side, width=side, output_type="pt",
+                    max_sequence_length=policy.max_sequence_length)
 
-    def ours():
-        return sample_trajectories(pipeline, prompts, steps, 5.0, 1.0, generator=torch.Generator().manual_seed(0))
+        def ours(level=eta):
+            return policy.sample(prompts, steps, guidance, level, generator=torch.Generator().manual_seed(0))
 
-    def theirs():
-        return pipeline(prompts, num_inference_steps=steps, guidance_scale=5.0, eta=1.0, output_type="pt",
-                        generator=torch.Generator().manual_seed(0)).images
+        def theirs():
+            return pipeline(prompts, generator=torch.Generator().manual_seed(0), **call).images
+
+        ode = ours(0.0).images.float()
+        entry["ode_vs_pipeline_max_abs_image_diff"] = float((ode - theirs().float().to(ode.device)).abs().max())
+    else:
+        guidance, eta = 5.0, 1.0
+
+        def ours():
+            return sample_trajectories(pipeline, prompts, steps, guidance, eta, generator=torch.Generator().manual_seed(0))
+
+        def theirs():
+            return pipeline(prompts, num_inference_steps=steps, guidance_scale=guidance, eta=eta, output_type="pt",
+                            generator=torch.Generator().manual_seed(0)).images
 
     trajectories, ours_s = timed(ours, device)
     _, theirs_s = timed(theirs, device)
-    return pipeline, {
+    # a sampled step without density: only cps's last step (sigma' = 0) may have none
+    expected_mask = torch.ones_like(trajectories.mask)
+    if spec["flow"] and flow_sample_settings(spec)["sde_type"] == "cps":
+        expected_mask[:, -1] = 0
+    entry.update({
         "sampling_s": ours_s,
         "pipeline_s": theirs_s,
         "sampling_vs_pipeline": ours_s / theirs_s,
-        "sampling_mask_all_ones": bool((trajectories.mask == 1).all()),
+        "sample_steps": steps,
+        "resolution": int(trajectories.images.shape[-1]),
+        "sampling_mask_all_ones": bool(torch.equal(trajectories.mask, expected_mask)),
         "log_probs_dtype": str(trajectories.log_probs.dtype),
-    }
+    })
+    return policy, trajectories, entry, guidance
 
 
-def check_unet_cost(pipeline, device, dtype, batch, repeats):
-    """Mean seconds of one forward + backward of the LoRA UNet on `batch` trajectories with CFG."""
-    unet = pipeline.unet
-    add_lora(unet, 4)
-    for param in unet.parameters():
-        if param.requires_grad:
-            param.data = param.data.float()
-    config = unet.config
-    size = config.sample_size
-    latents = torch.randn(2 * batch, config.in_channels, size, size, device=device)
-    timesteps = torch.full((2 * batch,), 500, device=device)
-    embeds = torch.randn(2 * batch, pipeline.tokenizer.model_max_length, config.cross_attention_dim, device=device)
+def check_model_cost(policy, trajectories, device, dtype, batch, repeats, guidance, lora_rank):
+    """Mean seconds of one forward + backward of the LoRA model (`policy.predict`, CFG as in training) on `batch`
+    sampled states (the first step of the first `batch` trajectories), under autocast."""
+    module = policy.prepare(device, dtype, use_lora=True, lora_rank=lora_rank)
+    rows = torch.arange(min(batch, trajectories.latents.shape[0]))
+    x_t = trajectories.latents[rows, 0].to(device)
+    timesteps = trajectories.timesteps[rows, 0].to(device)
     autocast = torch.autocast(device, dtype=dtype) if device == "cuda" or dtype == torch.bfloat16 else contextlib.nullcontext()
 
     def step():
         with autocast:
-            out = unet(latents.to(dtype), timesteps, encoder_hidden_states=embeds.to(dtype), return_dict=False)[0]
+            out = policy.predict(module, x_t, timesteps, trajectories, rows, guidance)
         out.float().mean().backward()
-        unet.zero_grad(set_to_none=True)
+        module.zero_grad(set_to_none=True)
 
     _, seconds = timed(step, device, repeats)
-    return {"unet_fwd_bwd_s": seconds, "unet_fwd_bwd_s_per_trajectory_step": seconds / batch}
+    return {"model_fwd_bwd_s": seconds, "model_fwd_bwd_s_per_trajectory_step": seconds / len(rows)}
 
 
-def forward_variant(name, num_steps):
-    """sd15 trained with the forward-process objective of FORWARD_VARIANTS[name] (at most num_steps timesteps)."""
-    source = grpo.get_config(FORWARD_VARIANTS[name])
+def algorithm_config(algorithm, num_steps):
+    """The algorithm's SD-1.5 preset; NFT / AWM: GRPO's preset with the tiny variant's objective fields."""
+    if algorithm not in FORWARD_VARIANTS:
+        return grpo.get_config(ALGORITHM_PRESETS[algorithm])
+    source = grpo.get_config(FORWARD_VARIANTS[algorithm])
     config = grpo.get_config("sd15")
     config.train.objective = source.train.objective
     for field in ("use_reference_model", "use_kl_loss", "beta", "clip_range"):
@@ -130,73 +222,110 @@ def forward_variant(name, num_steps):
     return config
 
 
-def run_variant(variant, args, dtype_name, logdir):
-    config = forward_variant(variant, args.steps) if variant in FORWARD_VARIANTS else grpo.get_config(variant)
-    config.pretrained.model = MODELS[args.arch]
+def run_config(arch, spec, algorithm, args, dtype_name, logdir, run_name):
+    """The algorithm's config on the arch's model: for a flow model, the flow preset's model settings (step type,
+    noise level, guidance, resolution, text length, LoRA size, KL scale, skipped last step)."""
+    config = algorithm_config(algorithm, args.steps)
+    config.pretrained.model = spec["model"]
+    if spec["flow"]:
+        flow = grpo.get_config(spec["flow"])
+        for field, value in flow_sample_settings(spec).items():
+            config.sample[field] = value
+        config.sample.resolution = spec["resolution"]
+        config.lora_rank, config.lora_alpha = flow.lora_rank, flow.lora_alpha
+        if config.train.objective == "stepwise":  # the forward objectives train no reverse-process step
+            config.train.skip_last_steps = flow.train.skip_last_steps
+            if config.train.kl_type == "gaussian":
+                config.train.kl_type = flow.train.kl_type
     config.mixed_precision = dtype_name
     config.use_lora = True
     config.reward_fn = "jpeg_compressibility"
     config.prompt_fn = "simple_animals"
-    config.num_epochs = 1
+    config.num_epochs = args.epochs
     config.save_freq = 0
+    config.eval_freq = 0
     config.log_images_every = 0
     config.logdir = logdir
-    config.run_name = f"{variant}_{dtype_name}"
+    config.run_name = run_name
     config.sample.num_steps = args.steps
     config.sample.batch_size = args.sample_batch
     config.sample.num_batches_per_epoch = args.batches
-    config.sample.group_size = min(config.sample.group_size, args.sample_batch) if variant != "ddpo" else 1
+    config.sample.group_size = min(config.sample.group_size, args.sample_batch) if algorithm != "ddpo" else 1
     config.train.batch_size = args.train_batch
-    # one optimizer step per epoch: every micro-batch is trained before any update, so the ratio must be 1
-    config.train.gradient_accumulation_steps = args.sample_batch * args.batches // args.train_batch
+    config.train.learning_rate = args.lr
+    # `--optimizer-steps` optimizer steps per epoch: at lr 1e-30 the weights stay put, so every training forward
+    # after a step must reproduce the recompute pass's pi_old exactly (approx_kl, clipfrac 0)
+    micro_batches = args.sample_batch * args.batches // args.train_batch
+    config.train.gradient_accumulation_steps = max(1, micro_batches // args.optimizer_steps)
+    return config
+
+
+def run_algorithm(arch, spec, algorithm, args, dtype_name, logdir):
+    config = run_config(arch, spec, algorithm, args, dtype_name, logdir, f"{arch}_{algorithm}_{dtype_name}")
     run_dir = train(config)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        row = json.loads(f.readline())
-    trained_steps = row["train/unet_steps_per_sample"] * row["num_samples"]
+        rows = [json.loads(line) for line in f if line.strip()]
     # forward objectives: the first window's max |prediction - old prediction| stands for the log-ratio; NFT has
     # no ratio (approx_kl, clipfrac 0 by definition)
-    on_policy = row.get("train/on_policy_max_abs_log_ratio", row.get("forward/first_window_max_abs_deviation"))
+    on_policy = [row.get("train/on_policy_max_abs_log_ratio", row.get("forward/first_window_max_abs_deviation"))
+                 for row in rows]
+    noise = [row["train/layout_noise_max_abs_log_ratio"] for row in rows
+             if row.get("train/layout_noise_max_abs_log_ratio") is not None]
+    peaks = [row["peak_gpu_mb"] for row in rows if row.get("peak_gpu_mb") is not None]
+    trained = sum(row["train/unet_steps_per_sample"] * row["num_samples"] for row in rows)
     return {
-        "on_policy_max_abs_log_ratio": on_policy,
-        "approx_kl": row.get("approx_kl", 0.0),
-        "clipfrac": row.get("clipfrac", 0.0),
-        "layout_noise_max_abs_log_ratio": row.get("train/layout_noise_max_abs_log_ratio"),
-        "skipped_steps": row["train/skipped_steps"],
-        "time_sample_s": row["time/sample"],
-        "time_train_s": row["time/train"],
-        "train_s_per_trajectory_step": row["time/train"] / trained_steps,
-        "trained_trajectory_steps": trained_steps,
-        "peak_gpu_mb": row.get("peak_gpu_mb"),
+        "epochs": len(rows),
+        "optimizer_steps_per_epoch": rows[-1]["train/global_step"] / len(rows),
+        "learning_rate": args.lr,
+        "on_policy_max_abs_log_ratio": max(on_policy, key=lambda v: -1 if v is None else v),
+        "approx_kl": max(abs(row.get("approx_kl", 0.0)) for row in rows),
+        "clipfrac": max(row.get("clipfrac", 0.0) for row in rows),
+        "approx_kl_by_epoch": [row.get("approx_kl", 0.0) for row in rows],
+        "clipfrac_by_epoch": [row.get("clipfrac", 0.0) for row in rows],
+        "layout_noise_max_abs_log_ratio": max(noise) if noise else None,
+        "skipped_steps": sum(row["train/skipped_steps"] for row in rows),
+        "time_sample_s": sum(row["time/sample"] for row in rows) / len(rows),
+        "time_train_s": sum(row["time/train"] for row in rows) / len(rows),
+        "train_s_per_trajectory_step": sum(row["time/train"] for row in rows) / trained,
+        "trained_trajectory_steps": trained,
+        "peak_gpu_mb": max(peaks) if peaks else None,
     }
 
 
 def render(results):
-    lines = [
-        f"GPU check on {results['machine'].get('gpu', results['machine']['device'])}, architecture {results['arch']}",
-        "",
-        "| dtype | sampling s | pipeline(...) s | ratio | UNet fwd+bwd s / trajectory-step |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for dtype, d in results["dtypes"].items():
-        lines.append(
-            f"| {dtype} | {d['sampling_s']:.3f} | {d['pipeline_s']:.3f} | {d['sampling_vs_pipeline']:.3f} | "
-            f"{d['unet_fwd_bwd_s_per_trajectory_step']:.4f} |"
-        )
+    machine = results["machine"].get("gpu", results["machine"]["device"])
+    lines = [f"GPU check on {machine}", ""]
+    for arch, a in results["archs"].items():
+        lines.append(f"{arch}: model {a['model']}, {a['parameters_m']:.4g}M parameters in the trained model (before LoRA)")
+        lines += [f"  note: {note}" for note in a["notes"]]
     lines += [
         "",
-        "| dtype | variant | on-policy max abs log ratio | approx_kl | clipfrac | layout noise removed | "
-        "train s / trajectory-step | peak GPU MB | skipped |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| arch | dtype | sampling s | pipeline(...) s | ratio | ODE vs pipeline max abs | fwd+bwd s / trajectory-step |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for dtype, d in results["dtypes"].items():
-        for variant, v in d["variants"].items():
-            noise = v["layout_noise_max_abs_log_ratio"]
-            peak = v["peak_gpu_mb"]
+    for arch, a in results["archs"].items():
+        for dtype, d in a["dtypes"].items():
+            ode = d.get("ode_vs_pipeline_max_abs_image_diff")
             lines.append(
-                f"| {dtype} | {variant} | {v['on_policy_max_abs_log_ratio']:.3g} | {v['approx_kl']:.3g} | "
-                f"{v['clipfrac']:.3g} | {'-' if noise is None else f'{noise:.3g}'} | "
-                f"{v['train_s_per_trajectory_step']:.4f} | {'-' if peak is None else f'{peak:.0f}'} | {v['skipped_steps']} |"
+                f"| {arch} | {dtype} | {d['sampling_s']:.3f} | {d['pipeline_s']:.3f} | {d['sampling_vs_pipeline']:.3f} | "
+                f"{'-' if ode is None else f'{ode:.3g}'} | {d['model_fwd_bwd_s_per_trajectory_step']:.4f} |"
             )
+    lines += [
+        "",
+        "| arch | dtype | algorithm | epochs x opt. steps | on-policy max abs log ratio | approx_kl (max over epochs) | "
+        "clipfrac (max) | layout noise removed | train s / trajectory-step | peak GPU MB | skipped |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arch, a in results["archs"].items():
+        for dtype, d in a["dtypes"].items():
+            for name, v in d["variants"].items():
+                noise, peak, ratio = v["layout_noise_max_abs_log_ratio"], v["peak_gpu_mb"], v["on_policy_max_abs_log_ratio"]
+                lines.append(
+                    f"| {arch} | {dtype} | {name} | {v['epochs']} x {v['optimizer_steps_per_epoch']:g} | "
+                    f"{'-' if ratio is None else f'{ratio:.3g}'} | {v['approx_kl']:.3g} | {v['clipfrac']:.3g} | "
+                    f"{'-' if noise is None else f'{noise:.3g}'} | {v['train_s_per_trajectory_step']:.4f} | "
+                    f"{'-' if peak is None else f'{peak:.0f}'} | {v['skipped_steps']} |"
+                )
     lines += ["", f"result: {'PASS' if results['passed'] else 'FAIL'}: {results['verdict']}"]
     return "\n".join(lines)
 
@@ -204,17 +333,31 @@ def render(results):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--arch", choices=sorted(MODELS), default="sd15", help="sd15: SD 1.5's architecture; tiny: seconds")
+    parser.add_argument("--arch", default="sd15,sd35", help=f"comma-separated, of {list(ARCHS)}")
+    parser.add_argument("--flux-depth", default="19,38", help="double,single blocks of random-flux (FLUX.1-dev: 19,38)")
     parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated: fp16 (GPU only), bf16")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--steps", type=int, default=20, help="denoising steps of the training epochs")
-    parser.add_argument("--sample-steps", type=int, default=50, help="denoising steps of the sampling-time check")
+    parser.add_argument("--variants", default=",".join(ALGORITHMS), help=f"comma-separated, of {list(ALGORITHMS)}")
+    parser.add_argument("--steps", type=int, default=10, help="denoising steps of the training epochs")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs of each training run")
+    parser.add_argument("--lr", type=float, default=1e-30, help="learning rate of the training runs")
+    parser.add_argument("--optimizer-steps", type=int, default=4, help="optimizer steps per epoch (at most the micro-batches)")
+    parser.add_argument("--sample-steps", type=int, default=0, help="steps of the sampling check (0: SD 50, flow 10)")
+    parser.add_argument("--resolution", type=int, default=0, help="image side (0: SD 1.5's own 512, flow 512, tiny own)")
     parser.add_argument("--sample-batch", type=int, default=8)
     parser.add_argument("--batches", type=int, default=2, help="sampling batches per epoch")
     parser.add_argument("--train-batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5, help="timed UNet forward+backward calls")
+    parser.add_argument("--repeats", type=int, default=5, help="timed forward+backward calls")
     parser.add_argument("--output", default=os.path.join(REPO_ROOT, "benchmarks", "results", "gpu_check.json"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for arch in args.arch.split(","):
+        if arch not in ARCHS:
+            parser.error(f"--arch {arch!r} is not one of {list(ARCHS)}")
+    for name in args.variants.split(","):
+        if ALIASES.get(name, name) not in ALGORITHMS:
+            parser.error(f"--variants {name!r} is not one of {list(ALGORITHMS)}")
+    if args.sample_batch * args.batches % args.train_batch:
+        parser.error("--train-batch must divide --sample-batch x --batches")
+    return args
 
 
 def main(argv=None):
@@ -228,38 +371,59 @@ def main(argv=None):
     machine = {"platform": platform.platform(), "torch_version": torch.__version__, "device": args.device}
     if args.device == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(0)
-    results = {"arch": args.arch, "machine": machine, "settings": vars(args), "dtypes": {}}
+    results = {"machine": machine, "settings": vars(args), "archs": {}}
     logdir = tempfile.mkdtemp(prefix="gpu_check_")
     failures = []
     try:
-        for dtype_name in args.dtypes.split(","):
-            dtype = DTYPES[dtype_name]
-            pipeline, entry = check_sampling(MODELS[args.arch], args.device, dtype, args.sample_batch, args.sample_steps)
-            entry.update(check_unet_cost(pipeline, args.device, dtype, args.train_batch, args.repeats))
-            del pipeline
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-            if not entry["sampling_mask_all_ones"]:
-                failures.append(f"{dtype_name}: a sampled step lost its density (mask 0)")
-            entry["variants"] = {}
-            for variant in args.variants.split(","):
+        for arch in args.arch.split(","):
+            spec = arch_settings(arch, args)
+            entry = results["archs"][arch] = {"model": spec["model"], "notes": spec["notes"], "dtypes": {}}
+            for note in spec["notes"]:
+                print(f"{arch}: {note}", flush=True)
+            for dtype_name in args.dtypes.split(","):
+                dtype = DTYPES[dtype_name]
                 if args.device == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                v = entry["variants"][variant] = run_variant(variant, args, dtype_name, logdir)
-                print(f"{dtype_name} {variant}: {json.dumps(v)}", flush=True)
-                exact = v["on_policy_max_abs_log_ratio"] == 0.0 and v["approx_kl"] == 0.0 and v["clipfrac"] == 0.0
-                if not exact:
-                    failures.append(f"{dtype_name} {variant}: on-policy ratio not exactly 1")
-                if v["skipped_steps"]:
-                    failures.append(f"{dtype_name} {variant}: {v['skipped_steps']} optimizer step(s) skipped")
-            results["dtypes"][dtype_name] = entry
+                policy, trajectories, d, guidance = check_sampling(spec, args.device, dtype, args.sample_batch)
+                lora_rank = grpo.get_config(spec["flow"]).lora_rank if spec["flow"] else 4
+                entry["parameters_m"] = sum(p.numel() for p in policy.trainable_module.parameters()) / 1e6
+                d.update(check_model_cost(policy, trajectories, args.device, dtype, args.train_batch, args.repeats,
+                                          guidance, lora_rank))
+                if args.device == "cuda":
+                    d["sampling_and_fwd_bwd_peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+                del policy, trajectories
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+                print(f"{arch} {dtype_name} sampling: {json.dumps(d)}", flush=True)
+                if not d["sampling_mask_all_ones"]:
+                    failures.append(f"{arch} {dtype_name}: a sampled step lost its density (mask 0)")
+                d["variants"] = {}
+                for name in args.variants.split(","):
+                    if args.device == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    v = d["variants"][name] = run_algorithm(arch, spec, ALIASES.get(name, name), args, dtype_name, logdir)
+                    print(f"{arch} {dtype_name} {name}: {json.dumps(v)}", flush=True)
+                    if v["on_policy_max_abs_log_ratio"] not in (0.0, None):
+                        failures.append(f"{arch} {dtype_name} {name}: on-policy ratio not exactly 1")
+                    if v["approx_kl"] != 0.0 or v["clipfrac"] != 0.0:
+                        failures.append(f"{arch} {dtype_name} {name}: approx_kl / clipfrac not exactly 0 at lr {args.lr:g}")
+                    if v["skipped_steps"]:
+                        failures.append(f"{arch} {dtype_name} {name}: {v['skipped_steps']} optimizer step(s) skipped")
+                entry["dtypes"][dtype_name] = d
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
+    if len(results["archs"]) == 1:  # one architecture: its dtypes also at the top level, as before
+        (only,) = results["archs"].values()
+        results["arch"], results["dtypes"] = args.arch, only["dtypes"]
     results["passed"] = not failures
-    results["verdict"] = "; ".join(failures) or "every on-policy ratio exactly 1, no skipped step, no masked step"
+    results["verdict"] = "; ".join(failures) or (
+        f"every on-policy ratio exactly 1, approx_kl and clipfrac exactly 0 in every epoch at lr {args.lr:g}, "
+        "no skipped step, no step without density")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
+    partial = f"{args.output}.tmp{os.getpid()}"
+    with open(partial, "w") as f:
         json.dump(results, f, indent=1, default=float)
+    os.replace(partial, args.output)  # atomic: a reader sees the old file or the whole new one
     print(render(results))
     print(f"written: {args.output}")
     return 0 if results["passed"] else 1

@@ -15,7 +15,7 @@ import ml_collections
 from ddpo_group.algos.advantages import get_adv_estimator, registered_adv_estimators
 from ddpo_group.algos.grouping import ADVANTAGE_NORMS
 from ddpo_group.algos.losses import AGG_MODES, KL_TYPES, registered_policy_losses
-from ddpo_group.diffusion.flow import SDE_TYPES
+from ddpo_group.diffusion.flow import CPS_LOG_PROBS, FLOW_GRIDS, SDE_TYPES
 from ddpo_group.plugins import PluginError, import_plugins
 from ddpo_group.rewards.combine import REWARD_AGGREGATIONS
 from ddpo_group.rewards.registry import list_rewards, unknown_reward_message
@@ -219,6 +219,14 @@ def check_config(config, num_processes=1, has_gpu=None):
             "forward-process objectives (train.objective='nft' or 'awm') may sample deterministically"
         )
     _choice(sample.sde_type, ("",) + SDE_TYPES, "sample.sde_type")
+    _choice(sample.cps_log_prob, CPS_LOG_PROBS, "sample.cps_log_prob")
+    _choice(sample.flow_grid, FLOW_GRIDS, "sample.flow_grid")
+    _positive(sample.flow_grid_shift, "sample.flow_grid_shift")
+    if sample.cps_log_prob != "normalized" and sample.sde_type != "cps":
+        raise ConfigError(
+            f"config.sample.cps_log_prob={sample.cps_log_prob!r} is the log-prob of sample.sde_type='cps'; "
+            f"sample.sde_type={sample.sde_type!r}: set sample.cps_log_prob='normalized' (the other steps have one form)"
+        )
     # the offline models that step with DDIM (no flow-matching SDE, no Flow-GRPO KL), from the family registry;
     # imported here, not at the top: the families pull in every diffusers pipeline (1.5 s), which the CLI's
     # quick errors (an unknown field or variant) must not wait for
@@ -230,6 +238,12 @@ def check_config(config, num_processes=1, has_gpu=None):
             f"config.sample.sde_type={sample.sde_type!r} needs a flow-matching model (SD3, FLUX); "
             f"config.pretrained.model={config.pretrained.model!r} steps with DDIM (its noise is sample.eta): "
             "set sample.sde_type=''"
+        )
+    # (sample.cps_log_prob needs sde_type="cps", which the check above refuses for these models)
+    if sample.flow_grid != "pipeline" and config.pretrained.model in ddim_models:
+        raise ConfigError(
+            f"config.sample.flow_grid={sample.flow_grid!r} needs a flow-matching model (SD3, FLUX); config.pretrained."
+            f"model={config.pretrained.model!r} steps with DDIM: set sample.flow_grid='pipeline'"
         )
     if config.train.kl_type == "flow_grpo" and config.pretrained.model in ddim_models:
         raise ConfigError(

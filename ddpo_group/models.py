@@ -63,7 +63,8 @@ def build_models(config, accelerator):
     dtype = inference_dtype(config)
     policy = load_policy(config.pretrained.model, revision=config.pretrained.revision or None, torch_dtype=dtype)
     try:
-        policy.configure(sde_type=s.sde_type, max_sequence_length=s.max_sequence_length, resolution=s.resolution)
+        policy.configure(sde_type=s.sde_type, max_sequence_length=s.max_sequence_length, resolution=s.resolution,
+                         cps_log_prob=s.cps_log_prob, flow_grid=s.flow_grid, flow_grid_shift=s.flow_grid_shift)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     module = policy.prepare(acc.device, dtype, config.use_lora, config.lora_rank, config.lora_alpha or None)

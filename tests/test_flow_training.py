@@ -197,7 +197,7 @@ def _saved_tiny(tmp_path):
 def test_flow_grpo_kl_is_flow_grpos_formula(sde_type):
     # Flow-GRPO (scripts/train_sd3.py): kl = mean_dims (mu - mu_ref)^2 / (2 std_dev_t^2), std_dev_t the noise level
     # g before its sqrt(-dt) factor: sde g = a sqrt(sigma / (1 - sigma)) (sigma = 1: sigmas[1] below), dance g = a;
-    # its cps std_dev_t is the step's std sigma' sin(a pi / 2)
+    # cps (FlowCPS's train_sd3.py): mean_dims (mu - mu_ref)^2, no divisor
     from ddpo_group.algos.losses import gaussian_kl
 
     a = 0.7 if sde_type != "cps" else 0.5
@@ -219,7 +219,7 @@ def test_flow_grpo_kl_is_flow_grpos_formula(sde_type):
         elif sde_type == "dance":
             g = a
         else:
-            g = sigma_next * math.sin(a * math.pi / 2)
+            g = math.sqrt(0.5)
         expected = ((mean.double() - ref_mean.double()) ** 2).flatten(1).mean(1) / (2 * g * g)
         torch.testing.assert_close(ours.double(), expected, rtol=1e-4, atol=0)
         if sde_type != "cps":  # the exact Gaussian KL is 1/|dt| times larger

@@ -127,6 +127,17 @@ def get_config():
     sample.sde_window = "fixed"
     sample.sde_window_start = 0
     sample.sde_window_shift_every = 1
+    # sde_type="cps" only: the log-probability of a step (docs/flow.md). "normalized" (the Gaussian
+    # log-density per dimension, as every other step) or "flow_grpo" (FlowCPS / Flow-GRPO's cps form,
+    # -mean (x' - mean)^2: constants and 1 / (2 std^2) dropped, so its log-ratios, which the PPO clip cuts,
+    # are 2 std^2 times the normalised ones; its ratio equals Flow-GRPO's on the same inputs).
+    sample.cps_log_prob = "normalized"
+    # Flow-matching models: the sigma grid of a trajectory. "pipeline" (the pipeline's own, with the model's
+    # shift: Flow-GRPO) or "dance" (DanceGRPO's: t = linspace(1, 0, num_steps + 1), then sigma =
+    # s t / (1 + (s - 1) t) with s = flow_grid_shift; DanceGRPO's FLUX script uses 3). Re-scoring reads the
+    # grid each trajectory carries (Trajectories.sigmas).
+    sample.flow_grid = "pipeline"
+    sample.flow_grid_shift = 3.0
     # Text tokens of a T5 text encoder (SD3, FLUX); 0: the family's default (SD3 256, FLUX 512).
     sample.max_sequence_length = 0
 

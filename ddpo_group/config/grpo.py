@@ -344,6 +344,12 @@ def sd35():
     config.sample.num_steps = 10  # Flow-GRPO: 10 sampling (and training) steps
     config.sample.eta = 0.7  # Flow-GRPO: noise level a = 0.7 of the "sde" step
     config.sample.sde_type = "sde"
+    # Conventions (docs/flow.md): Flow-GRPO's "sde" log-prob is the normalised Gaussian one, as ours, so its ratio,
+    # and with it clip_range 1e-4, mean the same here (sample.cps_log_prob concerns sde_type="cps" only: its
+    # "flow_grpo" form has log-ratios 2 std^2 times ours). Flow-GRPO samples on the pipeline's own grid (shift 3
+    # for SD3.5, FLUX's resolution-dependent shift): flow_grid "pipeline", not DanceGRPO's linspace grid.
+    config.sample.cps_log_prob = "normalized"
+    config.sample.flow_grid = "pipeline"
     config.sample.guidance_scale = 4.5  # Flow-GRPO: CFG 4.5
     config.sample.resolution = 512  # Flow-GRPO: 512x512
     config.sample.group_size = 24  # Flow-GRPO: 24 images per prompt
@@ -372,6 +378,9 @@ def flux():
     config.sample.num_steps = 6  # Flow-GRPO FLUX: 6 steps
     config.sample.eta = 0.9  # Flow-GRPO FLUX: noise level 0.9
     config.sample.guidance_scale = 3.5  # FLUX.1-dev's guidance embedding (diffusers' default), not CFG
+    # sd35's conventions: Flow-GRPO's "sde" step (normalised log-prob) on the pipeline's grid (Flow-GRPO's FLUX
+    # script samples there too); DanceGRPO's FLUX recipe would be sde_type "dance", eta 0.3, 16 steps,
+    # flow_grid "dance" with flow_grid_shift 3 (its scripts/finetune/finetune_flux_grpo.sh)
     config.sample.group_size = 16
     config.sample.batch_size = 16
     config.train.batch_size = 8

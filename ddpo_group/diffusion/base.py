@@ -197,7 +197,7 @@ class DiffusionPolicy:
                                           classmethod: the family's offline names, a directory or a hub id
     offline_models, pipeline_class_names  class attributes: the names `load` builds offline, and the
                                           diffusers pipeline classes (model_index.json's _class_name) it loads
-    configure(sde_type, max_sequence_length, resolution)
+    configure(sde_type, max_sequence_length, resolution, cps_log_prob, flow_grid, flow_grid_shift)
                                           the config's sampling options (ValueError naming the field when the
                                           family has no use for one)
     prepare(device, dtype, use_lora, lora_rank, lora_alpha) -> module
@@ -241,7 +241,8 @@ class DiffusionPolicy:
     def load(cls, model, revision=None, torch_dtype=None):
         raise NotImplementedError
 
-    def configure(self, sde_type="", max_sequence_length=0, resolution=0):
+    def configure(self, sde_type="", max_sequence_length=0, resolution=0, cps_log_prob="normalized",
+                  flow_grid="pipeline", flow_grid_shift=3.0):
         raise NotImplementedError
 
     def prepare(self, device, dtype, use_lora, lora_rank=4, lora_alpha=None):

@@ -18,8 +18,10 @@ same marginals have a Gaussian density N(mean, std^2 I) (docs/flow.md), a = nois
     dance (DanceGRPO)    constant diffusion: the sde drift with a in place of g, std = a sqrt(-dt)
 
 With a = 0 every type is the ODE step (std 0: no density, mask 0). ``log_prob`` is the Gaussian
-log-density of the next sample, averaged over non-batch dims, as for DDIM (``gaussian_log_prob``).
-Step math in float32, or in the input's dtype when wider. Pure math: no I/O, no trainer.
+log-density of the next sample, averaged over non-batch dims, as for DDIM (``gaussian_log_prob``);
+``cps_log_prob="flow_grpo"`` gives FlowCPS / Flow-GRPO's cps form instead, -mean (x' - mean)^2 (constants and
+the 1 / (2 std^2) factor dropped: its log-ratios are 2 std^2 times the normalised ones). ``dance_sigmas``
+is DanceGRPO's grid. Step math in float32, or in the input's dtype when wider. Pure math: no I/O, no trainer.
 """
 
 import math
@@ -30,6 +32,20 @@ from diffusers.utils.torch_utils import randn_tensor
 from ddpo_group.diffusion.gaussian import gaussian_log_prob, left_broadcast, step_dtype
 
 SDE_TYPES = ("sde", "cps", "dance")
+# sample.cps_log_prob: "normalized" (the Gaussian log-density per dimension, ours) or "flow_grpo" (FlowCPS's)
+CPS_LOG_PROBS = ("normalized", "flow_grpo")
+# sample.flow_grid: "pipeline" (the pipeline's own sigmas) or "dance" (DanceGRPO's shifted linspace, dance_sigmas)
+FLOW_GRIDS = ("pipeline", "dance")
+
+
+def dance_sigmas(num_steps, shift):
+    """DanceGRPO's sigma grid of `num_steps` steps, float64 (num_steps + 1,), from 1 down to 0: the uniform
+    grid t_i = 1 - i / num_steps, then the time shift sigma = s t / (1 + (s - 1) t) with s = `shift` (> 0)."""
+    shift = float(shift)
+    if not math.isfinite(shift) or shift <= 0:
+        raise ValueError(f"the grid's shift must be a finite number > 0, got {shift}")
+    t = torch.linspace(1.0, 0.0, int(num_steps) + 1, dtype=torch.float64)
+    return shift * t / (1 + (shift - 1) * t)
 
 
 def _sigmas(scheduler, timestep, batch_size, device, dtype):
@@ -73,6 +89,7 @@ def sde_step_with_logprob(
     generator=None,
     sigmas=None,
     with_log_prob=True,
+    cps_log_prob="normalized",
 ):
     """One flow-matching step x_t -> x_{t+1} with its Gaussian log-probability (module docstring).
 
@@ -90,6 +107,9 @@ def sde_step_with_logprob(
             pass it here, so re-scoring never reads the scheduler, whose grid a later ``set_timesteps`` (an
             evaluation, another pipeline call) may have changed. None: looked up on the scheduler's grid.
         with_log_prob: False skips the density (log_prob is None): a sampler whose trainer reads no log-probs.
+        cps_log_prob: "normalized" (the Gaussian log-density per dimension) or, with sde_type="cps" only,
+            "flow_grpo": -mean over dimensions of (prev_sample - mean)^2 (FlowCPS / Flow-GRPO's cps), 0 where
+            std = 0. Same samples, same means and stds; only the log-prob (and so the ratio's scale) differs.
 
     Returns:
         prev_sample, log_prob (B,) (0 where std = 0), prev_sample_mean, std_dev_t (B, 1, ...) the
@@ -102,6 +122,10 @@ def sde_step_with_logprob(
         raise ValueError(f"noise_level must be a finite number >= 0, got {noise_level}")
     if sde_type == "cps" and noise_level > 1:
         raise ValueError(f"noise_level must lie in [0, 1] for sde_type='cps' (std = sigma' sin(a pi / 2)), got {noise_level}")
+    if cps_log_prob not in CPS_LOG_PROBS:
+        raise ValueError(f"cps_log_prob must be one of {CPS_LOG_PROBS}, got {cps_log_prob!r}")
+    if cps_log_prob == "flow_grpo" and sde_type != "cps":
+        raise ValueError(f"cps_log_prob='flow_grpo' is the log-prob of sde_type='cps'; got sde_type={sde_type!r}")
     if prev_sample is not None and generator is not None:
         raise ValueError("pass prev_sample (to score it) or generator (to draw one), not both")
 
@@ -142,6 +166,12 @@ def sde_step_with_logprob(
         noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=dtype)
         prev_sample = mean + std * noise if a > 0 else mean
     prev_sample = prev_sample.to(dtype)
-    log_prob = gaussian_log_prob(prev_sample, mean, std) if with_log_prob else None
+    if not with_log_prob:
+        log_prob = None
+    elif cps_log_prob == "flow_grpo":
+        squared = (prev_sample.detach() - mean) ** 2
+        log_prob = -torch.where(std > 0, squared, torch.zeros_like(squared)).mean(dim=tuple(range(1, x.ndim)))
+    else:
+        log_prob = gaussian_log_prob(prev_sample, mean, std)
     std = std[(slice(None),) + (slice(0, 1),) * (x.ndim - 1)]
     return prev_sample, log_prob, mean, std

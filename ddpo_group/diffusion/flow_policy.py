@@ -2,7 +2,7 @@
 SDE steps with log-probs.
 
 A trajectory is T steps of ``sde_step_with_logprob`` (``ddpo_group.diffusion.flow``) on the
-pipeline's own timestep grid; step i uses the noise level eta_i (the trainer's ODE/SDE window:
+pipeline's own timestep grid (or DanceGRPO's, ``sample.flow_grid="dance"``); step i uses the noise level eta_i (the trainer's ODE/SDE window:
 eta_i = 0 outside it, an ODE step with mask 0). The same ``_velocity`` call serves sampling and
 re-scoring, so re-scoring with unchanged weights in the sampling layout is exact, and with noise
 0 the images are the pipeline's (``pipeline(...)`` with the same generator).
@@ -13,6 +13,8 @@ sigma * 1000), prompt embeddings and pooled embeddings (and the negative ones fo
 FLUX.1-dev has no CFG: ``guidance_scale`` is its distilled guidance embedding.
 """
 
+import inspect
+import math
 import os
 
 import torch
@@ -26,7 +28,7 @@ from ddpo_group.diffusion.base import (
     final_latents_only,
     noise_levels,
 )
-from ddpo_group.diffusion.flow import SDE_TYPES, sde_step_with_logprob
+from ddpo_group.diffusion.flow import CPS_LOG_PROBS, FLOW_GRIDS, SDE_TYPES, dance_sigmas, sde_step_with_logprob
 from ddpo_group.diffusion.lora import add_lora
 
 # Attention projections of the joint (MM-DiT) blocks: image stream and text stream, as Flow-GRPO targets.
@@ -35,9 +37,12 @@ LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_
 
 def load_pretrained(pipeline_class, model, revision, torch_dtype, offline_builders):
     """`pipeline_class` from an offline name (`offline_builders`: name -> builder), a directory or a hub id;
-    ValueError naming the model and the offline choices when it cannot be loaded."""
+    ValueError naming the model and the offline choices when it cannot be loaded. A builder that takes
+    ``torch_dtype`` (the full-size random architectures) creates its weights in it: no float32 copy first."""
     if model in offline_builders:
-        return offline_builders[model]().to(dtype=torch_dtype)
+        build = offline_builders[model]
+        takes_dtype = "torch_dtype" in inspect.signature(build).parameters
+        return (build(torch_dtype=torch_dtype) if takes_dtype else build()).to(dtype=torch_dtype)
     local = os.path.isdir(os.path.expanduser(model))
     local_files_only = local or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     try:
@@ -78,6 +83,8 @@ class FlowMatchingPolicy(DiffusionPolicy):
     def __init__(self, pipeline):
         super().__init__(pipeline)
         self.sde_type = "sde"
+        self.cps_log_prob = "normalized"
+        self.flow_grid, self.flow_grid_shift = "pipeline", 3.0
         self.max_sequence_length = self.default_max_sequence_length
         self.resolution = self.pipeline.default_sample_size * self.pipeline.vae_scale_factor
         self._grid = None
@@ -86,10 +93,22 @@ class FlowMatchingPolicy(DiffusionPolicy):
     def supports(cls, pipeline):
         return isinstance(pipeline, cls.pipeline_class)
 
-    def configure(self, sde_type="", max_sequence_length=0, resolution=0):
+    def configure(self, sde_type="", max_sequence_length=0, resolution=0, cps_log_prob="normalized",
+                  flow_grid="pipeline", flow_grid_shift=3.0):
         if sde_type and sde_type not in SDE_TYPES:
             raise ValueError(f"config.sample.sde_type={sde_type!r} is not one of {list(SDE_TYPES)} (or '' for 'sde')")
+        if cps_log_prob not in CPS_LOG_PROBS:
+            raise ValueError(f"config.sample.cps_log_prob={cps_log_prob!r} is not one of {list(CPS_LOG_PROBS)}")
+        if cps_log_prob != "normalized" and sde_type != "cps":
+            raise ValueError(f"config.sample.cps_log_prob={cps_log_prob!r} is the log-prob of sample.sde_type='cps'; "
+                             f"sample.sde_type={sde_type!r}: set sample.cps_log_prob='normalized'")
+        if flow_grid not in FLOW_GRIDS:
+            raise ValueError(f"config.sample.flow_grid={flow_grid!r} is not one of {list(FLOW_GRIDS)}")
+        if not float(flow_grid_shift) > 0:
+            raise ValueError(f"config.sample.flow_grid_shift={flow_grid_shift} must be > 0 (DanceGRPO's shift; 1: none)")
         self.sde_type = sde_type or "sde"
+        self.cps_log_prob = cps_log_prob
+        self.flow_grid, self.flow_grid_shift = flow_grid, float(flow_grid_shift)
         self.max_sequence_length = max_sequence_length or self.default_max_sequence_length
         if resolution:
             multiple = self.pipeline.vae_scale_factor * self.patch_multiple
@@ -137,11 +156,17 @@ class FlowMatchingPolicy(DiffusionPolicy):
         )
 
     def _set_timesteps(self, num_steps, device):
+        """The trajectory's model timesteps (T,) and sigma grid (T + 1,) float32: the pipeline's (its scheduler's,
+        set here) or, with flow_grid="dance", DanceGRPO's (``dance_sigmas``; the model sees sigma * 1000)."""
+        if self.flow_grid == "dance":
+            sigmas = dance_sigmas(num_steps, self.flow_grid_shift).to(device, torch.float32)
+            return sigmas[:-1] * self.pipeline.scheduler.config.num_train_timesteps, sigmas
         key = (num_steps, str(device), self.resolution)
-        if self._grid != key:
+        scheduler = self.pipeline.scheduler
+        if self._grid != key or len(scheduler.timesteps) != num_steps:
             self._timesteps(num_steps, device)
             self._grid = key
-        return self.pipeline.scheduler.timesteps
+        return scheduler.timesteps, scheduler.sigmas.detach().to(device, torch.float32)
 
     @torch.no_grad()
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
@@ -161,15 +186,15 @@ class FlowMatchingPolicy(DiffusionPolicy):
         levels = noise_levels(eta, num_steps)
         cond = self._encode(prompts, negative_prompt, guidance_scale, device)
         latents = self._initial_latents(batch_size, device, generator)
-        timesteps = self._set_timesteps(num_steps, device)
-        grid = self.pipeline.scheduler.sigmas.detach().to(device, torch.float32).unsqueeze(0).repeat(batch_size, 1)
+        timesteps, sigmas = self._set_timesteps(num_steps, device)
+        grid = sigmas.unsqueeze(0).repeat(batch_size, 1)
         all_latents, log_probs, stds = [latents], [], []
         for i, t in enumerate(tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False)):
             velocity = self._velocity(model, latents, t.expand(batch_size), cond, guidance_scale)
             latents, log_prob, _, std = sde_step_with_logprob(
                 self.pipeline.scheduler, velocity, t, latents, noise_level=levels[i], sde_type=self.sde_type,
                 generator=generator if levels[i] > 0 else None, sigmas=(grid[:, i], grid[:, i + 1], grid[:, 1]),
-                with_log_prob=keep_steps,
+                with_log_prob=keep_steps, cps_log_prob=self.cps_log_prob,
             )
             if keep_steps:
                 all_latents.append(latents)
@@ -230,17 +255,18 @@ class FlowMatchingPolicy(DiffusionPolicy):
         _, log_prob, mean, std = sde_step_with_logprob(
             self.pipeline.scheduler, velocity, timesteps, latents[ar, step_index], noise_level=eta,
             sde_type=self.sde_type, prev_sample=latents[ar, step_index + 1],
-            sigmas=(grid[ar, step_index], grid[ar, step_index + 1], grid[:, 1]),
+            sigmas=(grid[ar, step_index], grid[ar, step_index + 1], grid[:, 1]), cps_log_prob=self.cps_log_prob,
         )
         return log_prob, mean, std
 
     def flow_grpo_kl_std(self, batch, rows, step_index, std):
         """Flow-GRPO's std of the KL term (its train_sd3.py: ||mu - mu_ref||^2 / (2 std_dev_t^2), mean over dims):
         the noise level g of the step before the sqrt|dt| factor, std / sqrt(sigma - sigma') for "sde" and
-        "dance" (std = g sqrt|dt|), the step's std itself for "cps" (Flow-GRPO's cps std has no dt factor).
-        gaussian_kl with it is the exact KL times |dt| (sde, dance). (b, 1, ..., 1) like `std`."""
+        "dance" (std = g sqrt|dt|); gaussian_kl with it is the exact KL times |dt|. For "cps", FlowCPS's KL
+        (its train_sd3.py) has no divisor, mean over dims of (mu - mu_ref)^2: the std 1 / sqrt(2) (0 where the
+        step has no density), i.e. the exact KL times 2 std^2. (b, 1, ..., 1) like `std`."""
         if self.sde_type == "cps":
-            return std
+            return torch.where(std > 0, torch.full_like(std, math.sqrt(0.5)), torch.zeros_like(std))
         grid = batch.sigmas[rows].to(std.device)
         ar = torch.arange(len(rows), device=std.device)
         dt = (grid[ar, step_index] - grid[ar, step_index + 1]).to(std.dtype)

@@ -9,7 +9,26 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.tiny import build_tiny_flux_pipeline
+from ddpo_group.diffusion.tiny import build_tiny_flux_pipeline, build_tiny_t5_tokenizer, build_tiny_tokenizer
+
+# FLUX.1-dev's published configs (black-forest-labs/FLUX.1-dev: transformer/, vae/, scheduler/): 19 double-stream and
+# 38 single-stream blocks of 24 heads x 128, RoPE axes 16 + 56 + 56, 2x2-packed 16-channel latents (64 inputs),
+# text width 4096 (T5-XXL), pooled width 768 (CLIP-L), the guidance embedding of the distilled model
+FLUX_DEV_TRANSFORMER = dict(
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+)
+FLUX_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, norm_num_groups=32,
+    sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+)
+FLUX_SCHEDULER = dict(
+    num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+    base_image_seq_len=256, max_image_seq_len=4096,
+)
+# offline names -> builders; register_random_flux adds reduced-depth copies
+OFFLINE_BUILDERS = {"tiny-flux": build_tiny_flux_pipeline}
 
 
 @register_family("flux")
@@ -19,13 +38,13 @@ class FluxPolicy(FlowMatchingPolicy):
 
     pipeline_class = FluxPipeline
     pipeline_class_names = ("FluxPipeline",)
-    offline_models = ("tiny-flux",)
+    offline_models = ("tiny-flux", "random-flux")
     default_max_sequence_length = 512
     patch_multiple = 2
 
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):
-        return load_pretrained(FluxPipeline, model, revision, torch_dtype, {"tiny-flux": build_tiny_flux_pipeline})
+        return load_pretrained(FluxPipeline, model, revision, torch_dtype, OFFLINE_BUILDERS)
 
     @property
     def latent_channels(self):
@@ -71,3 +90,63 @@ class FluxPolicy(FlowMatchingPolicy):
             txt_ids=text_ids, img_ids=image_ids, return_dict=False,
         )[0]
         return pipe._unpack_latents(velocity.float(), self.resolution, self.resolution, pipe.vae_scale_factor)
+
+
+def build_random_flux_pipeline(seed=0, torch_dtype=torch.float32, num_layers=None, num_single_layers=None):
+    """FLUX.1-dev's architecture with random weights, built offline (the model name "random-flux"): for speed,
+    memory and exactness checks on a GPU (benchmarks/gpu_check.py); its images mean nothing.
+
+    transformer ``FLUX_DEV_TRANSFORMER`` (the published config, 11.9B parameters; ``num_layers`` /
+                ``num_single_layers`` fewer blocks for a copy that fits a smaller GPU: ``register_random_flux``)
+    vae         the 16-channel ``FLUX_VAE``; scheduler FLUX.1's dynamic shifting (``FLUX_SCHEDULER``)
+    text        small: a 2-layer CLIPTextModel of CLIP-L's width 768 (the pooled input) with the tiny CLIP
+                tokenizer, a 1-layer T5 encoder of T5-XXL's width 4096 (64 heads x 64, d_ff 10240) with the tiny
+                word-level tokenizer: the transformer sees the real widths and max_sequence_length text tokens
+    Weights in ``torch_dtype`` on the CPU; the global torch RNG state is left unchanged.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2 = build_tiny_tokenizer(model_max_length=77), build_tiny_t5_tokenizer()
+    transformer_config = dict(FLUX_DEV_TRANSFORMER)
+    transformer_config.update({k: v for k, v in (("num_layers", num_layers), ("num_single_layers", num_single_layers)) if v})
+    default_dtype = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:  # parameters created in torch_dtype: no float32 copy of 12B weights first
+            torch.set_default_dtype(torch_dtype)
+            transformer = FluxTransformer2DModel(**transformer_config).eval()
+            vae = AutoencoderKL(**FLUX_VAE).eval()
+            text_encoder = CLIPTextModel(CLIPTextConfig(
+                vocab_size=len(tokenizer), hidden_size=768, intermediate_size=3072, num_hidden_layers=2,
+                num_attention_heads=12, max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+            )).eval()
+            text_encoder_2 = T5EncoderModel(T5Config(
+                vocab_size=len(tokenizer_2), d_model=4096, d_kv=64, d_ff=10240, num_layers=1, num_heads=64,
+                pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+            )).eval()
+        finally:
+            torch.set_default_dtype(default_dtype)
+    pipeline = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, text_encoder_2=text_encoder_2.to(torch_dtype), tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+OFFLINE_BUILDERS["random-flux"] = build_random_flux_pipeline
+
+
+def register_random_flux(num_layers, num_single_layers):
+    """An offline name for FLUX.1-dev's architecture with fewer blocks (``num_layers`` double-stream, ``num_single_layers``
+    single-stream), for a GPU that cannot hold the 12B transformer and its activations; returns the name."""
+    name = f"random-flux-{num_layers}x{num_single_layers}"
+    if name not in OFFLINE_BUILDERS:
+        def build(seed=0, torch_dtype=torch.float32):
+            return build_random_flux_pipeline(seed, torch_dtype, num_layers, num_single_layers)
+
+        OFFLINE_BUILDERS[name] = build
+        FluxPolicy.offline_models = FluxPolicy.offline_models + (name,)
+    return name

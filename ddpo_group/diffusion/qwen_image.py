@@ -87,13 +87,13 @@ class QwenImagePolicy(FlowMatchingPolicy):
             QwenImagePipeline, model, revision, torch_dtype, {"tiny-qwen-image": build_tiny_qwen_image_pipeline}
         )
 
-    def configure(self, sde_type="", max_sequence_length=0, resolution=0):
+    def configure(self, sde_type="", max_sequence_length=0, resolution=0, **flow_options):
         if max_sequence_length > MAX_SEQUENCE_LENGTH:
             raise ValueError(
                 f"config.sample.max_sequence_length={max_sequence_length}: Qwen-Image takes at most "
                 f"{MAX_SEQUENCE_LENGTH} text tokens"
             )
-        super().configure(sde_type=sde_type, max_sequence_length=max_sequence_length, resolution=resolution)
+        super().configure(sde_type=sde_type, max_sequence_length=max_sequence_length, resolution=resolution, **flow_options)
 
     @property
     def latent_channels(self):

@@ -262,12 +262,15 @@ class StableDiffusionPolicy(DiffusionPolicy):
         """
         return load_pipeline(model, revision=revision)
 
-    def configure(self, sde_type="", max_sequence_length=0, resolution=0):
-        if sde_type:
-            raise ValueError(
-                f"config.sample.sde_type={sde_type!r} needs a flow-matching model (SD3, FLUX); "
-                f"{type(self.pipeline).__name__} steps with DDIM (its noise is sample.eta): set sample.sde_type=''"
-            )
+    def configure(self, sde_type="", max_sequence_length=0, resolution=0, cps_log_prob="normalized",
+                  flow_grid="pipeline", flow_grid_shift=3.0):
+        flow = {"sde_type": (sde_type, ""), "cps_log_prob": (cps_log_prob, "normalized"), "flow_grid": (flow_grid, "pipeline")}
+        for field, (value, default) in flow.items():
+            if value != default:
+                raise ValueError(
+                    f"config.sample.{field}={value!r} needs a flow-matching model (SD3, FLUX); "
+                    f"{type(self.pipeline).__name__} steps with DDIM (its noise is sample.eta): set sample.{field}={default!r}"
+                )
         if max_sequence_length:
             raise ValueError(
                 f"config.sample.max_sequence_length={max_sequence_length} applies to T5 text encoders (SD3, FLUX); "

@@ -8,7 +8,22 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.tiny import build_tiny_sd3_pipeline
+from ddpo_group.diffusion.tiny import build_tiny_sd3_pipeline, build_tiny_tokenizer
+
+# SD3.5-Medium's published configs (stabilityai/stable-diffusion-3.5-medium: transformer/, vae/, scheduler/):
+# MMDiT-X of 24 joint blocks of 24 heads x 64, the first 13 with the extra image self-attention, RMS QK norm,
+# 16 latent channels, 2x2 patches, text width 4096 (T5), pooled width 2048 (the two CLIP projections)
+SD35_MEDIUM_TRANSFORMER = dict(
+    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+    pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+)
+# the 16-channel VAE of SD3 / SD3.5 (8x down-sampling, no quant convs) with its two latent constants
+SD3_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, norm_num_groups=32,
+    sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
+)
 
 
 @register_family("sd3")
@@ -18,13 +33,14 @@ class StableDiffusion3Policy(FlowMatchingPolicy):
 
     pipeline_class = StableDiffusion3Pipeline
     pipeline_class_names = ("StableDiffusion3Pipeline",)
-    offline_models = ("tiny-sd3",)
+    offline_models = ("tiny-sd3", "random-sd35")
     default_max_sequence_length = 256
     patch_multiple = 2
 
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):
-        return load_pretrained(StableDiffusion3Pipeline, model, revision, torch_dtype, {"tiny-sd3": build_tiny_sd3_pipeline})
+        builders = {"tiny-sd3": build_tiny_sd3_pipeline, "random-sd35": build_random_sd35_pipeline}
+        return load_pretrained(StableDiffusion3Pipeline, model, revision, torch_dtype, builders)
 
     @property
     def latent_channels(self):
@@ -74,3 +90,50 @@ class StableDiffusion3Policy(FlowMatchingPolicy):
             uncond, text = velocity.chunk(2)
             return uncond + guidance_scale * (text - uncond)
         return velocity
+
+
+def build_random_sd35_pipeline(seed=0, torch_dtype=torch.float32, num_layers=None):
+    """SD3.5-Medium's architecture with random weights, built offline (the model name "random-sd35"): for speed,
+    memory and exactness checks on a GPU (benchmarks/gpu_check.py); its images mean nothing.
+
+    transformer ``SD35_MEDIUM_TRANSFORMER`` (the published config; ``num_layers`` fewer joint blocks for a
+                smaller copy), the 16-channel ``SD3_VAE``, SD3's scheduler (shift 3)
+    text        small: two CLIPTextModelWithProjection of SD3's widths (768 and 1280, projections 768 and 1280:
+                pooled 2048, as the real ones) with 2 layers each, the tiny in-memory CLIP tokenizer (77 tokens);
+                no T5 (SD3 then feeds zero T5 embeddings of max_sequence_length tokens: the transformer sees as
+                many text tokens as with T5)
+    Weights in ``torch_dtype`` on the CPU; the global torch RNG state is left unchanged.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    tokenizer = build_tiny_tokenizer(model_max_length=77)
+    transformer_config = dict(SD35_MEDIUM_TRANSFORMER)
+    if num_layers:
+        transformer_config["num_layers"] = num_layers
+        transformer_config["dual_attention_layers"] = tuple(i for i in range(13) if i < num_layers)
+
+    def clip(width, heads):
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=width, intermediate_size=4 * width, num_hidden_layers=2,
+            num_attention_heads=heads, max_position_embeddings=77, projection_dim=width, hidden_act="gelu",
+            bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        )).to(torch_dtype).eval()
+
+    default_dtype = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:  # parameters created in torch_dtype (floating dtypes only): no float32 copy of 2.5B weights first
+            torch.set_default_dtype(torch_dtype)
+            transformer = SD3Transformer2DModel(**transformer_config).eval()
+            vae = AutoencoderKL(**SD3_VAE).eval()
+        finally:
+            torch.set_default_dtype(default_dtype)
+        text_encoder, text_encoder_2 = clip(768, 12), clip(1280, 20)
+    pipeline = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+        tokenizer_2=build_tiny_tokenizer(model_max_length=77), text_encoder_3=None, tokenizer_3=None,
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline

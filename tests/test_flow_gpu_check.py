@@ -1,0 +1,61 @@
+"""benchmarks/gpu_check.py's flow-family code path on the CPU (tiny SD3 and FLUX in bf16), and its exactness check:
+at lr 1e-30 with 4 optimizer steps per epoch approx_kl and clipfrac are exactly 0 in every epoch; at a real
+learning rate they are not, and the check fails."""
+
+import importlib.util
+import json
+import os
+import subprocess
+
+import pytest
+
+from helpers import PYTHON, ROOT, subprocess_env
+
+SMALL = ["--device", "cpu", "--dtypes", "bf16", "--steps", "3", "--sample-steps", "3", "--sample-batch", "4",
+         "--batches", "2", "--train-batch", "2", "--repeats", "1", "--epochs", "2"]
+
+
+def run_check(tmp_path, *extra):
+    output = tmp_path / "gpu_check.json"
+    result = subprocess.run(
+        [PYTHON, "benchmarks/gpu_check.py", *SMALL, "--output", str(output), *extra],
+        cwd=ROOT, env=subprocess_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=600,
+    )
+    return result, (json.loads(output.read_text()) if output.exists() else None)
+
+
+def test_the_flow_archs_pass_every_check_on_the_cpu(tmp_path):
+    result, results = run_check(tmp_path, "--arch", "tiny-sd3,tiny-flux", "--variants", "grpo,group_ppo_alg2,nft")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "result: PASS" in result.stdout
+    for arch in ("tiny-sd3", "tiny-flux"):
+        entry = results["archs"][arch]["dtypes"]["bf16"]
+        assert entry["sampling_mask_all_ones"] is True and entry["pipeline_s"] > 0
+        assert entry["ode_vs_pipeline_max_abs_image_diff"] >= 0 and entry["model_fwd_bwd_s"] > 0
+        for name in ("grpo", "group_ppo_alg2", "nft"):
+            row = entry["variants"][name]
+            assert row["epochs"] == 2 and row["optimizer_steps_per_epoch"] == 4  # 4 micro-batches, 1 each
+            assert row["approx_kl_by_epoch"] == [0.0, 0.0] and row["clipfrac_by_epoch"] == [0.0, 0.0]
+            assert row["on_policy_max_abs_log_ratio"] == 0.0 and row["skipped_steps"] == 0
+        assert entry["variants"]["grpo"]["layout_noise_max_abs_log_ratio"] == 0.0  # the recompute pass ran
+    assert "| tiny-flux | bf16 | nft | 2 x 4 |" in result.stdout
+
+
+@pytest.mark.parametrize("arch", ["tiny-sd3"])
+def test_the_exactness_check_fails_when_the_weights_move(tmp_path, arch):
+    result, results = run_check(tmp_path, "--arch", arch, "--variants", "grpo", "--lr", "1e-3")
+    assert result.returncode == 1 and "result: FAIL" in result.stdout
+    row = results["archs"][arch]["dtypes"]["bf16"]["variants"]["grpo"]
+    assert row["on_policy_max_abs_log_ratio"] == 0.0  # before the first step it is still exact
+    assert row["approx_kl"] > 0 and "approx_kl / clipfrac not exactly 0" in results["verdict"]
+
+
+def test_a_reduced_flux_is_said_so():
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    arch_settings, parse_args = gpu_check.arch_settings, gpu_check.parse_args
+    spec = arch_settings("flux", parse_args(["--arch", "flux", "--flux-depth", "2,4"]))
+    assert spec["model"] == "random-flux-2x4"
+    assert "reduced to 2 double + 4 single blocks" in spec["notes"][0] and "19 + 38" in spec["notes"][0]
+    assert arch_settings("flux", parse_args(["--arch", "flux"]))["notes"] == []
