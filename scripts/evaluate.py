@@ -81,8 +81,10 @@ def load_checkpoint_policy(checkpoint):
     checkpoint, _, config = find_run_checkpoint(checkpoint)
     policy = load_policy(config["pretrained"]["model"])
     sample = config.get("sample", {})
+    # The run's sampler conventions (absent in runs from before they existed: the defaults they ran with).
     policy.configure(sde_type=sample.get("sde_type", ""), max_sequence_length=sample.get("max_sequence_length", 0),
-                     resolution=sample.get("resolution", 0))
+                     resolution=sample.get("resolution", 0), cps_log_prob=sample.get("cps_log_prob", "normalized"),
+                     flow_grid=sample.get("flow_grid", "pipeline"), flow_grid_shift=sample.get("flow_grid_shift", 3.0))
     weights = os.path.join(checkpoint, "lora") if config["use_lora"] else checkpoint
     if not os.path.isdir(weights):
         raise EvaluateError(f"checkpoint {checkpoint} has no lora/ directory (the run trained LoRA weights): it is "
