@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 
 import numpy as np
 import pytest
@@ -219,9 +218,8 @@ def test_a_run_with_relative_paths_and_a_url_keyed_reward_resumes_from_another_d
     (start / "eval.txt").write_text("a small green triangle on a gray background\n")
     (start / "my.rewards" / "brightness.py").write_text(
         "def score(images, prompts, metadata):\n    return images.mean(dim=(1, 2, 3)), {}\n")
-    server = make_server(get_reward("shapes_color"), "127.0.0.1", 0)  # a real reward server, in a thread
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = "http://127.0.0.1:%d" % server.server_address[1]
+    server = make_server(get_reward("shapes_color"), "127.0.0.1", 0, name="shapes_color")  # a real reward server, in a thread
+    url = server.start()
     try:
         weights = {"my.rewards/brightness.py:score": 1.0, url: 0.5}
         first = subprocess.run(
@@ -246,10 +244,9 @@ def test_a_run_with_relative_paths_and_a_url_keyed_reward_resumes_from_another_d
         )
         assert second.returncode == 0, second.stderr[-3000:]
     finally:
-        server.shutdown()
-        server.server_close()
+        server.stop()
     rows = read_metrics(run)
     assert [row["epoch"] for row in rows if not row.get("eval_only")] == [0, 1]
-    assert all("reward/score" in row and "reward/remote" in row for row in rows if not row.get("eval_only"))
+    assert all("reward/score" in row and "reward/shapes_color" in row for row in rows if not row.get("eval_only"))
     assert [row["epoch"] for row in rows if "eval/reward_mean" in row] == [0, 1, 2]
     assert not os.listdir(elsewhere)

@@ -256,7 +256,7 @@ class RewardServer:
     """A RewardApp served by uvicorn on a socket bound at construction (`url` is known at once).
 
         server = RewardServer(get_reward("jpeg_compressibility"), name="jpeg_compressibility", port=0)
-        server.serve_forever()            # or: with server.running() as url: ...  (a background thread)
+        server.serve_forever()            # or: with server as url: ...  (served from a background thread)
 
     ImportError with the install line when uvicorn is missing.
     """
