@@ -398,9 +398,10 @@ def _check_rewards(config):
 
 def _check_eval_rewards(config):
     """config.eval_rewards: comma-separated reward specs that resolve, scored at evaluations (eval_freq > 0)."""
+    from ddpo_group.hacking import gold_specs
     from ddpo_group.rewards.registry import resolve_reward
 
-    specs = [spec.strip() for spec in config.eval_rewards.split(",") if spec.strip()]
+    specs = gold_specs(config.eval_rewards)
     if specs and not config.eval_freq:
         raise ConfigError(
             f"config.eval_rewards={config.eval_rewards!r} is scored at the fixed-noise evaluations, and "

@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 from ddpo_group.grids import save_epoch_samples
-from ddpo_group.hacking import GOLD_PREFIX, PROXY_KEY, PROXY_STD_KEY, diverged_at, gold_key
+from ddpo_group.hacking import PROXY_KEY, describe, gold_key, gold_names, gold_specs
 from ddpo_group.prompts import load_prompts
 from ddpo_group.rewards import build_reward_fn
+from ddpo_group.run_dir import METRICS_FILE
 
 logger = logging.getLogger("ddpo_group")
 # The final evaluation keeps the images of the first max(eval_grid_prompts, this many) prompts for the report (held
@@ -81,7 +82,7 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         total, components, _ = reward_fn(images, prompts, metadata)
         gold = gold_fn(images, prompts, metadata)[1] if gold_fn is not None else {}
         for n, (i, j) in enumerate(chunk):
-            keep = images[n] if i < grid_prompts else None
+            keep = images[n].clone() if i < grid_prompts else None  # a view would carry the whole batch in a gather
             results.append((i, j, float(total[n]), {k: float(v[n]) for k, v in components.items()}, keep,
                             {k: float(v[n]) for k, v in gold.items()}))
     if accelerator is not None and world > 1:
@@ -115,11 +116,6 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
     }
 
 
-def gold_specs(eval_rewards):
-    """The reward specs of config.eval_rewards (comma-separated; blanks ignored)."""
-    return [spec.strip() for spec in str(eval_rewards or "").split(",") if spec.strip()]
-
-
 def gold_reward_fn(eval_rewards, device=None):
     """The CombinedReward of the evaluation-only rewards of config.eval_rewards (None when it names none): one
     component per spec, named as training reward components are (the short name, the spec when two collide)."""
@@ -144,7 +140,6 @@ class Evaluator:
         if self.gold_fn is not None:
             self.gold_fn.check_ready()
         self.history = None  # metrics of the run's evaluations so far (the divergence rule reads them)
-        self.diverged = set()  # gold rewards whose divergence the console has announced
 
     @property
     def prompts(self):
@@ -208,7 +203,7 @@ class Evaluator:
         import json
 
         rows = []
-        path = self.run_dir.file("metrics.jsonl")
+        path = self.run_dir.file(METRICS_FILE)
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 for line in f:
@@ -221,31 +216,24 @@ class Evaluator:
         return rows
 
     def _gold_change(self, name, metrics):
-        first = next((row for row in self.history if gold_key(name) in row), metrics)
-        return metrics[gold_key(name)] - first[gold_key(name)]
+        gold = describe(self.history, name)["gold"]  # the history holds this evaluation already (_divergence)
+        return gold[-1] - gold[0]
 
     def _divergence(self, epoch, metrics):
         """Apply the divergence rule (ddpo_group/hacking.py) to the evaluations so far and this one: writes
-        eval/gold/<name>_diverged (1.0 / 0.0) into `metrics`; returns the console lines of first divergences."""
+        eval/gold/<name>_diverged (1.0 / 0.0) into `metrics`; returns the console lines of first divergences (the
+        rule reads means only, so an earlier divergence, a resumed run's too, shows in the earlier flags)."""
         if self.history is None:
             self.history = self._earlier_evaluations(epoch)
-            for row in self.history:  # a resumed run announced these before
-                self.diverged |= {key[len(GOLD_PREFIX):-len("_diverged")] for key, value in row.items()
-                                  if key.startswith(GOLD_PREFIX) and key.endswith("_diverged") and value}
-        lines = []
-        for key in [k for k in metrics if k.startswith(GOLD_PREFIX) and k.endswith("_mean")]:
-            name = key[len(GOLD_PREFIX):-len("_mean")]
-            rows = [row for row in self.history if key in row] + [metrics]
-            proxy, gold = [row[PROXY_KEY] for row in rows], [row[key] for row in rows]
-            flags = diverged_at(proxy, gold, rows[0].get(PROXY_STD_KEY, 0.0), rows[0].get(gold_key(name, "std"), 0.0))
-            metrics[gold_key(name, "diverged")] = float(flags[-1])
-            if flags[-1] and name not in self.diverged:
-                self.diverged.add(name)
-                peak = max(range(len(gold)), key=gold.__getitem__)
+        rows, lines = self.history + [metrics], []
+        for name in gold_names([metrics]):
+            d = describe(rows, name)
+            metrics[gold_key(name, "diverged")] = float(d["flags"][-1])
+            if d["flags"][-1] and not any(d["flags"][:-1]):
                 lines.append(
-                    f"reward hacking? at epoch {epoch} the training reward rose {proxy[-1] - proxy[0]:+.4f} since "
-                    f"epoch {rows[0].get('epoch')} while gold {name} fell {gold[peak] - gold[-1]:.4f} below its best "
-                    f"(epoch {rows[peak].get('epoch')}); {gold_key(name, 'diverged')}=1; ddpo-group-inspect draws both"
+                    f"reward hacking? at epoch {epoch} the training reward rose {d['rise']:+.4f} since "
+                    f"epoch {d['epochs'][0]:g} while gold {name} fell {d['fall']:.4f} below its best "
+                    f"(epoch {d['peak_epoch']:g}); {gold_key(name, 'diverged')}=1; ddpo-group-inspect draws both"
                 )
         self.history.append({k: v for k, v in metrics.items() if k.startswith("eval/") or k == "epoch"})
         return lines

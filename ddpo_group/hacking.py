@@ -40,6 +40,11 @@ PROXY_KEY, PROXY_STD_KEY = "eval/reward_mean", "eval/reward_std"
 _TINY = 1e-12
 
 
+def gold_specs(eval_rewards) -> list[str]:
+    """The reward specs of config.eval_rewards (comma-separated; blanks ignored)."""
+    return [spec.strip() for spec in str(eval_rewards or "").split(",") if spec.strip()]
+
+
 def gold_key(name: str, stat: str = "mean") -> str:
     """The metric of gold reward `name`: eval/gold/<name>_mean, _std or _diverged."""
     return f"{GOLD_PREFIX}{name}_{stat}"
