@@ -239,3 +239,19 @@ def test_the_flow_presets_state_their_conventions():
     for name in ("sd35", "flux"):
         sample = grpo.get_config(name).sample
         assert (sample.sde_type, sample.cps_log_prob, sample.flow_grid) == ("sde", "normalized", "pipeline")
+
+
+def test_sampling_sets_its_own_grid_after_another_call_set_one_of_the_same_length():
+    """The scheduler is the pipeline's: a pipeline() call or an evaluation may leave a grid of the same number of steps
+    but another shift on it. The next sampling must run on the policy's own grid, not that one."""
+    from ddpo_group.diffusion.tiny import build_tiny_flux_pipeline
+
+    pipeline = build_tiny_flux_pipeline(seed=0)
+    policy = policy_for(pipeline)
+    first = policy.sample(PROMPTS, 4, 1.0, 0.5, generator=torch.Generator().manual_seed(0))
+    other = torch.linspace(1.0, 0.25, 4).numpy()
+    pipeline.scheduler.set_timesteps(sigmas=other, mu=2.0)  # 4 steps, another grid (mu 2: a larger shift)
+    assert not torch.allclose(pipeline.scheduler.sigmas.float(), first.sigmas[0])  # the trap is set
+    again = policy.sample(PROMPTS, 4, 1.0, 0.5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again.sigmas, first.sigmas)
+    assert torch.equal(again.latents, first.latents)

@@ -87,7 +87,6 @@ class FlowMatchingPolicy(DiffusionPolicy):
         self.flow_grid, self.flow_grid_shift = "pipeline", 3.0
         self.max_sequence_length = self.default_max_sequence_length
         self.resolution = self.pipeline.default_sample_size * self.pipeline.vae_scale_factor
-        self._grid = None
 
     @classmethod
     def supports(cls, pipeline):
@@ -104,7 +103,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
                              f"sample.sde_type={sde_type!r}: set sample.cps_log_prob='normalized'")
         if flow_grid not in FLOW_GRIDS:
             raise ValueError(f"config.sample.flow_grid={flow_grid!r} is not one of {list(FLOW_GRIDS)}")
-        if not float(flow_grid_shift) > 0:
+        if not (math.isfinite(float(flow_grid_shift)) and float(flow_grid_shift) > 0):
             raise ValueError(f"config.sample.flow_grid_shift={flow_grid_shift} must be > 0 (DanceGRPO's shift; 1: none)")
         self.sde_type = sde_type or "sde"
         self.cps_log_prob = cps_log_prob
@@ -161,11 +160,10 @@ class FlowMatchingPolicy(DiffusionPolicy):
         if self.flow_grid == "dance":
             sigmas = dance_sigmas(num_steps, self.flow_grid_shift).to(device, torch.float32)
             return sigmas[:-1] * self.pipeline.scheduler.config.num_train_timesteps, sigmas
-        key = (num_steps, str(device), self.resolution)
+        # Set on every call: the scheduler is the pipeline's, and a pipeline() call or an evaluation in between may
+        # have set another grid of the same length (another shift or size); setting it is a linspace per batch.
+        self._timesteps(num_steps, device)
         scheduler = self.pipeline.scheduler
-        if self._grid != key or len(scheduler.timesteps) != num_steps:
-            self._timesteps(num_steps, device)
-            self._grid = key
         return scheduler.timesteps, scheduler.sigmas.detach().to(device, torch.float32)
 
     @torch.no_grad()
