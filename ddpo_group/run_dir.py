@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ddpo_group.config_check import FREE_FORM_FIELDS, ConfigError, load_base_config
+from ddpo_group.hacking import gold_specs
 from ddpo_group.prompts import BUILTIN_PROMPT_SETS
 
 logger = logging.getLogger("ddpo_group")
@@ -323,9 +324,10 @@ def _offline_model(name):
 def with_resolved_paths(config):
     """A copy of `config` whose relative file paths are absolute (from the current directory), so that the run's
     config.json works from any directory (a resume from elsewhere, scripts/evaluate.py): prompt_fn / eval_prompt_fn
-    files and prompt_fn_kwargs.path, 'file.py:function' specs (prompt_fn, reward_fn, the keys of reward_weights and
-    reward_kwargs), .py files of plugins, and pretrained.model when it is a local directory. Names (built-in prompt
-    sets and shipped prompt files, registered rewards, modules, hub models, URLs) are kept as given."""
+    files and prompt_fn_kwargs.path, 'file.py:function' specs (prompt_fn, reward_fn, eval_rewards, the keys of
+    reward_weights and reward_kwargs), .py files of plugins, and pretrained.model when it is a local directory.
+    Names (built-in prompt sets and shipped prompt files, registered rewards, modules, hub models, URLs) are kept
+    as given."""
     config = config.copy_and_resolve_references()
     with config.unlocked():
         for field in ("prompt_fn", "eval_prompt_fn"):
@@ -335,6 +337,8 @@ def with_resolved_paths(config):
         if isinstance(config.prompt_fn_kwargs.get("path"), str):
             config.prompt_fn_kwargs.path = _absolute(config.prompt_fn_kwargs.path)
         config.reward_fn = _absolute_spec(config.reward_fn)
+        if "eval_rewards" in config:
+            config.eval_rewards = ",".join(_absolute_spec(spec) for spec in gold_specs(config.eval_rewards))
         for field in ("reward_weights", "reward_kwargs"):
             config[field] = ml_collections.ConfigDict(
                 {_absolute_spec(spec): value for spec, value in config[field].to_dict().items()}, allow_dotted_keys=True)

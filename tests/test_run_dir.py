@@ -112,3 +112,15 @@ def test_a_missing_checkpoint_is_named(tmp_path):
     (tmp_path / "r").mkdir()
     with pytest.raises(CheckpointError, match="no checkpoint_N"):
         RunDir.resolve(make_config(tmp_path, resume_from=str(tmp_path / "r")))
+
+
+def test_relative_file_specs_of_eval_rewards_are_stored_absolute(tmp_path, monkeypatch):
+    from ddpo_group.run_dir import with_resolved_paths
+
+    (tmp_path / "gold").mkdir()
+    (tmp_path / "gold" / "mine.py").write_text("def score(images, prompts, metadata):\n    return images.mean((1, 2, 3)), {}\n")
+    monkeypatch.chdir(tmp_path)
+    config = make_config(tmp_path, eval_rewards="gold/mine.py:score, shapes_color", eval_freq=1)
+    resolved = with_resolved_paths(config)
+    assert resolved.eval_rewards == f"{tmp_path / 'gold' / 'mine.py'}:score,shapes_color"
+    assert config.eval_rewards == "gold/mine.py:score, shapes_color"  # the given config is left as it is
