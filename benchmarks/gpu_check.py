@@ -58,9 +58,11 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "config"))
 import grpo  # noqa: E402  config/grpo.py
 import torch  # noqa: E402
 
+from ddpo_group.diffusion.base import configure_from_sample  # noqa: E402
 from ddpo_group.diffusion.flux import FLUX_DEV_TRANSFORMER, register_random_flux  # noqa: E402
 from ddpo_group.diffusion.policy import load_policy  # noqa: E402
 from ddpo_group.diffusion.sampling import sample_trajectories  # noqa: E402
+from ddpo_group.run_dir import write_json_atomic  # noqa: E402
 from ddpo_group.trainer import train  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -133,9 +135,7 @@ def load_configured_policy(spec, device, dtype):
     policy.pipeline.to(device, dtype)
     if spec["flow"]:
         s = flow_sample_settings(spec)
-        policy.configure(sde_type=s["sde_type"], max_sequence_length=s["max_sequence_length"],
-                         resolution=spec["resolution"], cps_log_prob=s["cps_log_prob"], flow_grid=s["flow_grid"],
-                         flow_grid_shift=s["flow_grid_shift"])
+        configure_from_sample(policy, dict(s, resolution=spec["resolution"]))
     return policy
 
 
@@ -420,10 +420,7 @@ def main(argv=None):
         f"every on-policy ratio exactly 1, approx_kl and clipfrac exactly 0 in every epoch at lr {args.lr:g}, "
         "no skipped step, no step without density")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    partial = f"{args.output}.tmp{os.getpid()}"
-    with open(partial, "w") as f:
-        json.dump(results, f, indent=1, default=float)
-    os.replace(partial, args.output)  # atomic: a reader sees the old file or the whole new one
+    write_json_atomic(args.output, results)  # a reader sees the old file or the whole new one
     print(render(results))
     print(f"written: {args.output}")
     return 0 if results["passed"] else 1

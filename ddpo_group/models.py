@@ -14,6 +14,7 @@ from ddpo_group.algos import advantages as adv_lib
 from ddpo_group.algos.losses import get_policy_loss
 from ddpo_group.config_check import ConfigError
 from ddpo_group.critic import ValueNetwork
+from ddpo_group.diffusion.base import configure_from_sample
 from ddpo_group.diffusion.policy import load_policy
 from ddpo_group.reference import ReferencePolicy
 
@@ -63,8 +64,7 @@ def build_models(config, accelerator):
     dtype = inference_dtype(config)
     policy = load_policy(config.pretrained.model, revision=config.pretrained.revision or None, torch_dtype=dtype)
     try:
-        policy.configure(sde_type=s.sde_type, max_sequence_length=s.max_sequence_length, resolution=s.resolution,
-                         cps_log_prob=s.cps_log_prob, flow_grid=s.flow_grid, flow_grid_shift=s.flow_grid_shift)
+        configure_from_sample(policy, s)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     module = policy.prepare(acc.device, dtype, config.use_lora, config.lora_rank, config.lora_alpha or None)

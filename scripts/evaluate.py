@@ -76,15 +76,12 @@ def find_run_checkpoint(path):
 
 def load_checkpoint_policy(checkpoint):
     """The run's model with the checkpoint's trained weights (full weights or LoRA), and the run's config."""
+    from ddpo_group.diffusion.base import configure_from_sample
     from ddpo_group.diffusion.policy import load_policy
 
     checkpoint, _, config = find_run_checkpoint(checkpoint)
     policy = load_policy(config["pretrained"]["model"])
-    sample = config.get("sample", {})
-    # The run's sampler conventions (absent in runs from before they existed: the defaults they ran with).
-    policy.configure(sde_type=sample.get("sde_type", ""), max_sequence_length=sample.get("max_sequence_length", 0),
-                     resolution=sample.get("resolution", 0), cps_log_prob=sample.get("cps_log_prob", "normalized"),
-                     flow_grid=sample.get("flow_grid", "pipeline"), flow_grid_shift=sample.get("flow_grid_shift", 3.0))
+    configure_from_sample(policy, config.get("sample", {}))  # a field older runs lack: the default they ran with
     weights = os.path.join(checkpoint, "lora") if config["use_lora"] else checkpoint
     if not os.path.isdir(weights):
         raise EvaluateError(f"checkpoint {checkpoint} has no lora/ directory (the run trained LoRA weights): it is "
@@ -119,6 +116,7 @@ def main(argv=None):
     import torch
 
     from ddpo_group.cli import cpu_threads
+    from ddpo_group.diffusion.base import configure_from_sample
     from ddpo_group.diffusion.policy import load_policy
     from ddpo_group.evaluation import evaluate
     from ddpo_group.prompts import load_prompts

@@ -189,6 +189,17 @@ def model_dtype(module):
 FAMILIES: dict[str, type["DiffusionPolicy"]] = {}
 
 
+
+# The config.sample fields DiffusionPolicy.configure takes, in its order.
+CONFIGURE_FIELDS = ("sde_type", "max_sequence_length", "resolution", "cps_log_prob", "flow_grid", "flow_grid_shift")
+
+
+def configure_from_sample(policy, sample):
+    """policy.configure with the CONFIGURE_FIELDS that `sample` (config.sample, or a run's config.json dict) holds; a
+    field it lacks (a run older than the field) keeps configure's default, the behaviour that run had."""
+    policy.configure(**{field: sample[field] for field in CONFIGURE_FIELDS if field in sample})
+
+
 class DiffusionPolicy:
     """A diffusion pipeline seen as a Gaussian policy over denoising steps. Subclasses implement:
 

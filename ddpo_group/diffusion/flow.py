@@ -27,7 +27,6 @@ is DanceGRPO's grid. Step math in float32, or in the input's dtype when wider. P
 import math
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from ddpo_group.diffusion.gaussian import gaussian_log_prob, left_broadcast, step_dtype
 
@@ -163,6 +162,8 @@ def sde_step_with_logprob(
         std = g * torch.sqrt(-dt)
 
     if prev_sample is None:
+        from diffusers.utils.torch_utils import randn_tensor  # here: config_check imports this module's constants
+
         noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=dtype)
         prev_sample = mean + std * noise if a > 0 else mean
     prev_sample = prev_sample.to(dtype)
