@@ -74,12 +74,12 @@ def find_run_checkpoint(path):
     return path, run_dir, config
 
 
-def load_checkpoint_policy(checkpoint):
-    """The run's model with the checkpoint's trained weights (full weights or LoRA), and the run's config."""
+def load_checkpoint_policy(checkpoint, config):
+    """The run's model with the checkpoint's trained weights (full weights or LoRA); `config`: the run's settings
+    (find_run_checkpoint)."""
     from ddpo_group.diffusion.base import configure_from_sample
     from ddpo_group.diffusion.policy import load_policy
 
-    checkpoint, _, config = find_run_checkpoint(checkpoint)
     policy = load_policy(config["pretrained"]["model"])
     configure_from_sample(policy, config.get("sample", {}))  # a field older runs lack: the default they ran with
     weights = os.path.join(checkpoint, "lora") if config["use_lora"] else checkpoint
@@ -94,7 +94,7 @@ def load_checkpoint_policy(checkpoint):
     except Exception as err:
         raise EvaluateError(f"could not load the trained weights of checkpoint {checkpoint} ({type(err).__name__}: "
                             f"{' '.join(str(err).split())[:300]}); evaluate another checkpoint_N of the run") from None
-    return policy, config
+    return policy
 
 
 def main(argv=None):
@@ -116,7 +116,6 @@ def main(argv=None):
     import torch
 
     from ddpo_group.cli import cpu_threads
-    from ddpo_group.diffusion.base import configure_from_sample
     from ddpo_group.diffusion.policy import load_policy
     from ddpo_group.evaluation import evaluate
     from ddpo_group.prompts import load_prompts
@@ -128,23 +127,29 @@ def main(argv=None):
         raise EvaluateError(f"--output {args.output}: its directory does not exist; create it or write elsewhere")
     run, checkpoint = {}, None
     if args.checkpoint:
-        checkpoint = find_run_checkpoint(args.checkpoint)[0]  # a bad path is named before any model loads
-    records = load_prompts(args.prompts) if args.prompts else None
-    if checkpoint:
-        policy, run = load_checkpoint_policy(checkpoint)
-    else:
-        policy = load_policy(args.model)
+        checkpoint, _, run = find_run_checkpoint(args.checkpoint)  # a bad path is named before any model loads
     sample = run.get("sample", {})
+    # The run's evaluation prompts, else its training prompts (with their prompt_fn_kwargs), else the shapes set.
     prompts = args.prompts or run.get("eval_prompt_fn") or run.get("prompt_fn", "shapes")
-    reward = args.reward or run.get("reward_fn", "shapes_alignment")
+    prompt_kwargs = (run.get("prompt_fn_kwargs") or {}) if prompts == run.get("prompt_fn") and not args.prompts else {}
+    # The run's reward as the trainer built it (weights, kwargs, aggregation), unless --reward names another.
+    reward = args.reward or run.get("reward_fn") or ("" if run.get("reward_weights") else "shapes_alignment")
+    # Rewards and prompts first, as the trainer does: a bad one fails before any diffusion model loads.
+    records = load_prompts(prompts, **prompt_kwargs)
+    if args.reward or not run:
+        reward_fn = build_reward_fn(reward)
+    else:
+        reward_fn = build_reward_fn(run.get("reward_fn") or None, run.get("reward_weights") or None,
+                                    reward_kwargs=run.get("reward_kwargs") or None,
+                                    reward_aggregation=run.get("reward_aggregation", "sum_then_normalize"))
+        reward = reward or "+".join(run.get("reward_weights") or {})
+    reward_fn.check_ready()
+    policy = load_checkpoint_policy(checkpoint, run) if checkpoint else load_policy(args.model)
     images_per_prompt = args.images_per_prompt or (run.get("eval_images_per_prompt") if run.get("eval_freq") else None) or 4
     num_steps = args.num_steps or sample.get("num_steps", 10)
-    guidance = args.guidance_scale or sample.get("guidance_scale", 3.0)
+    guidance = args.guidance_scale if args.guidance_scale is not None else sample.get("guidance_scale", 3.0)
     eta = args.eta if args.eta is not None else sample.get("eta", 1.0)
     seed = args.seed if args.seed is not None else run.get("eval_seed", 1234)
-    records = records or load_prompts(prompts)
-    reward_fn = build_reward_fn(reward)
-    reward_fn.check_ready()
     start = time.perf_counter()
     with torch.no_grad():
         result = evaluate(policy, None, records, reward_fn, images_per_prompt, num_steps, guidance, eta, seed=seed,

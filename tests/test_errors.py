@@ -250,3 +250,19 @@ def test_a_run_with_relative_paths_and_a_url_keyed_reward_resumes_from_another_d
     assert all("reward/score" in row and "reward/shapes_color" in row for row in rows if not row.get("eval_only"))
     assert [row["epoch"] for row in rows if "eval/reward_mean" in row] == [0, 1, 2]
     assert not os.listdir(elsewhere)
+
+
+def test_evaluate_scores_a_run_with_its_weighted_rewards_as_the_trainer_did(tmp_path):
+    """A run trained on reward_weights (two rewards, not reward_fn): evaluate.py builds the run's reward as the
+    trainer did, so the final weights score what the trainer's last evaluation logged."""
+    from ddpo_group.trainer import train
+
+    config = make_config(tmp_path, **cheap(eval_freq=1, eval_images_per_prompt=1, num_epochs=1, reward_fn="",
+                                           reward_weights={"shapes_color": 1.0, "shapes_area": 0.5}))
+    run = train(config)
+    result = _evaluate("--checkpoint", run)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = read_json(os.path.join(run, "checkpoints", "checkpoint_1", "evaluation.json"))
+    final = [row for row in read_metrics(run) if row.get("eval_only")][0]
+    assert set(summary["components"]) == {"shapes_color", "shapes_area"}
+    assert summary["mean"] == pytest.approx(final["eval/reward_mean"], abs=1e-4)
