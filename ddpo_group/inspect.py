@@ -85,33 +85,42 @@ class RunData:
     failed: dict | None = None  # failed.json: the run stopped on an error
     stopped: dict | None = None  # stopped.json: a signal stopped the run before num_epochs
     resumes: list[dict] = field(default_factory=list)  # resumes.jsonl rows
+    torn_metrics_line: int | None = None  # metrics.jsonl's last line, cut off mid-write and left out
     name: str = ""  # label in legends and headings; the folder name by default
 
     def __post_init__(self):
         self.name = self.name or self.path.name
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """Parse metrics.jsonl: one JSON object per line (blank lines skipped)."""
+def read_metrics(path: str | os.PathLike, torn: list | None = None) -> list[dict]:
+    """Parse metrics.jsonl: one JSON object per line (blank lines skipped).
+
+    torn: a list to which the number of a torn last line is appended, the line left out: the last line, cut off
+    before its newline (the trainer writes each row with its newline in one write, so a run killed while
+    writing leaves exactly that). None: such a line is an error like any other bad line."""
     path = Path(path)
     rows = []
     with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
+        lines = f.readlines()
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            if torn is not None and line_number == len(lines) and not line.endswith("\n"):
+                torn.append(line_number)
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{path} line {line_number}: not valid JSON ({err.msg}); "
-                    "metrics.jsonl must hold one JSON object per line"
-                ) from None
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path} line {line_number}: expected a JSON object like "
-                    f'{{"epoch": 0, "reward_mean": ...}}, got {type(row).__name__}'
-                )
-            rows.append(row)
+            raise ValueError(
+                f"{path} line {line_number}: not valid JSON ({err.msg}); "
+                "metrics.jsonl must hold one JSON object per line"
+            ) from None
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"{path} line {line_number}: expected a JSON object like "
+                f'{{"epoch": 0, "reward_mean": ...}}, got {type(row).__name__}'
+            )
+        rows.append(row)
     return rows
 
 
@@ -159,8 +168,9 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
         raise ValueError(f"{path} is not a directory; {RUN_DIR_HELP}")
     metrics_path = path / "metrics.jsonl"
     failed, stopped = _read_marker(path / "failed.json"), _read_marker(path / "stopped.json")
+    torn = []
     if metrics_path.is_file():
-        metrics = read_metrics(metrics_path)
+        metrics = read_metrics(metrics_path, torn=torn)
     elif failed is not None or stopped is not None:
         metrics = []
     else:
@@ -170,7 +180,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     if config is not None and not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
     run = RunData(path=path, config=config, metrics=metrics, failed=failed, stopped=stopped,
-                  resumes=_read_resumes(path / "resumes.jsonl"))
+                  resumes=_read_resumes(path / "resumes.jsonl"), torn_metrics_line=torn[0] if torn else None)
     samples_dir = path / "samples"
     if samples_dir.is_dir():
         for entry in sorted(samples_dir.iterdir()):
@@ -779,6 +789,9 @@ def _headline_section(runs: Sequence[RunData], sources: Sequence[SampleSource | 
             if isinstance(failure, dict):
                 banners += (f'<p class="status earlier">{_e(run.name)}: resumed at epoch {_e(resume.get("epoch"))} '
                             f'after a failure at epoch {_e(failure.get("epoch"))}: {_e(failure.get("error"))}</p>')
+        if run.torn_metrics_line:
+            banners += (f'<p class="status earlier">{_e(run.name)}: metrics.jsonl line {run.torn_metrics_line}, its last, '
+                        "was cut off mid-write (the run was killed while writing it) and is left out</p>")
     fields = [headline(run, source) for run, source in zip(runs, sources)]
     header = f'<tr><th></th>{"".join(f"<th>{_e(run.name)}</th>" for run in runs)}</tr>' if len(runs) > 1 else ""
     rows = "".join(

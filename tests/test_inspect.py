@@ -275,3 +275,22 @@ def test_report_never_embeds_a_file_outside_the_run_directory(tmp_path):
     html = build_report(run, prompts=["a green triangle"], top_k=1)
     assert data_uri(secret) not in html
     assert "../../secret.png is outside the run directory" in html
+
+
+def test_a_torn_last_line_of_a_killed_run_is_left_out_and_said(tmp_path):
+    # the trainer writes each row with its newline in one write: a run killed mid-write leaves a line without one
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 0, "reward_mean": 0.5}\n{"epoch": 1, "reward_mean": 0.6}\n{"epo')
+    with pytest.raises(ValueError, match="line 3: not valid JSON"):
+        read_metrics(tmp_path / "metrics.jsonl")  # asked for no leniency: an error like any bad line
+    torn = []
+    assert [row["epoch"] for row in read_metrics(tmp_path / "metrics.jsonl", torn=torn)] == [0, 1] and torn == [3]
+    run = load_run(tmp_path)
+    assert run.torn_metrics_line == 3 and len(run.metrics) == 2
+    html = build_report(tmp_path)
+    assert "metrics.jsonl line 3, its last, was cut off mid-write" in html
+
+
+def test_a_bad_last_line_that_ends_with_its_newline_is_still_an_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 0}\n{"epoch": 1, "kl": \n')
+    with pytest.raises(ValueError, match="line 2: not valid JSON"):
+        load_run(tmp_path)
