@@ -23,7 +23,8 @@ architecture and dtype:
     sampling      time of the policy's sampler (`sample_trajectories` for SD) vs the pipeline's own `pipeline(...)`,
                   same dtype, batch `--sample-batch` (8), `--sample-steps` (SD 50, flow 10); for the flow models also
                   the largest |image difference| at noise level 0 (the ODE path) against `pipeline(...)` (reported:
-                  the pipeline keeps its latents in the model dtype, the policy in float32)
+                  the pipeline keeps its latents in the model dtype, the policy in float32); each sampler is called
+                  once untimed, then `--sample-repeats` (3) times, and the mean is reported
     fwd+bwd       the bare cost of one training forward + backward of the LoRA model (`policy.predict`, CFG as in
                   training) on a micro-batch of `--train-batch` (4) sampled states, under autocast
     algorithms    `--epochs` (2) epochs of GRPO (the arch's preset: sd15 / sd35 / flux), DDPO, Group-PPO (learning
@@ -35,6 +36,8 @@ architecture and dtype:
                   bit for bit), the layout noise that recomputing pi_old removed, the training pass in seconds per
                   trajectory-step, peak GPU memory, skipped optimizer steps. For NFT / AWM the on-policy number
                   is the first window's max |prediction - old model's prediction| (exactly 0 as well).
+                  `--gradient-checkpointing` runs the fwd+bwd check and every training run with
+                  train.gradient_checkpointing (docs/memory.md).
 
 It prints a table, writes benchmarks/results/gpu_check.json (or --output), and exits 1 if any on-policy ratio
 is not exactly 1, any approx_kl or clipfrac is not exactly 0, any optimizer step was skipped or a sampled step
@@ -139,9 +142,10 @@ def load_configured_policy(spec, device, dtype):
     return policy
 
 
-def check_sampling(spec, device, dtype, batch):
-    """Seconds of the policy's sampler and of pipeline(...) for the same batch, dtype and steps; the flow models'
-    ODE path (noise 0) against pipeline(...). Returns the policy, its last trajectories and the numbers."""
+def check_sampling(spec, device, dtype, batch, repeats=1):
+    """Mean seconds of the policy's sampler and of pipeline(...) (`repeats` calls each, after one untimed call of
+    each) for the same batch, dtype and steps; the flow models' ODE path (noise 0) against pipeline(...).
+    Returns the policy, its last trajectories and the numbers."""
     policy = load_configured_policy(spec, device, dtype)
     pipeline, steps = policy.pipeline, spec["sample_steps"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
@@ -171,8 +175,11 @@ def check_sampling(spec, device, dtype, batch):
             return pipeline(prompts, num_inference_steps=steps, guidance_scale=guidance, eta=eta, output_type="pt",
                             generator=torch.Generator().manual_seed(0)).images
 
-    trajectories, ours_s = timed(ours, device)
-    _, theirs_s = timed(theirs, device)
+    # each path once untimed first (the first call of a path loads its kernels), then `repeats` calls of each
+    ours()
+    theirs()
+    trajectories, ours_s = timed(ours, device, repeats)
+    _, theirs_s = timed(theirs, device, repeats)
     # a sampled step without density: only cps's last step (sigma' = 0) may have none
     expected_mask = torch.ones_like(trajectories.mask)
     if spec["flow"] and flow_sample_settings(spec)["sde_type"] == "cps":
@@ -182,6 +189,7 @@ def check_sampling(spec, device, dtype, batch):
         "pipeline_s": theirs_s,
         "sampling_vs_pipeline": ours_s / theirs_s,
         "sample_steps": steps,
+        "sampling_repeats": repeats,
         "resolution": int(trajectories.images.shape[-1]),
         "sampling_mask_all_ones": bool(torch.equal(trajectories.mask, expected_mask)),
         "log_probs_dtype": str(trajectories.log_probs.dtype),
@@ -189,10 +197,13 @@ def check_sampling(spec, device, dtype, batch):
     return policy, trajectories, entry, guidance
 
 
-def check_model_cost(policy, trajectories, device, dtype, batch, repeats, guidance, lora_rank):
+def check_model_cost(policy, trajectories, device, dtype, batch, repeats, guidance, lora_rank, checkpointing=False):
     """Mean seconds of one forward + backward of the LoRA model (`policy.predict`, CFG as in training) on `batch`
-    sampled states (the first step of the first `batch` trajectories), under autocast."""
+    sampled states (the first step of the first `batch` trajectories), under autocast; with `checkpointing`, the
+    model's gradient checkpointing on (train.gradient_checkpointing)."""
     module = policy.prepare(device, dtype, use_lora=True, lora_rank=lora_rank)
+    if checkpointing:
+        module.enable_gradient_checkpointing()
     rows = torch.arange(min(batch, trajectories.latents.shape[0]))
     x_t = trajectories.latents[rows, 0].to(device)
     timesteps = trajectories.timesteps[rows, 0].to(device)
@@ -253,6 +264,7 @@ def run_config(arch, spec, algorithm, args, dtype_name, logdir, run_name):
     config.sample.group_size = min(config.sample.group_size, args.sample_batch) if algorithm != "ddpo" else 1
     config.train.batch_size = args.train_batch
     config.train.learning_rate = args.lr
+    config.train.gradient_checkpointing = args.gradient_checkpointing
     # `--optimizer-steps` optimizer steps per epoch: at lr 1e-30 the weights stay put, so every training forward
     # after a step must reproduce the recompute pass's pi_old exactly (approx_kl, clipfrac 0)
     micro_batches = args.sample_batch * args.batches // args.train_batch
@@ -347,6 +359,10 @@ def parse_args(argv=None):
     parser.add_argument("--batches", type=int, default=2, help="sampling batches per epoch")
     parser.add_argument("--train-batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5, help="timed forward+backward calls")
+    parser.add_argument("--sample-repeats", type=int, default=3,
+                        help="timed calls of each sampler (after one untimed call of each)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="train.gradient_checkpointing in the training runs and the fwd+bwd check (docs/memory.md)")
     parser.add_argument("--output", default=os.path.join(REPO_ROOT, "benchmarks", "results", "gpu_check.json"))
     args = parser.parse_args(argv)
     for arch in args.arch.split(","):
@@ -384,11 +400,12 @@ def main(argv=None):
                 dtype = DTYPES[dtype_name]
                 if args.device == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                policy, trajectories, d, guidance = check_sampling(spec, args.device, dtype, args.sample_batch)
+                policy, trajectories, d, guidance = check_sampling(spec, args.device, dtype, args.sample_batch,
+                                                                   args.sample_repeats)
                 lora_rank = grpo.get_config(spec["flow"]).lora_rank if spec["flow"] else 4
                 entry["parameters_m"] = sum(p.numel() for p in policy.trainable_module.parameters()) / 1e6
                 d.update(check_model_cost(policy, trajectories, args.device, dtype, args.train_batch, args.repeats,
-                                          guidance, lora_rank))
+                                          guidance, lora_rank, args.gradient_checkpointing))
                 if args.device == "cuda":
                     d["sampling_and_fwd_bwd_peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
                 del policy, trajectories

@@ -79,6 +79,14 @@ def build_models(config, accelerator):
             f"config.pretrained.model={config.pretrained.model!r} is a {policy.family} model: "
             "use train.kl_type='gaussian'"
         )
+    if t.gradient_checkpointing:
+        if not getattr(module, "_supports_gradient_checkpointing", False):
+            raise ConfigError(
+                f"config.train.gradient_checkpointing=True: the {type(module).__name__} of "
+                f"config.pretrained.model={config.pretrained.model!r} has no gradient checkpointing; "
+                "set train.gradient_checkpointing=False"
+            )
+        module.enable_gradient_checkpointing()  # only under autograd: sampling and no_grad passes are unchanged
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = _optimizer_class(t)(
         params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,

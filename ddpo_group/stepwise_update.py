@@ -367,9 +367,11 @@ class StepwiseUpdate:
         for mb in micro_batches:
             columns = []
             for k in range(mb.step_idx.shape[1]):
+                # detached in the same statement: no name keeps this forward's graph (its activations) alive
+                # while the next column's forward builds its own, so the pass peaks at one forward's memory
                 with torch.enable_grad():
-                    log_prob = self.step(self.trainer.trainable_module, samples, mb.rows, mb.step_idx[:, k])[0]
-                columns.append(log_prob.detach().float())
+                    columns.append(self.step(self.trainer.trainable_module, samples, mb.rows, mb.step_idx[:, k])[0]
+                                   .detach().float())
             recomputed = torch.stack(columns, 1)
             mb.layout_noise = max_abs_diff(recomputed, mb.old_log_probs, mb.step_mask)
             mb.old_log_probs = torch.where(mb.step_mask > 0, recomputed, mb.old_log_probs)

@@ -12,7 +12,7 @@ import pytest
 from helpers import PYTHON, ROOT, subprocess_env
 
 SMALL = ["--device", "cpu", "--dtypes", "bf16", "--steps", "3", "--sample-steps", "3", "--sample-batch", "4",
-         "--batches", "2", "--train-batch", "2", "--repeats", "1", "--epochs", "2"]
+         "--batches", "2", "--train-batch", "2", "--repeats", "1", "--sample-repeats", "1", "--epochs", "2"]
 
 
 def run_check(tmp_path, *extra):
@@ -39,6 +39,16 @@ def test_the_flow_archs_pass_every_check_on_the_cpu(tmp_path):
             assert row["on_policy_max_abs_log_ratio"] == 0.0 and row["skipped_steps"] == 0
         assert entry["variants"]["grpo"]["layout_noise_max_abs_log_ratio"] == 0.0  # the recompute pass ran
     assert "| tiny-flux | bf16 | nft | 2 x 4 |" in result.stdout
+
+
+def test_runs_with_gradient_checkpointing_stay_exact(tmp_path):
+    result, results = run_check(tmp_path, "--arch", "tiny-sd3", "--variants", "grpo,nft", "--gradient-checkpointing")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert results["settings"]["gradient_checkpointing"] is True
+    for name in ("grpo", "nft"):
+        row = results["archs"]["tiny-sd3"]["dtypes"]["bf16"]["variants"][name]
+        assert row["approx_kl_by_epoch"] == [0.0, 0.0] and row["clipfrac_by_epoch"] == [0.0, 0.0]
+        assert row["on_policy_max_abs_log_ratio"] == 0.0 and row["skipped_steps"] == 0
 
 
 @pytest.mark.parametrize("arch", ["tiny-sd3"])

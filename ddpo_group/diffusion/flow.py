@@ -135,12 +135,15 @@ def sde_step_with_logprob(
         sigma, sigma_next, sigma_1 = _sigmas(scheduler, timestep, x.shape[0], x.device, dtype)
         sigma_1 = torch.full((x.shape[0],), sigma_1, device=x.device, dtype=dtype)
     else:
-        sigma, sigma_next, sigma_1 = (torch.as_tensor(v).to(device=x.device, dtype=dtype).reshape(-1) for v in sigmas)
+        # checked where the caller keeps them, then moved: a grid passed on the CPU (the sampler's) costs no
+        # wait for the device's queue in each step
+        sigma, sigma_next, sigma_1 = (torch.as_tensor(v).detach().to(dtype).reshape(-1) for v in sigmas)
         if not sigma.shape == sigma_next.shape == sigma_1.shape == (x.shape[0],):
             raise ValueError(f"sigmas must be three (B,) = ({x.shape[0]},) tensors, got "
                              f"{[tuple(v.shape) for v in (sigma, sigma_next, sigma_1)]}")
         if bool((sigma_next > sigma).any()) or bool((sigma <= 0).any()):
             raise ValueError("sigmas: a flow step goes from sigma > 0 to sigma_next <= sigma")
+        sigma, sigma_next, sigma_1 = (v.to(x.device) for v in (sigma, sigma_next, sigma_1))
     sigma = left_broadcast(sigma, x.shape)
     sigma_next = left_broadcast(sigma_next, x.shape)
     sigma_1 = left_broadcast(sigma_1, x.shape)

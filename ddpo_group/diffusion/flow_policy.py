@@ -186,12 +186,13 @@ class FlowMatchingPolicy(DiffusionPolicy):
         latents = self._initial_latents(batch_size, device, generator)
         timesteps, sigmas = self._set_timesteps(num_steps, device)
         grid = sigmas.unsqueeze(0).repeat(batch_size, 1)
+        steps_grid = grid.cpu()  # the steps read their sigmas from the CPU: no device sync per step
         all_latents, log_probs, stds = [latents], [], []
         for i, t in enumerate(tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False)):
             velocity = self._velocity(model, latents, t.expand(batch_size), cond, guidance_scale)
             latents, log_prob, _, std = sde_step_with_logprob(
                 self.pipeline.scheduler, velocity, t, latents, noise_level=levels[i], sde_type=self.sde_type,
-                generator=generator if levels[i] > 0 else None, sigmas=(grid[:, i], grid[:, i + 1], grid[:, 1]),
+                generator=generator if levels[i] > 0 else None, sigmas=(steps_grid[:, i], steps_grid[:, i + 1], steps_grid[:, 1]),
                 with_log_prob=keep_steps, cps_log_prob=self.cps_log_prob,
             )
             if keep_steps:
