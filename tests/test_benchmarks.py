@@ -292,3 +292,12 @@ def test_parallel_jobs_train_each_method_and_seed_in_its_own_process_and_merge(t
     # every run reaches a target of -1 at its first evaluation (epoch 0, no training seconds yet)
     assert results["summary"]["w1"]["epochs_to_target"]["median"] == 0
     assert results["per_seed"]["w1"][42]["seconds_to_target"] == 0.0
+
+
+def test_the_device_session_script_says_how_to_use_it():
+    import subprocess
+
+    result = subprocess.run(["bash", os.path.join(REPO_ROOT, "benchmarks", "device_session.sh")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "usage: bash benchmarks/device_session.sh download | tests" in result.stdout
