@@ -47,7 +47,7 @@ def load_pretrained(pipeline_class, model, revision, torch_dtype, offline_builde
     local_files_only = local or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     try:
         pipeline = pipeline_class.from_pretrained(
-            os.path.expanduser(model), revision=revision, torch_dtype=torch_dtype, local_files_only=local_files_only
+            os.path.expanduser(model), revision=revision, dtype=torch_dtype, local_files_only=local_files_only
         )
     except Exception as err:
         raise ValueError(
