@@ -39,6 +39,11 @@ architecture and dtype:
                   `--gradient-checkpointing` runs the fwd+bwd check and every training run with
                   train.gradient_checkpointing (docs/memory.md).
 
+With GRPO among the variants and more than one optimizer step, GRPO also runs with one optimizer step per epoch (no
+recompute pass): the baseline of the recompute pass's memory. On a GPU the targets are checked and shown (not in the
+exit code): sampling within 1.05x of pipeline(...), LoRA SD-1.5 peak memory within 10 GiB for GRPO, DDPO and
+Group-PPO, the recompute pass within +10 % peak memory (docs/memory.md).
+
 It prints a table, writes benchmarks/results/gpu_check.json (or --output), and exits 1 if any on-policy ratio
 is not exactly 1, any approx_kl or clipfrac is not exactly 0, any optimizer step was skipped or a sampled step
 lost its density. Not part of CI (CI has no GPU).
@@ -272,8 +277,8 @@ def run_config(arch, spec, algorithm, args, dtype_name, logdir, run_name):
     return config
 
 
-def run_algorithm(arch, spec, algorithm, args, dtype_name, logdir):
-    config = run_config(arch, spec, algorithm, args, dtype_name, logdir, f"{arch}_{algorithm}_{dtype_name}")
+def run_algorithm(arch, spec, algorithm, args, dtype_name, logdir, suffix=""):
+    config = run_config(arch, spec, algorithm, args, dtype_name, logdir, f"{arch}_{algorithm}_{dtype_name}{suffix}")
     run_dir = train(config)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -302,6 +307,39 @@ def run_algorithm(arch, spec, algorithm, args, dtype_name, logdir):
         "trained_trajectory_steps": trained,
         "peak_gpu_mb": max(peaks) if peaks else None,
     }
+
+
+# The GPU targets (issue "flow fidelity"): sampling within 5 % of pipeline(...), LoRA SD-1.5 at batch 8 / train
+# batch 4 with CFG within 10 GiB for these algorithms, the recompute pass of pi_old within +10 % peak memory.
+SAMPLING_TARGET = 1.05
+SD15_MEMORY_TARGET_MB = 10 * 1024
+SD15_MEMORY_ALGORITHMS = ("grpo", "ddpo", "group_ppo")
+RECOMPUTE_MEMORY_TARGET = 1.10
+
+
+def targets(results):
+    """The GPU targets, each {target, arch, dtype, value, limit, met}, from a results dict; none on a CPU (no GPU
+    memory, and CPU timings say nothing of a GPU's)."""
+    if results["machine"]["device"] != "cuda":
+        return []
+    rows = []
+    for arch, a in results["archs"].items():
+        for dtype, d in a["dtypes"].items():
+            def add(target, value, limit):
+                rows.append({"target": target, "arch": arch, "dtype": dtype, "value": value, "limit": limit,
+                             "met": value is not None and value <= limit})
+
+            add("sampling s / pipeline(...) s", d["sampling_vs_pipeline"], SAMPLING_TARGET)
+            variants = d.get("variants", {})
+            if arch == "sd15":
+                for name in SD15_MEMORY_ALGORITHMS:
+                    if name in variants:
+                        add(f"{name} peak GPU MB", variants[name]["peak_gpu_mb"], SD15_MEMORY_TARGET_MB)
+            one = d.get("grpo_one_optimizer_step")
+            if one and "grpo" in variants and one["peak_gpu_mb"] and variants["grpo"]["peak_gpu_mb"]:
+                add("grpo peak with the recompute pass / with one optimizer step",
+                    variants["grpo"]["peak_gpu_mb"] / one["peak_gpu_mb"], RECOMPUTE_MEMORY_TARGET)
+    return rows
 
 
 def render(results):
@@ -338,6 +376,14 @@ def render(results):
                     f"{'-' if noise is None else f'{noise:.3g}'} | {v['train_s_per_trajectory_step']:.4f} | "
                     f"{'-' if peak is None else f'{peak:.0f}'} | {v['skipped_steps']} |"
                 )
+    if results.get("targets"):
+        lines += ["", "| target | arch | dtype | measured | limit | met |", "|---|---|---|---:|---:|---|"]
+        for t in results["targets"]:
+            value = "-" if t["value"] is None else f"{t['value']:.3f}"
+            lines.append(f"| {t['target']} | {t['arch']} | {t['dtype']} | {value} | {t['limit']:g} | "
+                         f"{'yes' if t['met'] else 'NO'} |")
+    else:
+        lines += ["", "targets (sampling time, peak memory): checked on a GPU only"]
     lines += ["", f"result: {'PASS' if results['passed'] else 'FAIL'}: {results['verdict']}"]
     return "\n".join(lines)
 
@@ -426,12 +472,19 @@ def main(argv=None):
                         failures.append(f"{arch} {dtype_name} {name}: approx_kl / clipfrac not exactly 0 at lr {args.lr:g}")
                     if v["skipped_steps"]:
                         failures.append(f"{arch} {dtype_name} {name}: {v['skipped_steps']} optimizer step(s) skipped")
+                if "grpo" in [ALIASES.get(n, n) for n in args.variants.split(",")] and args.optimizer_steps > 1:
+                    # the same GRPO runs with one optimizer step per epoch (no recompute pass): the memory baseline
+                    if args.device == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    one = argparse.Namespace(**dict(vars(args), optimizer_steps=1))
+                    d["grpo_one_optimizer_step"] = run_algorithm(arch, spec, "grpo", one, dtype_name, logdir, "_one")
                 entry["dtypes"][dtype_name] = d
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
     if len(results["archs"]) == 1:  # one architecture: its dtypes also at the top level, as before
         (only,) = results["archs"].values()
         results["arch"], results["dtypes"] = args.arch, only["dtypes"]
+    results["targets"] = targets(results)
     results["passed"] = not failures
     results["verdict"] = "; ".join(failures) or (
         f"every on-policy ratio exactly 1, approx_kl and clipfrac exactly 0 in every epoch at lr {args.lr:g}, "

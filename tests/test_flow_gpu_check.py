@@ -39,6 +39,8 @@ def test_the_flow_archs_pass_every_check_on_the_cpu(tmp_path):
             assert row["on_policy_max_abs_log_ratio"] == 0.0 and row["skipped_steps"] == 0
         assert entry["variants"]["grpo"]["layout_noise_max_abs_log_ratio"] == 0.0  # the recompute pass ran
     assert "| tiny-flux | bf16 | nft | 2 x 4 |" in result.stdout
+    assert results["targets"] == [] and "checked on a GPU only" in result.stdout
+    assert results["archs"]["tiny-sd3"]["dtypes"]["bf16"]["grpo_one_optimizer_step"]["optimizer_steps_per_epoch"] == 1
 
 
 def test_runs_with_gradient_checkpointing_stay_exact(tmp_path):
@@ -61,11 +63,43 @@ def test_the_exactness_check_fails_when_the_weights_move(tmp_path, arch):
 
 
 def test_a_reduced_flux_is_said_so():
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = _gpu_check_module()
     arch_settings, parse_args = gpu_check.arch_settings, gpu_check.parse_args
     spec = arch_settings("flux", parse_args(["--arch", "flux", "--flux-depth", "2,4"]))
     assert spec["model"] == "random-flux-2x4"
     assert "reduced to 2 double + 4 single blocks" in spec["notes"][0] and "19 + 38" in spec["notes"][0]
     assert arch_settings("flux", parse_args(["--arch", "flux"]))["notes"] == []
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_targets_are_read_from_the_results():
+    gpu_check = _gpu_check_module()
+
+    def variant(peak):
+        return {"peak_gpu_mb": peak}
+
+    results = {"machine": {"device": "cuda"}, "archs": {
+        "sd15": {"dtypes": {"fp16": {"sampling_vs_pipeline": 0.97, "variants": {
+            "grpo": variant(9000.0), "ddpo": variant(10240.0), "group_ppo": variant(10241.0), "nft": variant(99999.0)},
+            "grpo_one_optimizer_step": variant(8000.0)}}},
+        "sd35": {"dtypes": {"bf16": {"sampling_vs_pipeline": 1.35, "variants": {"grpo": variant(50.3)},
+                                     "grpo_one_optimizer_step": variant(29.2)}}},
+    }}
+    rows = {(t["arch"], t["target"]): t for t in gpu_check.targets(results)}
+    assert rows[("sd15", "sampling s / pipeline(...) s")]["met"] is True
+    assert rows[("sd35", "sampling s / pipeline(...) s")]["met"] is False
+    # 10 GiB = 10240 MiB: at the limit is met, one MiB over is not; NFT has no memory target
+    assert rows[("sd15", "grpo peak GPU MB")]["met"] and rows[("sd15", "ddpo peak GPU MB")]["met"]
+    assert rows[("sd15", "group_ppo peak GPU MB")]["met"] is False
+    assert not any(arch == "sd15" and target.startswith("nft") for arch, target in rows)
+    recompute = "grpo peak with the recompute pass / with one optimizer step"
+    assert rows[("sd15", recompute)]["value"] == 9000.0 / 8000.0 and rows[("sd15", recompute)]["met"] is False
+    assert rows[("sd35", recompute)]["value"] == 50.3 / 29.2 and rows[("sd35", recompute)]["met"] is False
+    assert len(rows) == 7
+    assert gpu_check.targets(dict(results, machine={"device": "cpu"})) == []
