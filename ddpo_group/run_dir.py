@@ -295,7 +295,29 @@ SAFE_RESUME_FIELDS = (
     "num_epochs", "save_freq", "num_checkpoint_limit", "log_images_every", "log_with", "project_name",
     "resume_from", "resume_allow_changes", "run_name", "logdir", "reward_workers", "reward_timeout", "debug_dump",
     "variant",  # a label (config/grpo.py's name): runs from before it was stored have none
+    "train.gradient_checkpointing",  # memory only: values, gradients and the on-policy ratio are unchanged
 )
+
+
+def _safe_to_change(field):
+    """A field SAFE_RESUME_FIELDS allows to change on resume: itself, or a section it belongs to, is listed."""
+    parts = field.split(".")
+    return any(".".join(parts[:n]) in SAFE_RESUME_FIELDS for n in range(1, len(parts) + 1))
+
+
+def _merge_stored(node, stored, top=True):
+    """`stored` (a config.json dict) written into the default config `node` field by field: a field the run's
+    config.json lacks (one added to the defaults after the run started) keeps its default, which is the
+    behaviour the run had; a field the defaults no longer have is left out; the free-form sub-configs
+    (reward_weights, reward_kwargs) are taken whole."""
+    for key, value in stored.items():
+        if key not in node:
+            continue
+        if isinstance(value, dict) and isinstance(node[key], ml_collections.ConfigDict) and not (
+                top and key in FREE_FORM_FIELDS):
+            _merge_stored(node[key], value, top=False)
+        else:
+            node[key] = ml_collections.ConfigDict(value, allow_dotted_keys=True) if isinstance(value, dict) else value
 
 
 def _absolute(path):
@@ -376,15 +398,13 @@ def resumed_config(given, run_dir, overrides=None):
         raise CheckpointError(f"cannot resume {run_dir}: its config {path} is missing or unreadable ({err})") from err
     base = load_base_config()
     with base.unlocked():
-        for key, value in stored.items():
-            if key in base:
-                base[key] = ml_collections.ConfigDict(value, allow_dotted_keys=True) if isinstance(value, dict) else value
+        _merge_stored(base, stored)
     stored_flat = _flat(json.loads(json.dumps(base.to_dict(), default=str)))
     given_flat = _flat(json.loads(json.dumps(given.to_dict(), default=str)))
     fields = given_flat.keys() if overrides is None else [f for f in given_flat if any(
         f == o or f.startswith(o + ".") or o.startswith(f + ".") for o in overrides)]
     changes = {f: [stored_flat.get(f), given_flat[f]] for f in fields if stored_flat.get(f) != given_flat[f]}
-    experiment = [f for f in changes if f.split(".")[0] not in SAFE_RESUME_FIELDS]
+    experiment = [f for f in changes if not _safe_to_change(f)]
     if experiment and not given.resume_allow_changes:
         listed = ", ".join(f"{f} ({changes[f][0]!r} -> {changes[f][1]!r})" for f in experiment[:8])
         raise ConfigError(

@@ -105,6 +105,25 @@ def test_an_allowed_change_is_applied_and_recorded(finished_run, tmp_path):
     assert record["changed"]["train.learning_rate"][1] == 1e-3
 
 
+def test_a_run_from_before_a_new_field_resumes_with_its_default_and_may_turn_on_checkpointing(finished_run, tmp_path):
+    run_dir = _copy(finished_run, tmp_path)
+    stored = json.loads((run_dir / "config.json").read_text())
+    del stored["train"]["gradient_checkpointing"]  # a config.json written before the field existed
+    for overrides in (["num_epochs", "resume_from"], None):
+        (run_dir / "config.json").write_text(json.dumps(stored))
+        trainer = Trainer(make_config(tmp_path, num_epochs=3, resume_from=str(run_dir)), overrides=overrides)
+        assert trainer.config.train.gradient_checkpointing is False  # the default: what the run had
+        assert trainer.config.train.learning_rate == stored["train"]["learning_rate"]
+        trainer.files.release()
+    # gradient checkpointing changes memory, not values: switching it on to resume is allowed and recorded
+    given = make_config(tmp_path, num_epochs=3, resume_from=str(run_dir), train__gradient_checkpointing=True)
+    trainer = Trainer(given, overrides=["num_epochs", "resume_from", "train.gradient_checkpointing"])
+    assert trainer.config.train.gradient_checkpointing is True and trainer.trainable_module.is_gradient_checkpointing
+    trainer.run()
+    record = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])
+    assert record["changed"]["train.gradient_checkpointing"] == [False, True]
+
+
 # 6. a checkpoint directly inside the named run directory
 def test_resume_keeps_the_run_directory_the_user_named(finished_run, tmp_path):
     run_dir = tmp_path / "D" / "myrun"
