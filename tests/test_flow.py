@@ -145,3 +145,12 @@ def test_given_sigmas_equal_the_lookup_on_the_scheduler_grid(kind):
         sde_step_with_logprob(s, v, torch.zeros(3), x, sigmas=(grid[:2], grid[1:3], grid[:2]))
     with pytest.raises(ValueError, match="sigma_next <= sigma"):
         sde_step_with_logprob(s, v, torch.zeros(3), x, sigmas=given[1:2] + given[0:1] + given[2:])
+
+
+def test_a_sigma_grid_is_checked_whole():
+    from ddpo_group.diffusion.flow import check_sigma_grid
+
+    check_sigma_grid(torch.tensor([[1.0, 0.5, 0.5, 0.0], [0.9, 0.3, 0.1, 0.0]]))  # flat steps and a final 0 are fine
+    for bad in ([[1.0, 0.5, 0.6, 0.0]], [[1.0, 0.0, 0.0, 0.0]], [[0.0, 0.0]]):
+        with pytest.raises(ValueError, match="sigma > 0 to sigma_next <= sigma"):
+            check_sigma_grid(torch.tensor(bad))

@@ -47,6 +47,14 @@ def dance_sigmas(num_steps, shift):
     return shift * t / (1 + (shift - 1) * t)
 
 
+def check_sigma_grid(grid):
+    """ValueError unless every row of `grid` ((B, N) sigmas, N >= 2, any device) never goes up and has every sigma
+    but the last > 0: the steps of a flow trajectory. Reading the values waits for the device."""
+    grid = torch.as_tensor(grid).detach()
+    if bool((grid[:, 1:] > grid[:, :-1]).any()) or bool((grid[:, :-1] <= 0).any()):
+        raise ValueError("sigmas: a flow step goes from sigma > 0 to sigma_next <= sigma")
+
+
 def _sigmas(scheduler, timestep, batch_size, device, dtype):
     """sigma, sigma' (B,) and sigmas[1] of the scheduler's grid for a scalar or (B,) timestep."""
     sigmas = getattr(scheduler, "sigmas", None)
@@ -89,6 +97,7 @@ def sde_step_with_logprob(
     sigmas=None,
     with_log_prob=True,
     cps_log_prob="normalized",
+    check_sigmas=True,
 ):
     """One flow-matching step x_t -> x_{t+1} with its Gaussian log-probability (module docstring).
 
@@ -109,6 +118,8 @@ def sde_step_with_logprob(
         cps_log_prob: "normalized" (the Gaussian log-density per dimension) or, with sde_type="cps" only,
             "flow_grpo": -mean over dimensions of (prev_sample - mean)^2 (FlowCPS / Flow-GRPO's cps), 0 where
             std = 0. Same samples, same means and stds; only the log-prob (and so the ratio's scale) differs.
+        check_sigmas: check the given `sigmas` (``check_sigma_grid``); False for a caller that checked its whole
+            grid once (the sampler), as reading them back waits for the device in every step.
 
     Returns:
         prev_sample, log_prob (B,) (0 where std = 0), prev_sample_mean, std_dev_t (B, 1, ...) the
@@ -135,15 +146,12 @@ def sde_step_with_logprob(
         sigma, sigma_next, sigma_1 = _sigmas(scheduler, timestep, x.shape[0], x.device, dtype)
         sigma_1 = torch.full((x.shape[0],), sigma_1, device=x.device, dtype=dtype)
     else:
-        # checked where the caller keeps them, then moved: a grid passed on the CPU (the sampler's) costs no
-        # wait for the device's queue in each step
-        sigma, sigma_next, sigma_1 = (torch.as_tensor(v).detach().to(dtype).reshape(-1) for v in sigmas)
+        sigma, sigma_next, sigma_1 = (torch.as_tensor(v).to(device=x.device, dtype=dtype).reshape(-1) for v in sigmas)
         if not sigma.shape == sigma_next.shape == sigma_1.shape == (x.shape[0],):
             raise ValueError(f"sigmas must be three (B,) = ({x.shape[0]},) tensors, got "
                              f"{[tuple(v.shape) for v in (sigma, sigma_next, sigma_1)]}")
-        if bool((sigma_next > sigma).any()) or bool((sigma <= 0).any()):
-            raise ValueError("sigmas: a flow step goes from sigma > 0 to sigma_next <= sigma")
-        sigma, sigma_next, sigma_1 = (v.to(x.device) for v in (sigma, sigma_next, sigma_1))
+        if check_sigmas:  # reading the values waits for the device: a caller that checked its grid once skips it
+            check_sigma_grid(torch.stack([sigma, sigma_next], dim=1))
     sigma = left_broadcast(sigma, x.shape)
     sigma_next = left_broadcast(sigma_next, x.shape)
     sigma_1 = left_broadcast(sigma_1, x.shape)

@@ -28,7 +28,14 @@ from ddpo_group.diffusion.base import (
     final_latents_only,
     noise_levels,
 )
-from ddpo_group.diffusion.flow import CPS_LOG_PROBS, FLOW_GRIDS, SDE_TYPES, dance_sigmas, sde_step_with_logprob
+from ddpo_group.diffusion.flow import (
+    CPS_LOG_PROBS,
+    FLOW_GRIDS,
+    SDE_TYPES,
+    check_sigma_grid,
+    dance_sigmas,
+    sde_step_with_logprob,
+)
 from ddpo_group.diffusion.lora import add_lora
 
 # Attention projections of the joint (MM-DiT) blocks: image stream and text stream, as Flow-GRPO targets.
@@ -186,14 +193,14 @@ class FlowMatchingPolicy(DiffusionPolicy):
         latents = self._initial_latents(batch_size, device, generator)
         timesteps, sigmas = self._set_timesteps(num_steps, device)
         grid = sigmas.unsqueeze(0).repeat(batch_size, 1)
-        steps_grid = grid.cpu()  # the steps read their sigmas from the CPU: no device sync per step
+        check_sigma_grid(grid)  # once: the steps below then do not read their sigmas back from the device
         all_latents, log_probs, stds = [latents], [], []
         for i, t in enumerate(tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False)):
             velocity = self._velocity(model, latents, t.expand(batch_size), cond, guidance_scale)
             latents, log_prob, _, std = sde_step_with_logprob(
                 self.pipeline.scheduler, velocity, t, latents, noise_level=levels[i], sde_type=self.sde_type,
-                generator=generator if levels[i] > 0 else None, sigmas=(steps_grid[:, i], steps_grid[:, i + 1], steps_grid[:, 1]),
-                with_log_prob=keep_steps, cps_log_prob=self.cps_log_prob,
+                generator=generator if levels[i] > 0 else None, sigmas=(grid[:, i], grid[:, i + 1], grid[:, 1]),
+                with_log_prob=keep_steps, cps_log_prob=self.cps_log_prob, check_sigmas=False,
             )
             if keep_steps:
                 all_latents.append(latents)
