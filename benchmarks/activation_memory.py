@@ -84,13 +84,31 @@ class SavedActivations:
             yield self
 
 
-def measure(arch, dtype_name, batch, resolution, lora_rank):
-    """The activation bytes of one training forward of `arch` without and with gradient checkpointing."""
+def checkpointed_blocks(module, forward):
+    """The blocks diffusers' gradient checkpointing wraps in `module` (each recomputed whole in the backward),
+    found by running `forward` once with gradients and a recording checkpoint function; checkpointing is left
+    off."""
+    blocks = []
+
+    def record(block, *args):
+        if not any(block is seen for seen in blocks):
+            blocks.append(block)
+        return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+
+    module.enable_gradient_checkpointing(gradient_checkpointing_func=record)
+    forward()
+    module.disable_gradient_checkpointing()
+    return blocks
+
+
+def measure(arch, dtype_name, batch, resolution, lora_rank, device="cpu"):
+    """The activation bytes of one training forward of `arch` without and with gradient checkpointing, the
+    largest checkpointed block's, and on CUDA the peak GPU memory the forward + backward adds."""
     spec = dict(gpu_check.ARCHS[arch])
     if resolution:
         spec["resolution"] = resolution
     dtype = DTYPES[dtype_name]
-    policy = gpu_check.load_configured_policy(spec, "cpu", dtype)
+    policy = gpu_check.load_configured_policy(spec, device, dtype)
     if resolution and not spec["flow"]:
         policy.configure(resolution=resolution)
     guidance = gpu_check.flow_sample_settings(spec)["guidance_scale"] if spec["flow"] else 5.0
@@ -98,45 +116,80 @@ def measure(arch, dtype_name, batch, resolution, lora_rank):
     start = time.perf_counter()
     samples = policy.sample(prompts, 2, guidance, 1.0 if not spec["flow"] else 0.7,
                             generator=torch.Generator().manual_seed(0))
-    module = policy.prepare("cpu", dtype, use_lora=True, lora_rank=lora_rank)
-    rows, steps = torch.arange(batch), torch.zeros(batch, dtype=torch.int64)
-    autocast = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    entry = {"arch": arch, "model": spec["model"], "dtype": dtype_name, "batch": batch,
-             "resolution": int(samples.images.shape[-1]), "cfg": guidance > 1.0, "lora_rank": lora_rank}
+    module = policy.prepare(device, dtype, use_lora=True, lora_rank=lora_rank)
+    rows = torch.arange(batch, device=samples.latents.device)
+    steps = torch.zeros(batch, dtype=torch.int64, device=samples.latents.device)
+    autocast = torch.autocast(device, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+
+    def forward():
+        with autocast:
+            return policy.step_log_prob(module, samples, rows, steps, guidance, 1.0)[0]
+
+    blocks = checkpointed_blocks(module, forward)
+    entry = {"arch": arch, "model": spec["model"], "dtype": dtype_name, "device": device, "batch": batch,
+             "resolution": int(samples.images.shape[-1]), "cfg": guidance > 1.0, "lora_rank": lora_rank,
+             "checkpointed_blocks": len(blocks)}
     for checkpointing in (False, True):
         if checkpointing:
             module.enable_gradient_checkpointing()
-        else:
-            module.disable_gradient_checkpointing()
         meter = SavedActivations(module)
+        block_bytes, starts, hooks = [0], {}, []
+        if not checkpointing:  # what each checkpointed block saves when it is not checkpointed
+            def before(block, args):
+                starts[id(block)] = meter.live
+
+            def after(block, args, output):
+                block_bytes.append(meter.live - starts.pop(id(block)))
+
+            hooks = [h for b in blocks for h in (b.register_forward_pre_hook(before), b.register_forward_hook(after))]
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            allocated = torch.cuda.memory_allocated()
         with meter.counting():
-            with autocast:
-                log_prob = policy.step_log_prob(module, samples, rows, steps, guidance, 1.0)[0]
+            log_prob = forward()
             held = meter.live
             log_prob.float().mean().backward()
-        module.zero_grad(set_to_none=True)
-        released = meter.live == 0
-        del log_prob
+        for hook in hooks:
+            hook.remove()
         key = "checkpointing" if checkpointing else "plain"
+        if device == "cuda":
+            torch.cuda.synchronize()
+            entry[f"{key}_gpu_peak_added_mb"] = (torch.cuda.max_memory_allocated() - allocated) / 2**20
+        module.zero_grad(set_to_none=True)
+        entry[f"{key}_released_by_backward"] = meter.live == 0
+        del log_prob
         entry[f"{key}_mb"] = held / 2**20
-        entry[f"{key}_released_by_backward"] = released
+        if not checkpointing:
+            entry["largest_block_mb"] = max(block_bytes) / 2**20
+    module.disable_gradient_checkpointing()
+    # in the backward with checkpointing, one block at a time is recomputed and holds its activations again
+    entry["checkpointing_bound_mb"] = entry["checkpointing_mb"] + entry["largest_block_mb"]
     entry["ratio"] = entry["checkpointing_mb"] / entry["plain_mb"]
+    entry["bound_ratio"] = entry["checkpointing_bound_mb"] / entry["plain_mb"]
     entry["seconds"] = time.perf_counter() - start
     return entry
 
 
 def render(entries):
-    lines = ["| arch | dtype | batch (x2 with CFG) | px | activations MB | with checkpointing MB | ratio |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| arch | dtype | batch (x2 with CFG) | px | activations MB | checkpointing: held MB | + largest block MB "
+             "| bound / plain |", "|---|---|---|---|---|---|---|---|"]
     for e in entries:
         lines.append(f"| {e['arch']} ({e['model']}) | {e['dtype']} | {e['batch']}{' x2' if e['cfg'] else ''} | "
-                     f"{e['resolution']} | {e['plain_mb']:.1f} | {e['checkpointing_mb']:.1f} | {e['ratio']:.3f} |")
+                     f"{e['resolution']} | {e['plain_mb']:.1f} | {e['checkpointing_mb']:.1f} | "
+                     f"{e['largest_block_mb']:.1f} | {e['bound_ratio']:.3f} |")
+    if any("plain_gpu_peak_added_mb" in e for e in entries):
+        lines += ["", "| arch | GPU peak added, plain MB | with checkpointing MB |", "|---|---|---|"]
+        lines += [f"| {e['arch']} | {e['plain_gpu_peak_added_mb']:.0f} | {e['checkpointing_gpu_peak_added_mb']:.0f} |"
+                  for e in entries if "plain_gpu_peak_added_mb" in e]
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="tiny,tiny-sd3", help=f"comma-separated, of {list(gpu_check.ARCHS)}")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the model runs (cuda: also the peak GPU memory the forward + backward adds)")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="autocast dtype of the forward")
     parser.add_argument("--batch", type=int, default=4, help="trajectories in the training micro-batch")
     parser.add_argument("--resolution", type=int, default=0, help="image side in pixels (0: the arch's own)")
@@ -147,9 +200,11 @@ def main(argv=None):
     for arch in args.arch.split(","):
         if arch not in gpu_check.ARCHS:
             parser.error(f"--arch {arch!r} is not one of {list(gpu_check.ARCHS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch")
     entries = []
     for arch in args.arch.split(","):
-        entries.append(measure(arch, args.dtype, args.batch, args.resolution, args.lora_rank))
+        entries.append(measure(arch, args.dtype, args.batch, args.resolution, args.lora_rank, args.device))
         print(json.dumps(entries[-1]), flush=True)
     results = {"machine": {"platform": platform.platform(), "torch_version": torch.__version__},
                "settings": vars(args), "entries": entries}

@@ -13,9 +13,9 @@ cd "$(dirname "$0")/.."
 what=${1:-}
 shift || true
 OUT=${OUT:-/tmp/device_out}
-mkdir -p "$OUT"
 
 install_wheels() {
+  mkdir -p "$OUT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "device_session: could not install .whl/*.whl (run 'download' here and carry .whl)"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -141,8 +141,12 @@ def test_the_activation_benchmark_measures_both_ways_on_the_cpu(tmp_path, capsys
     results = json.loads(output.read_text())
     assert [e["arch"] for e in results["entries"]] == ["tiny", "tiny-sd3"]
     for entry in results["entries"]:
-        assert entry["batch"] == 2 and entry["cfg"] is True
+        assert entry["batch"] == 2 and entry["cfg"] is True and entry["device"] == "cpu"
         assert entry["plain_released_by_backward"] and entry["checkpointing_released_by_backward"]
         assert 0 < entry["checkpointing_mb"] < entry["plain_mb"]
+        assert 0 < entry["largest_block_mb"] < entry["plain_mb"]
+        assert entry["checkpointing_bound_mb"] == entry["checkpointing_mb"] + entry["largest_block_mb"]
         assert entry["ratio"] == pytest.approx(entry["checkpointing_mb"] / entry["plain_mb"])
+    # the tiny SD3 transformer has 2 joint blocks (diffusion/tiny.py), each checkpointed
+    assert results["entries"][1]["checkpointed_blocks"] == 2
     assert "| tiny (tiny) | fp32 | 2 x2 | 32 |" in capsys.readouterr().out
