@@ -31,6 +31,7 @@ import torch
 
 from ddpo_group.grids import save_epoch_samples
 from ddpo_group.hacking import PROXY_KEY, describe, gold_key, gold_names, gold_specs
+from ddpo_group.inspect import read_metrics
 from ddpo_group.prompts import load_prompts
 from ddpo_group.rewards import build_reward_fn
 from ddpo_group.run_dir import METRICS_FILE
@@ -200,20 +201,11 @@ class Evaluator:
 
     def _earlier_evaluations(self, epoch):
         """The evaluation rows of this run before `epoch` (a resumed run's are in its metrics.jsonl)."""
-        import json
-
-        rows = []
         path = self.run_dir.file(METRICS_FILE)
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        row = json.loads(line)
-                    except ValueError:  # a torn last line of an interrupted run
-                        continue
-                    if isinstance(row, dict) and PROXY_KEY in row and row.get("epoch", epoch) < epoch:
-                        rows.append(row)
-        return rows
+        if not os.path.exists(path):
+            return []
+        # a torn last line of an interrupted run is left out (the resume has checked the other lines)
+        return [row for row in read_metrics(path, torn=[]) if PROXY_KEY in row and row.get("epoch", epoch) < epoch]
 
     def _gold_change(self, name, metrics):
         gold = describe(self.history, name)["gold"]  # the history holds this evaluation already (_divergence)

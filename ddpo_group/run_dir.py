@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from ddpo_group.config_check import FREE_FORM_FIELDS, ConfigError, load_base_config
 from ddpo_group.hacking import gold_specs
+from ddpo_group.inspect import read_metrics
 from ddpo_group.prompts import BUILTIN_PROMPT_SETS
 
 logger = logging.getLogger("ddpo_group")
@@ -524,26 +525,19 @@ def _checkpoint_write_error(root, final, err):
 def _truncate_metrics(path, first_epoch):
     """On resume, drop metrics rows of epochs that the resumed run will redo.
 
-    A torn last line (power loss, full disk) is dropped with a warning; a bad line elsewhere is a
-    CheckpointError naming the file and the line.
+    A torn last line (cut off before its newline: a run killed while writing it) is dropped with a warning;
+    any other bad line is a CheckpointError naming the file and the line (inspect.read_metrics' rule).
     """
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            if number == len(lines):
-                logger.warning("%s: dropping its torn last line %d (%s)", path, number, err)
-                continue
-            raise CheckpointError(
-                f"{path}, line {number}: not a JSON row ({err}); repair or delete that line to resume"
-            ) from err
-        if row.get("epoch", -1) < first_epoch:
-            rows.append(json.dumps(row) + "\n")
+    torn = []
+    try:
+        parsed = read_metrics(path, torn=torn)
+    except ValueError as err:
+        raise CheckpointError(f"{err}; repair or delete that line to resume") from err
+    if torn:
+        logger.warning("%s: dropping its torn last line %d (the run was killed while writing it)", path, torn[0])
+    rows = [json.dumps(row) + "\n" for row in parsed if row.get("epoch", -1) < first_epoch]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(rows)

@@ -161,6 +161,17 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(finished_run, tmp_path, c
     assert [row["epoch"] for row in read_metrics(run_dir)] == [0, 1, 2]
 
 
+def test_a_bad_last_metrics_line_that_ends_with_its_newline_stops_the_resume_naming_it(finished_run, tmp_path):
+    # the trainer writes a row and its newline in one write: a complete bad line is damage, not a torn write
+    run_dir = _copy(finished_run, tmp_path)
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"epoch": 2, "reward_me\n')
+    before = metrics.read_bytes()
+    with pytest.raises(CheckpointError, match=r"metrics\.jsonl line 3: not valid JSON.*repair or delete that line"):
+        Trainer(make_config(tmp_path, num_epochs=3, resume_from=str(run_dir)), overrides=["num_epochs", "resume_from"])
+    assert metrics.read_bytes() == before
+
+
 # 12. a full disk while a checkpoint is written
 def test_a_full_disk_during_a_checkpoint_says_so_and_keeps_the_last_one(finished_run, tmp_path, monkeypatch):
     run_dir = _copy(finished_run, tmp_path)
