@@ -8,6 +8,13 @@
 #                   bash benchmarks/device_session.sh tests                        # pytest -n 14, log + junit in $OUT
 #                   bash benchmarks/device_session.sh gpu-check [gpu_check args]   # JSON + log in $OUT
 #                   bash benchmarks/device_session.sh activation-memory [args]     # JSON + log in $OUT
+#
+# A plan for a 30-minute lease (one run at a time, 10 minutes a call; the first call also starts the machine):
+#   1. tests                                                        the CUDA suite (issue: 0 failed, 0 errors)
+#   2. gpu-check --arch sd15 --dtypes fp16                          exactness, sampling, peaks vs the targets
+#   3. gpu-check --arch sd35 --dtypes bf16 --variants grpo,group_ppo,nft,awm
+#   4. gpu-check --arch sd15 --dtypes fp16 --variants grpo,ddpo,group_ppo --gradient-checkpointing
+# Each call's files come back from $OUT before the next empties it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}
