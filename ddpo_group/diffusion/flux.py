@@ -9,7 +9,13 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.tiny import build_tiny_flux_pipeline, build_tiny_t5_tokenizer, build_tiny_tokenizer
+from ddpo_group.diffusion.tiny import (
+    build_tiny_flux_pipeline,
+    build_tiny_t5_tokenizer,
+    build_tiny_tokenizer,
+    created_in,
+    seeded,
+)
 
 # FLUX.1-dev's published configs (black-forest-labs/FLUX.1-dev: transformer/, vae/, scheduler/): 19 double-stream and
 # 38 single-stream blocks of 24 heads x 128, RoPE axes 16 + 56 + 56, 2x2-packed 16-channel latents (64 inputs),
@@ -110,23 +116,17 @@ def build_random_flux_pipeline(seed=0, torch_dtype=torch.float32, num_layers=Non
     tokenizer, tokenizer_2 = build_tiny_tokenizer(model_max_length=77), build_tiny_t5_tokenizer()
     transformer_config = dict(FLUX_DEV_TRANSFORMER)
     transformer_config.update({k: v for k, v in (("num_layers", num_layers), ("num_single_layers", num_single_layers)) if v})
-    default_dtype = torch.get_default_dtype()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        try:  # parameters created in torch_dtype: no float32 copy of 12B weights first
-            torch.set_default_dtype(torch_dtype)
-            transformer = FluxTransformer2DModel(**transformer_config).eval()
-            vae = AutoencoderKL(**FLUX_VAE).eval()
-            text_encoder = CLIPTextModel(CLIPTextConfig(
-                vocab_size=len(tokenizer), hidden_size=768, intermediate_size=3072, num_hidden_layers=2,
-                num_attention_heads=12, max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-            )).eval()
-            text_encoder_2 = T5EncoderModel(T5Config(
-                vocab_size=len(tokenizer_2), d_model=4096, d_kv=64, d_ff=10240, num_layers=1, num_heads=64,
-                pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-            )).eval()
-        finally:
-            torch.set_default_dtype(default_dtype)
+    with seeded(seed), created_in(torch_dtype):  # no float32 copy of 12B weights first
+        transformer = FluxTransformer2DModel(**transformer_config).eval()
+        vae = AutoencoderKL(**FLUX_VAE).eval()
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=768, intermediate_size=3072, num_hidden_layers=2,
+            num_attention_heads=12, max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        )).eval()
+        text_encoder_2 = T5EncoderModel(T5Config(
+            vocab_size=len(tokenizer_2), d_model=4096, d_kv=64, d_ff=10240, num_layers=1, num_heads=64,
+            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        )).eval()
     pipeline = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER), vae=vae, text_encoder=text_encoder,
         tokenizer=tokenizer, text_encoder_2=text_encoder_2.to(torch_dtype), tokenizer_2=tokenizer_2,

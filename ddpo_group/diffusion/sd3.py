@@ -8,7 +8,7 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.tiny import build_tiny_sd3_pipeline, build_tiny_tokenizer
+from ddpo_group.diffusion.tiny import build_tiny_sd3_pipeline, build_tiny_tokenizer, created_in, seeded
 
 # SD3.5-Medium's published configs (stabilityai/stable-diffusion-3.5-medium: transformer/, vae/, scheduler/):
 # MMDiT-X of 24 joint blocks of 24 heads x 64, the first 13 with the extra image self-attention, RMS QK norm,
@@ -120,15 +120,10 @@ def build_random_sd35_pipeline(seed=0, torch_dtype=torch.float32, num_layers=Non
             bos_token_id=0, eos_token_id=1, pad_token_id=1,
         )).to(torch_dtype).eval()
 
-    default_dtype = torch.get_default_dtype()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        try:  # parameters created in torch_dtype (floating dtypes only): no float32 copy of 2.5B weights first
-            torch.set_default_dtype(torch_dtype)
+    with seeded(seed):
+        with created_in(torch_dtype):  # no float32 copy of 2.5B weights first
             transformer = SD3Transformer2DModel(**transformer_config).eval()
             vae = AutoencoderKL(**SD3_VAE).eval()
-        finally:
-            torch.set_default_dtype(default_dtype)
         text_encoder, text_encoder_2 = clip(768, 12), clip(1280, 20)
     pipeline = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),

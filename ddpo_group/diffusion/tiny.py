@@ -18,6 +18,8 @@ the same architecture. A pretrained copy ("tiny-shapes") is loaded by
 ``ddpo_group.diffusion.loading.load_pipeline``.
 """
 
+import contextlib
+
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
@@ -169,6 +171,26 @@ def build_tiny_pipeline(seed=0):
     """
     tokenizer = build_tiny_tokenizer()
     return _random_sd_pipeline(tiny_component_configs(vocab_size=len(tokenizer)), tokenizer, seed)
+
+
+@contextlib.contextmanager
+def seeded(seed):
+    """Weights drawn inside are drawn from `seed`; the global torch RNG state is left unchanged."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+@contextlib.contextmanager
+def created_in(dtype):
+    """Parameters created inside are created in `dtype` (floating dtypes only): a large random model gets no
+    float32 copy first. The default dtype is restored on the way out."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _random_sd_pipeline(configs, tokenizer, seed, device="cpu", dtype=torch.float32):
