@@ -84,23 +84,6 @@ class SavedActivations:
             yield self
 
 
-def checkpointed_blocks(module, forward):
-    """The blocks diffusers' gradient checkpointing wraps in `module` (each recomputed whole in the backward),
-    found by running `forward` once with gradients and a recording checkpoint function; checkpointing is left
-    off."""
-    blocks = []
-
-    def record(block, *args):
-        if not any(block is seen for seen in blocks):
-            blocks.append(block)
-        return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
-
-    module.enable_gradient_checkpointing(gradient_checkpointing_func=record)
-    forward()
-    module.disable_gradient_checkpointing()
-    return blocks
-
-
 def measure(arch, dtype_name, batch, resolution, lora_rank, device="cpu"):
     """The activation bytes of one training forward of `arch` without and with gradient checkpointing, the
     largest checkpointed block's, and on CUDA the peak GPU memory the forward + backward adds."""
@@ -125,13 +108,20 @@ def measure(arch, dtype_name, batch, resolution, lora_rank, device="cpu"):
         with autocast:
             return policy.step_log_prob(module, samples, rows, steps, guidance, 1.0)[0]
 
-    blocks = checkpointed_blocks(module, forward)
+    blocks = []  # the blocks diffusers' checkpointing wraps (each recomputed whole in the backward)
+
+    def recording_checkpoint(block, *args):  # diffusers' own checkpoint call, noting which block it wraps
+        if not any(block is seen for seen in blocks):
+            blocks.append(block)
+        return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+
     entry = {"arch": arch, "model": spec["model"], "dtype": dtype_name, "device": device, "batch": batch,
-             "resolution": int(samples.images.shape[-1]), "cfg": guidance > 1.0, "lora_rank": lora_rank,
-             "checkpointed_blocks": len(blocks)}
-    for checkpointing in (False, True):
+             "resolution": int(samples.images.shape[-1]), "cfg": guidance > 1.0, "lora_rank": lora_rank}
+    for checkpointing in (True, False):  # checkpointing first: its forward finds the blocks measured without it
         if checkpointing:
-            module.enable_gradient_checkpointing()
+            module.enable_gradient_checkpointing(gradient_checkpointing_func=recording_checkpoint)
+        else:
+            module.disable_gradient_checkpointing()
         meter = SavedActivations(module)
         block_bytes, starts, hooks = [0], {}, []
         if not checkpointing:  # what each checkpointed block saves when it is not checkpointed
@@ -162,7 +152,7 @@ def measure(arch, dtype_name, batch, resolution, lora_rank, device="cpu"):
         entry[f"{key}_mb"] = held / 2**20
         if not checkpointing:
             entry["largest_block_mb"] = max(block_bytes) / 2**20
-    module.disable_gradient_checkpointing()
+    entry["checkpointed_blocks"] = len(blocks)
     # in the backward with checkpointing, one block at a time is recomputed and holds its activations again
     entry["checkpointing_bound_mb"] = entry["checkpointing_mb"] + entry["largest_block_mb"]
     entry["ratio"] = entry["checkpointing_mb"] / entry["plain_mb"]

@@ -192,8 +192,8 @@ class FlowMatchingPolicy(DiffusionPolicy):
         cond = self._encode(prompts, negative_prompt, guidance_scale, device)
         latents = self._initial_latents(batch_size, device, generator)
         timesteps, sigmas = self._set_timesteps(num_steps, device)
+        check_sigma_grid(sigmas.unsqueeze(0))  # once: the steps below then do not read their sigmas back from the device
         grid = sigmas.unsqueeze(0).repeat(batch_size, 1)
-        check_sigma_grid(grid)  # once: the steps below then do not read their sigmas back from the device
         all_latents, log_probs, stds = [latents], [], []
         for i, t in enumerate(tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False)):
             velocity = self._velocity(model, latents, t.expand(batch_size), cond, guidance_scale)
