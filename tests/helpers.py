@@ -14,6 +14,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
 
 
+def load_script(relative_path):
+    """The module of a script of the repository (e.g. "benchmarks/gpu_check.py"), loaded from its file."""
+    import importlib.util
+
+    name = os.path.splitext(os.path.basename(relative_path))[0]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relative_path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def make_config(tmp_path, variant="test", run_name="r", **overrides):
     """config/grpo.py:<variant> writing to tmp_path/run_name; overrides use dotted keys as
     keyword names with "__" for ".", e.g. sample__num_steps=2."""

@@ -5,21 +5,18 @@ feeds the structure tests; the derived numbers are recomputed here by hand from 
 rows. Timings are never asserted.
 """
 
-import importlib.util
 import json
 import os
 
 import pytest
+from helpers import load_script
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ["ddpo", "group_ppo_endpoints"]
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_training", os.path.join(REPO_ROOT, "benchmarks", "bench_training.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_training.py")
 
 
 bench = _load_bench()

@@ -2,14 +2,11 @@
 at lr 1e-30 with 4 optimizer steps per epoch approx_kl and clipfrac are exactly 0 in every epoch; at a real
 learning rate they are not, and the check fails."""
 
-import importlib.util
 import json
-import os
 import subprocess
 
 import pytest
-
-from helpers import PYTHON, ROOT, subprocess_env
+from helpers import PYTHON, ROOT, load_script, subprocess_env
 
 SMALL = ["--device", "cpu", "--dtypes", "bf16", "--steps", "3", "--sample-steps", "3", "--sample-batch", "4",
          "--batches", "2", "--train-batch", "2", "--repeats", "1", "--sample-repeats", "1", "--epochs", "2"]
@@ -72,10 +69,7 @@ def test_a_reduced_flux_is_said_so():
 
 
 def _gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_check.py")
 
 
 def test_the_gpu_targets_are_read_from_the_results():

@@ -6,27 +6,16 @@ that saves them until the backward (or the dropped graph) releases them. Paramet
 held anyway), and a storage saved twice is counted once.
 """
 
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
-from helpers import ROOT, make_config
+from helpers import load_script, make_config
 
 from ddpo_group.config_check import ConfigError
 from ddpo_group.trainer import Trainer
 
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "activation_memory", os.path.join(ROOT, "benchmarks", "activation_memory.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-activation_memory = _load_benchmark()
+activation_memory = load_script("benchmarks/activation_memory.py")
 SavedActivations = activation_memory.SavedActivations
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,5 @@
 """scripts/pretrain_tiny.py: the quick mode end to end, and the shipped tiny_shapes model."""
 
-import importlib.util
 import json
 import math
 import os
@@ -9,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
+from helpers import load_script
 from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,16 +16,9 @@ SHIPPED = os.path.join(ROOT, "ddpo_group", "assets", "tiny_shapes")
 PROMPT = "a big red circle on a white background"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("pretrain_tiny", os.path.join(ROOT, "scripts", "pretrain_tiny.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def script():
-    return load_script()
+    return load_script("scripts/pretrain_tiny.py")
 
 
 @pytest.fixture(scope="module")

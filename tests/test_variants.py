@@ -4,12 +4,12 @@ evaluations compare with the main job's; and the command README's Configs table 
 Each variant's changed fields are declared here by hand (what its name says), not read from the code: a field
 changed in config/grpo.py without being declared, or declared without being changed, fails."""
 
-import importlib.util
 import os
 import re
 import shlex
 
 import pytest
+from helpers import load_script
 
 from ddpo_group.config import grpo
 
@@ -114,11 +114,7 @@ def test_every_tiny_variant_that_changes_the_method_is_declared():
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_training", os.path.join(REPO_ROOT, "benchmarks",
-                                                                                 "bench_training.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_training.py")
 
 
 def readme_commands():
