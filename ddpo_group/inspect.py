@@ -86,6 +86,7 @@ class RunData:
     stopped: dict | None = None  # stopped.json: a signal stopped the run before num_epochs
     resumes: list[dict] = field(default_factory=list)  # resumes.jsonl rows
     torn_metrics_line: int | None = None  # metrics.jsonl's last line, cut off mid-write and left out
+    outside: list[str] = field(default_factory=list)  # run files (links) that lead outside the run directory: not read
     name: str = ""  # label in legends and headings; the folder name by default
 
     def __post_init__(self):
@@ -182,9 +183,13 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     run = RunData(path=path, config=config, metrics=metrics, failed=failed, stopped=stopped,
                   resumes=_read_resumes(path / "resumes.jsonl"), torn_metrics_line=torn[0] if torn else None)
     samples_dir = path / "samples"
+    root = path.resolve()
     if samples_dir.is_dir():
         for entry in sorted(samples_dir.iterdir()):
-            if match := _SAMPLE_PNG.match(entry.name):
+            if not entry.resolve().is_relative_to(root):
+                # a link out of the run directory: the report reads the run's own files only
+                run.outside.append(str(entry.relative_to(path)))
+            elif match := _SAMPLE_PNG.match(entry.name):
                 run.grids[int(match.group(1))] = entry
             elif match := _SAMPLE_JSON.match(entry.name):
                 run.sample_files[int(match.group(1))] = entry
@@ -193,6 +198,9 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
             elif match := _EVAL_JSON.match(entry.name):
                 run.eval_files[int(match.group(1))] = entry
     for evaluation in sorted(path.glob("checkpoints/checkpoint_*/evaluation.json")):
+        if not evaluation.resolve().is_relative_to(root):
+            run.outside.append(str(evaluation.relative_to(path)))
+            continue
         document = _read_json(evaluation)
         if isinstance(document, dict):
             run.evaluations[evaluation.parent.name] = document
@@ -792,6 +800,9 @@ def _headline_section(runs: Sequence[RunData], sources: Sequence[SampleSource | 
         if run.torn_metrics_line:
             banners += (f'<p class="status earlier">{_e(run.name)}: metrics.jsonl line {run.torn_metrics_line}, its last, '
                         "was cut off mid-write (the run was killed while writing it) and is left out</p>")
+        if run.outside:
+            banners += (f'<p class="status earlier">{_e(run.name)}: left out, links to files outside the run directory '
+                        f'(the report reads the run\'s own files only): {_e(", ".join(run.outside))}</p>')
     fields = [headline(run, source) for run, source in zip(runs, sources)]
     header = f'<tr><th></th>{"".join(f"<th>{_e(run.name)}</th>" for run in runs)}</tr>' if len(runs) > 1 else ""
     rows = "".join(

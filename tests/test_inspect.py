@@ -277,6 +277,22 @@ def test_report_never_embeds_a_file_outside_the_run_directory(tmp_path):
     assert "../../secret.png is outside the run directory" in html
 
 
+def test_report_never_follows_a_link_out_of_the_run_directory(tmp_path):
+    # grids are found by listing samples/: a link there to a file elsewhere is left out and said, never embedded
+    run = make_run(tmp_path / "run", seed=0)
+    secret = tmp_path / "secret.png"
+    secret.write_bytes((run / "samples" / "epoch_0002.png").read_bytes() + b"SECRET")
+    linked = sorted(p.name for p in (run / "samples").glob("e*_*.png"))[:2]
+    assert linked, "make_run writes grids"
+    for name in linked:
+        (run / "samples" / name).unlink()
+        (run / "samples" / name).symlink_to(secret)
+    html = build_report(run)
+    assert data_uri(secret) not in html and "SECRET" not in html
+    assert "links to files outside the run directory" in html
+    assert all(f"samples/{name}" in html for name in linked)
+
+
 def test_a_torn_last_line_of_a_killed_run_is_left_out_and_said(tmp_path):
     # the trainer writes each row with its newline in one write: a run killed mid-write leaves a line without one
     (tmp_path / "metrics.jsonl").write_text('{"epoch": 0, "reward_mean": 0.5}\n{"epoch": 1, "reward_mean": 0.6}\n{"epo')
