@@ -4,6 +4,12 @@ SIGINT / SIGTERM ask the run to stop: it finishes the current phase (an evaluati
 batches), writes a final checkpoint and stopped.json, and the CLI exits 128 + the signal. A second
 signal exits at once (metrics.jsonl is written row by row, so nothing written is lost).
 
+Under a launcher (`accelerate launch`, torchrun), which neither forwards a signal nor waits for its child when
+it is itself signalled, the training process asks Linux for SIGTERM when its parent exits (PR_SET_PDEATHSIG):
+a launcher stopped alone stops its training run the same way, instead of leaving it running without a
+parent. That SIGTERM (the process has a new parent by then) is never taken as the second signal, so a
+signal sent to the whole process group still stops the run with its checkpoint.
+
     control = RunControl(accelerator)
     with control:                        # the handlers are installed inside, the previous ones restored after
         ...
@@ -12,9 +18,11 @@ signal exits at once (metrics.jsonl is written row by row, so nothing written is
 """
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
+import sys
 
 import torch
 
@@ -31,10 +39,19 @@ class RunControl:
         self.requested = False
         self.signal = None
         self._previous = {}
+        self._parent = None  # the launcher's pid, when its exit is to stop the run (stop_when_parent_exits)
+        self._orphaned = False  # the parent's exit has been seen (its SIGTERM counts as no one's second signal)
 
     def request_stop(self, signum, frame=None):
-        """The signal handler: the first signal asks for a stop, a second one exits now (128 + signum)."""
-        if self.requested:
+        """The signal handler: the first signal asks for a stop, a second one exits now (128 + signum); the
+        SIGTERM of the launcher's exit asks for a stop and is never a second signal."""
+        if self._parent is not None and not self._orphaned and os.getppid() != self._parent:
+            self._orphaned = True
+            if self.requested:
+                logger.warning("the launcher exited: still finishing the current phase, then the final checkpoint")
+                return
+            logger.warning("the launcher (parent process) exited: stopping this run as for a signal")
+        elif self.requested:
             logger.warning("second signal %d: exiting now, without a final checkpoint", signum)
             logging.shutdown()
             os._exit(128 + signum)
@@ -48,12 +65,17 @@ class RunControl:
         with contextlib.suppress(ValueError):  # not in the main thread
             for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self.request_stop)
+            if self._previous and launched_by_a_launcher() and stop_when_parent_exits():
+                self._parent = os.getppid()
 
     def restore(self):
         """The handlers that were there before `install`."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        if self._parent is not None:
+            stop_when_parent_exits(0)  # 0: no signal any more
+            self._parent = None
 
     def __enter__(self):
         self.install()
@@ -67,3 +89,23 @@ class RunControl:
         """True on every process as soon as one process was asked to stop (a collective: every process calls it)."""
         flag = torch.tensor([1.0 if self.requested else 0.0], device=self.accelerator.device)
         return bool(self.accelerator.gather(flag).sum().item() > 0)
+
+
+def launched_by_a_launcher() -> bool:
+    """True in a process started by `accelerate launch` (ACCELERATE_USE_CPU is set for its child) or torchrun."""
+    return "ACCELERATE_USE_CPU" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def stop_when_parent_exits(signum: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send this process `signum` when its parent exits (prctl PR_SET_PDEATHSIG; 0 clears it);
+    False where that is not available.
+
+    Only for a process whose parent is a launcher: a run started from a shell under nohup must outlive the shell.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(signum), 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False

@@ -1,15 +1,20 @@
 """Stop requests (ddpo_group/run_control.py): a signal asks for a stop, every process sees it, a second one exits."""
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
+import time
 
+import pytest
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from helpers import PYTHON, ROOT, subprocess_env
 
 from ddpo_group.run_control import RunControl
-from helpers import PYTHON, ROOT, subprocess_env
 
 
 def _accelerator():
@@ -45,3 +50,64 @@ def test_a_second_signal_exits_at_once_with_128_plus_the_signal():
                             timeout=120)
     assert result.returncode == 128 + signal.SIGTERM, result.stderr
     assert result.stdout.split() == ["first", "True"]
+
+
+_CHILD = """
+import json, sys, time
+from accelerate import Accelerator
+from ddpo_group.run_control import RunControl
+with RunControl(Accelerator(cpu=True)) as control:
+    print("ready", flush=True)
+    start = time.time()
+    while not control.requested and time.time() - start < 30:
+        time.sleep(0.05)
+    time.sleep(1.0)  # the phase being finished: the launcher's exit may come now
+    with open(sys.argv[1], "w") as out:
+        json.dump({"requested": control.requested, "signal": control.signal}, out)
+"""
+
+
+def _launch_and_signal(tmp_path, whole_group):
+    """Start a script under `accelerate launch` (the README's form), SIGTERM the launcher or its process group once
+    the script runs, and return what the script saw (None if it wrote nothing)."""
+    (tmp_path / "child.py").write_text(_CHILD)
+    seen = tmp_path / "seen.json"
+    launcher = subprocess.Popen(
+        [os.path.join(os.path.dirname(PYTHON), "accelerate"), "launch", "-q", "--config_file",
+         os.path.join(ROOT, "config", "accelerate.yaml"),
+         str(tmp_path / "child.py"), str(seen)],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert launcher.stdout.readline().strip() == "ready"
+        if whole_group:
+            os.killpg(launcher.pid, signal.SIGTERM)
+        else:
+            launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+        deadline = time.time() + 60
+        while not seen.exists() and time.time() < deadline and _group_alive(launcher.pid):
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    return json.loads(seen.read_text()) if seen.exists() else None
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_launcher_stopped_alone_stops_its_training_process(tmp_path):
+    # accelerate launch neither forwards a signal nor waits: without the parent-death signal the script ran on
+    assert _launch_and_signal(tmp_path, whole_group=False) == {"requested": True, "signal": signal.SIGTERM}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_launchers_exit_is_not_a_second_signal(tmp_path):
+    # SIGTERM to the process group: the script gets it, then the launcher's exit; it still finishes its phase
+    assert _launch_and_signal(tmp_path, whole_group=True) == {"requested": True, "signal": signal.SIGTERM}
