@@ -103,6 +103,11 @@ def _missing_config_file(argv: Sequence[str]) -> str | None:
     value = _config_value(argv)
     if value is None:
         return None
+    if os.path.isdir(value):
+        return (
+            f"--config {value!r} is a directory; give a built-in variant NAME or FILE.py[:ARG], such as "
+            "config/grpo.py:tiny (ddpo-group-train --help)"
+        )
     file = value.rpartition(":")[0] if ".py:" in value else (value if value.endswith(".py") else "")
     if file and not os.path.isfile(file):
         return (
@@ -192,7 +197,19 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as err:
-        sys.exit(f"ddpo-group-train: error: {' '.join(str(err).split())} (ddpo-group-train --help)")
+        sys.exit(f"ddpo-group-train: error: {_without_traceback(str(err))} (ddpo-group-train --help)")
+
+
+def _without_traceback(message: str) -> str:
+    """A flag error as one line: a config file's get_config that raised is reported by its exception's last line
+    (ml_collections puts the whole traceback in the message), with the fix when it takes no argument."""
+    head, marker, trace = message.partition("Traceback (most recent call last):")
+    if marker:
+        lines = [line.strip() for line in trace.splitlines() if line.strip()]
+        message = head + (lines[-1] if lines else "")
+        if "get_config() takes 0 positional arguments" in message:
+            message += "; this file's get_config takes no argument: give --config FILE.py without ':ARG'"
+    return " ".join(message.split())
 
 
 def train_main(argv: Sequence[str] | None = None) -> None:

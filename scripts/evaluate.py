@@ -40,6 +40,17 @@ def _positive_int(text):
     return value
 
 
+def _images_per_prompt(text):
+    """--images-per-prompt: as the training config's eval_images_per_prompt, 1 to MAX_EVAL_IMAGES_PER_PROMPT."""
+    from ddpo_group.config_check import MAX_EVAL_IMAGES_PER_PROMPT
+
+    value = _positive_int(text)
+    if value > MAX_EVAL_IMAGES_PER_PROMPT:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_EVAL_IMAGES_PER_PROMPT} (the training config's limit "
+                                         f"on eval_images_per_prompt), got {text!r}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
@@ -104,7 +115,7 @@ def main(argv=None):
                         help="a checkpoint_N directory of a run, or a run directory (its latest checkpoint)")
     parser.add_argument("--prompts", default=None, help="prompt set (default: the run's eval/training prompts, or shapes)")
     parser.add_argument("--reward", default=None, help="reward (default: the run's, or shapes_alignment)")
-    parser.add_argument("--images-per-prompt", type=_positive_int, default=None, help="default: the run's, or 4")
+    parser.add_argument("--images-per-prompt", type=_images_per_prompt, default=None, help="default: the run's, or 4")
     parser.add_argument("--num-steps", type=_positive_int, default=None, help="denoising steps (default: the run's, or 10)")
     parser.add_argument("--guidance-scale", type=float, default=None)
     parser.add_argument("--eta", type=float, default=None)

@@ -93,6 +93,22 @@ def test_a_config_file_that_does_not_exist_is_one_line(tmp_path):
     assert "config file 'my_config.py' does not exist" in line
 
 
+@pytest.mark.parametrize("value, needles", [
+    ("config", ["--config 'config' is a directory", "config/grpo.py:tiny"]),
+    # a file whose get_config takes no argument: ml_collections' message holds the whole traceback
+    ("ddpo_group/config/base.py:tiny", ["TypeError: get_config() takes 0 positional arguments but 1 was given",
+                                        "without ':ARG'"]),
+])
+def test_a_config_that_is_not_a_config_file_is_one_line(tmp_path, value, needles):
+    result = subprocess.run(
+        [PYTHON, "scripts/train.py", "--config", value, f"--config.logdir={tmp_path}"], cwd=ROOT,
+        env=subprocess_env(), capture_output=True, text=True, timeout=120,
+    )
+    line = _one_line(result)
+    assert line.startswith("ddpo-group-train: error:") and all(n in line for n in needles), line
+    assert "Traceback" not in line and "File " not in line and not os.listdir(tmp_path)
+
+
 def test_cpu_threads_follow_omp_num_threads_else_one(monkeypatch):
     from ddpo_group.cli import cpu_threads
 
@@ -171,6 +187,7 @@ def test_evaluate_takes_a_run_directory_and_runs_with_one_thread(tensorboard_run
 
 @pytest.mark.parametrize("args, status, needle", [
     (["--images-per-prompt", "0"], 2, "argument --images-per-prompt: expected a whole number >= 1, got '0'"),
+    (["--images-per-prompt", "100000"], 2, "argument --images-per-prompt: expected at most 1024"),
     (["--no-such-flag"], 2, "unrecognized arguments: --no-such-flag"),
     (["--checkpoint", "runs/none/checkpoints/checkpoint_3"], 1, "--checkpoint runs/none/checkpoints/checkpoint_3: "
                                                                  "no such directory"),
