@@ -275,9 +275,21 @@ def train_main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"ddpo-group-train: error: {one_line(err)}")
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line naming the flag (not its usage block), exit code 2;
+    `help_command`: the command that lists the flags (default: PROG --help)."""
+
+    def __init__(self, *args, help_command: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.help_command = help_command or f"{self.prog} --help"
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} ({self.help_command} lists the flags)\n")
+
+
 def inspect_main(argv: Sequence[str] | None = None) -> int:
     """ddpo-group-inspect / scripts/inspect_run.py: write an HTML report for a run directory."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="ddpo-group-inspect",
         description="Write a self-contained HTML report (config, reward curves, time per phase, sample grids, "
         "best and worst samples) for a run directory written by the trainer.",

@@ -51,11 +51,6 @@ def _images_per_prompt(text):
     return value
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
-
-
 def find_run_checkpoint(path):
     """(checkpoint_N directory, run directory, the run's config dict) for --checkpoint: a checkpoint_N directory, or a
     run directory (its latest checkpoint). EvaluateError naming the path and the fix otherwise."""
@@ -109,7 +104,9 @@ def load_checkpoint_policy(checkpoint, config):
 
 
 def main(argv=None):
-    parser = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+    from ddpo_group.cli import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny-shapes", help="model to evaluate (ignored with --checkpoint)")
     parser.add_argument("--checkpoint", default=None,
                         help="a checkpoint_N directory of a run, or a run directory (its latest checkpoint)")

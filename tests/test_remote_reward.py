@@ -185,7 +185,7 @@ def test_timeout_is_retried_then_raises_reward_error():
     server, requests = scripted_server([(1.0, 200, {"rewards": [0.0, 0.0]})])
     with running(server) as url:
         reward = RemoteReward(url, timeout=0.2, retries=1, backoff=0.0)
-        with pytest.raises(RewardError, match=r"no answer after 2 attempts .*timed out") as error:
+        with pytest.raises(RewardError, match=r"no 200 answer after 2 attempts .*timed out") as error:
             reward(images_and_pixels()[0], PROMPTS, [{}, {}])
     assert len(requests) == 2
     assert url in str(error.value)
@@ -195,7 +195,7 @@ def test_total_timeout_ends_the_attempts():
     server, requests = scripted_server([(1.0, 200, {"rewards": [0.0, 0.0]})])
     with running(server) as url:
         reward = RemoteReward(url, timeout=0.3, retries=5, backoff=0.0, total_timeout=0.5)
-        with pytest.raises(RewardError, match=r"no answer after 2 attempts .*total_timeout 0.5 s"):
+        with pytest.raises(RewardError, match=r"no 200 answer after 2 attempts .*total_timeout 0.5 s"):
             reward(images_and_pixels()[0], PROMPTS, [{}, {}])
     assert len(requests) == 2  # 0.3 s, then the 0.2 s left: not the 6 attempts retries=5 would allow
 
@@ -254,7 +254,7 @@ def _closed_port_url():
 
 def test_unreachable_server_fails_after_retries():
     reward = RemoteReward(_closed_port_url(), timeout=1, retries=1, backoff=0.0, check=False)
-    with pytest.raises(RewardError, match="no answer after 2 attempts .*ConnectionRefusedError"):
+    with pytest.raises(RewardError, match="no 200 answer after 2 attempts .*ConnectionRefusedError"):
         reward(images_and_pixels()[0], PROMPTS, [{}, {}])
 
 
@@ -263,7 +263,7 @@ def test_a_dead_url_fails_when_the_reward_is_built_naming_it():
     with pytest.raises(RewardNotReadyError) as error:
         build_reward_fn(url, reward_kwargs={url: {"retries": 0}})
     message = str(error.value)
-    assert message.startswith(f"remote reward {url}: no answer after 1 attempt ")
+    assert message.startswith(f"remote reward {url}: no 200 answer after 1 attempt ")
     assert "python -m ddpo_group.rewards.server" in message and "\n" not in message
 
 
@@ -288,7 +288,7 @@ def test_a_trickled_answer_is_cut_off_at_the_attempt_deadline():
 
     bad = RawServer(trickle)
     with bad as url:
-        with pytest.raises(RewardError, match=r"no answer after 1 attempt .*timed out after 0.5 s") as error:
+        with pytest.raises(RewardError, match=r"no 200 answer after 1 attempt .*timed out after 0.5 s") as error:
             RemoteReward(url, timeout=0.5, retries=0, check=False)(images_and_pixels()[0], PROMPTS, [{}, {}])
     assert str(error.value).startswith(f"remote reward {url}: ")
     assert bad.sent < len(head(length=len(body))) + len(body)  # the client hung up before the end
@@ -383,6 +383,6 @@ def test_a_run_with_a_dead_url_stops_before_anything_is_written(tmp_path):
 
     url = _closed_port_url()
     config = make_config(tmp_path, reward_fn=url, **cheap())
-    with pytest.raises(RewardNotReadyError, match=f"remote reward {url}: no answer"):
+    with pytest.raises(RewardNotReadyError, match=f"remote reward {url}: no 200 answer"):
         Trainer(config)
     assert not os.path.exists(os.path.join(str(tmp_path), "r"))

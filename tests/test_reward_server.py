@@ -278,3 +278,16 @@ def test_a_limit_that_is_not_positive_is_one_line(flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--serve", "jpeg_compressibility", flag, "0"])
     assert str(exit_info.value) in (f"reward server: error: {flag} must be > 0, got {zero}" for zero in ("0", "0.0"))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--port", "99999"], "argument --port: expected a port number from 0 to 65535, got '99999'"),
+    (["--kwargs", '{"qualty": 5}'], "--serve 'jpeg_compressibility': reward 'jpeg_compressibility' takes no keyword "
+                                    "argument 'qualty'; it takes none"),
+])
+def test_a_bad_port_or_a_misspelt_reward_argument_is_one_line_before_serving(args, needle):
+    # the misspelt argument used to be served: every request then answered 500
+    result = subprocess.run([sys.executable, "-m", "ddpo_group.rewards.server", "--serve", "jpeg_compressibility",
+                             *args], capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode != 0 and len(lines) == 1 and needle in lines[0], result.stdout + result.stderr

@@ -150,7 +150,27 @@ def get_reward(spec: str, device: Any = None, **kwargs) -> Callable:
         return obj(**kwargs)
     if not callable(obj):
         raise ValueError(f"reward spec {spec!r} names {type(obj).__name__} object, not a callable")
+    if kwargs:
+        _check_keywords(spec, obj, kwargs)
     return functools.partial(obj, **kwargs) if kwargs else obj
+
+
+def _check_keywords(spec: str, fn: Callable, kwargs: dict) -> None:
+    """A TypeError naming the keyword arguments `fn` does not take, before any image is scored (a reward built
+    with a misspelt argument failed only on its first call: after a whole epoch's sampling, or on a server, on
+    every request)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): its first call says
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    taken = [name for name, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = [key for key in kwargs if key not in taken]
+    if unknown:
+        options = [name for name in taken if params[name].default is not inspect.Parameter.empty]
+        raise TypeError(f"reward {spec!r} takes no keyword argument {', '.join(map(repr, unknown))}; it takes "
+                        f"{', '.join(map(repr, options)) or 'none'}")
 
 
 def component_name(spec: str) -> str:

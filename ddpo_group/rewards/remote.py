@@ -227,7 +227,7 @@ class RemoteReward:
             if status < 500:
                 raise RewardError(f"remote reward {self.url}: {method} answered {last_error}", reward=self.url)
         raise RewardError(
-            f"remote reward {self.url}: no answer after {attempts} attempt{'s' * (attempts != 1)} (timeout "
+            f"remote reward {self.url}: no 200 answer after {attempts} attempt{'s' * (attempts != 1)} (timeout "
             f"{self.timeout:g} s each, total_timeout {self.total_timeout:g} s); last error: {last_error}",
             reward=self.url,
         )

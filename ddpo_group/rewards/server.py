@@ -325,13 +325,26 @@ def make_server(reward_fn, host: str = "127.0.0.1", port: int = 0, name: str | N
     return RewardServer(reward_fn, name, host, port, Limits(**limits))
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
+    return port
+
+
 def main(argv=None) -> None:
     defaults = Limits()
-    parser = argparse.ArgumentParser(description="Serve a registered reward over HTTP (see module docstring).")
+    from ddpo_group.cli import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(prog="reward server", help_command="python -m ddpo_group.rewards.server --help",
+                                   description="Serve a registered reward over HTTP (see module docstring).")
     parser.add_argument("--serve", required=True, metavar="REWARD_NAME",
                         help="registered reward name, 'module:function' or 'file.py:function'")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000, help="0 to 65535 (0: a free port, printed)")
     parser.add_argument("--device", default=None, help="device for model-based rewards, e.g. cuda")
     parser.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for the reward")
     parser.add_argument("--max-body-mb", type=float, default=defaults.max_body_mb, help="largest request body (MB)")
