@@ -40,6 +40,18 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the field."""
 
 
+def load_config_prompts(config, field: str) -> list:
+    """The prompt records of config.<field> ("prompt_fn" with prompt_fn_kwargs, or "eval_prompt_fn"); a file that
+    is missing, empty or unreadable is a ConfigError naming the field."""
+    from ddpo_group.prompts import load_prompts
+
+    kwargs = dict(config.prompt_fn_kwargs) if field == "prompt_fn" else {}
+    try:
+        return load_prompts(config[field], **kwargs)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"config.{field}={config[field]!r}: {' '.join(str(err).split())}") from None
+
+
 def load_base_config():
     """ddpo_group/config/base.py's get_config(): every field with its default."""
     from ddpo_group.config.base import get_config
@@ -363,6 +375,9 @@ def check_config(config, num_processes=1, has_gpu=None):
             )
     if not config.reward_fn and not config.reward_weights:
         raise ConfigError("no reward: set config.reward_fn or config.reward_weights")
+    logdir = os.path.expanduser(config.logdir)
+    if os.path.exists(logdir) and not os.path.isdir(logdir):
+        raise ConfigError(f"config.logdir={config.logdir!r} is a file; give a directory (created if missing)")
     _check_rewards(config)
     _check_eval_rewards(config)
     return config
@@ -374,6 +389,9 @@ def _check_rewards(config):
     rewards in use. Servers and 'module:function' specs are resolved when the rewards are built."""
     weights = config.reward_weights.to_dict()
     field = "reward_weights" if weights else "reward_fn"
+    if weights and all(isinstance(w, (int, float)) and w == 0 for w in weights.values()):
+        raise ConfigError("config.reward_weights: every weight is 0, so every reward and advantage would be 0 and "
+                          "nothing would train; give at least one reward a non-zero weight")
     specs = [spec.strip() for spec in (weights or [config.reward_fn])]
     for spec in specs:
         if spec.startswith(("http://", "https://")):

@@ -29,10 +29,10 @@ import time
 import numpy as np
 import torch
 
+from ddpo_group.config_check import load_config_prompts
 from ddpo_group.grids import save_epoch_samples
 from ddpo_group.hacking import PROXY_KEY, describe, gold_key, gold_names, gold_specs
 from ddpo_group.inspect import read_metrics
-from ddpo_group.prompts import load_prompts
 from ddpo_group.rewards import build_reward_fn
 from ddpo_group.run_dir import METRICS_FILE
 
@@ -128,26 +128,19 @@ class Evaluator:
     """The trainer's fixed-noise evaluation (config.eval_*), the same prompts and noise at every epoch."""
 
     def __init__(self, config, accelerator, run_dir, prompts, reward_fn):
-        """prompts: the training prompts, evaluated when config.eval_prompt_fn is empty (loaded on first use)."""
+        """prompts: the training prompts, evaluated when config.eval_prompt_fn is empty."""
         self.config = config
         self.accelerator = accelerator
         self.run_dir = run_dir
         self.reward_fn = reward_fn
-        self._training_prompts = prompts
-        self._prompts = None
+        # read now: a missing or empty file stops the run before it starts, naming the field
+        self.prompts = load_config_prompts(config, "eval_prompt_fn") if config.eval_prompt_fn else prompts
         self.first = None  # (epoch, reward mean) of this process's first evaluation: the console's "since"
         # evaluation-only ("gold") rewards: built and loaded now, so a missing model fails before the first epoch
         self.gold_fn = gold_reward_fn(config.eval_rewards, device=accelerator.device)
         if self.gold_fn is not None:
             self.gold_fn.check_ready()
         self.history = None  # metrics of the run's evaluations so far (the divergence rule reads them)
-
-    @property
-    def prompts(self):
-        if self._prompts is None:
-            eval_fn = self.config.eval_prompt_fn
-            self._prompts = load_prompts(eval_fn) if eval_fn else self._training_prompts
-        return self._prompts
 
     def __call__(self, epoch, metrics, policy, model, should_stop=None):
         """Evaluate `model` (the weights after `epoch` epochs) into `metrics`: eval/reward_mean, eval/reward_std,

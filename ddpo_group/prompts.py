@@ -81,7 +81,7 @@ def _resolve_path(path: str) -> str:
     asset = os.path.join(ASSETS_DIR, path)
     if os.path.isfile(asset):
         return asset
-    raise ValueError(f"prompt file {path!r} does not exist (nor {asset!r})")
+    raise ValueError(f"prompt file {path!r} does not exist" + ("" if os.path.isabs(path) else f" (nor {asset!r})"))
 
 
 def load_text(path: str) -> list[PromptRecord]:

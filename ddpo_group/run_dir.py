@@ -264,6 +264,9 @@ def find_checkpoint(path):
     directory is the one named (or the one above checkpoints/), never a parent of it.
     """
     path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"config.resume_from={path!r} is a file; give the run directory (logdir/run_name) or one "
+                              "of its checkpoints/checkpoint_N directories")
     if not os.path.isdir(path):
         raise CheckpointError(f"config.resume_from={path!r} does not exist; give a run directory or a checkpoint_N")
     if CHECKPOINT_RE.match(os.path.basename(path)):

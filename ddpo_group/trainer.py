@@ -29,14 +29,13 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from ddpo_group.config_check import check_config
+from ddpo_group.config_check import check_config, load_config_prompts
 from ddpo_group.critic import update_critic
 from ddpo_group.epoch_advantages import EpochAdvantages
 from ddpo_group.evaluation import Evaluator
 from ddpo_group.forward_training import ForwardUpdate
 from ddpo_group.metrics_log import MetricsLog
 from ddpo_group.models import build_models
-from ddpo_group.prompts import load_prompts
 from ddpo_group.rewards import AsyncRewardRunner, build_reward_fn
 from ddpo_group.rollout import sample_epoch
 from ddpo_group.run_control import RunControl
@@ -104,7 +103,8 @@ class Trainer:
         )
         self.reward_fn.check_ready()
         self.reward_runner = AsyncRewardRunner(self.reward_fn, config.reward_workers)
-        self.prompts = load_prompts(config.prompt_fn, **dict(config.prompt_fn_kwargs))
+        self.prompts = load_config_prompts(config, "prompt_fn")
+        self.evaluator = Evaluator(config, acc, self.files, self.prompts, self.reward_fn)  # eval prompts, gold rewards
 
         models = build_models(config, acc)
         for name in ("policy", "trainable_module", "model", "trainable_params", "optimizer", "critic_module", "critic",
@@ -136,7 +136,6 @@ class Trainer:
         acc.wait_for_everyone()
         self.control = RunControl(acc)
         self.metrics_log = MetricsLog(config, acc, self.files)
-        self.evaluator = Evaluator(config, acc, self.files, self.prompts, self.reward_fn)
 
     def run(self):
         """Run epochs first_epoch .. num_epochs - 1, evaluate the final weights, write the final checkpoint;

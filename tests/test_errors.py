@@ -68,6 +68,54 @@ def test_reward_kwargs_of_a_reward_not_in_use_are_refused(tmp_path, no_model_loa
     assert "config.reward_kwargs" in str(info.value) and "shapes_area" in str(info.value)
 
 
+def test_a_misspelt_reward_argument_stops_the_run_before_any_model_loads(tmp_path, no_model_loading):
+    from ddpo_group.trainer import Trainer
+
+    config = make_config(tmp_path, reward_fn="jpeg_compressibility")
+    config.reward_kwargs = {"jpeg_compressibility": {"qualty": 5}}  # it used to fail on the first images, after sampling
+    with pytest.raises(TypeError, match="reward 'jpeg_compressibility' takes no keyword argument 'qualty'"):
+        Trainer(config)
+    assert not os.listdir(tmp_path)
+
+
+def test_reward_weights_that_are_all_zero_are_refused(tmp_path, no_model_loading):
+    config = make_config(tmp_path)
+    config.reward_weights = {"shapes_alignment": 0.0, "shapes_area": 0}
+    with pytest.raises(ConfigError, match="config.reward_weights: every weight is 0"):
+        check_config(config)
+
+
+def test_a_logdir_that_is_a_file_or_a_resume_from_that_is_a_file_is_named(tmp_path, no_model_loading):
+    from ddpo_group.run_dir import CheckpointError
+    from ddpo_group.trainer import Trainer
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="config.logdir=.*a_file' is a file; give a directory"):
+        check_config(make_config(a_file))
+    config = make_config(tmp_path, resume_from=str(a_file))
+    with pytest.raises(CheckpointError, match="config.resume_from=.*a_file' is a file; give the run directory"):
+        Trainer(config)
+
+
+@pytest.mark.parametrize("field", ["prompt_fn", "eval_prompt_fn"])
+@pytest.mark.parametrize("content, needle", [(None, "does not exist"), ("\n  \n", "has no prompts")])
+def test_a_bad_prompt_file_is_named_by_its_field_before_any_model_loads(tmp_path, no_model_loading, field, content,
+                                                                        needle):
+    from ddpo_group.trainer import Trainer
+
+    prompts = tmp_path / "prompts.txt"
+    if content is not None:
+        prompts.write_text(content)
+    config = make_config(tmp_path / "runs", **{field: str(prompts)})
+    with pytest.raises(ConfigError) as info:
+        Trainer(config)
+    message = str(info.value)
+    assert message.startswith(f"config.{field}='{prompts}': prompt file") and needle in message, message
+    assert "(nor" not in message  # an absolute path is not looked for among the shipped prompt sets
+    assert not (tmp_path / "runs").exists()  # the eval prompts were read after the run directory was written
+
+
 # --- the training command line ---
 
 @pytest.mark.parametrize("argument, needle", [
