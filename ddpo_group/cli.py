@@ -236,7 +236,9 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     from ml_collections import config_flags
 
     from ddpo_group.config import grpo
+    from ddpo_group.run_control import end_with_launcher
 
+    end_with_launcher()  # a launcher stopped before the run's own signal handling starts (models loading) ends it
     cpu_threads()
     _allow_dotted_keys_on_the_command_line()
     default = f"{os.path.abspath(grpo.__file__)}:tiny"

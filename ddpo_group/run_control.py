@@ -7,7 +7,8 @@ signal exits at once (metrics.jsonl is written row by row, so nothing written is
 Under a launcher (`accelerate launch`, torchrun), which neither forwards a signal nor waits for its child when
 it is itself signalled, the training process asks Linux for SIGTERM when its parent exits (PR_SET_PDEATHSIG):
 a launcher stopped alone stops its training run the same way, instead of leaving it running without a
-parent. That SIGTERM (the process has a new parent by then) is never taken as the second signal, so a
+parent (the CLI asks first thing, so a launcher stopped while the models load ends its process too). That
+SIGTERM (the process has a new parent by then) is never taken as the second signal, so a
 signal sent to the whole process group still stops the run with its checkpoint.
 
     control = RunControl(accelerator)
@@ -65,7 +66,7 @@ class RunControl:
         with contextlib.suppress(ValueError):  # not in the main thread
             for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self.request_stop)
-            if self._previous and launched_by_a_launcher() and stop_when_parent_exits():
+            if self._previous and end_with_launcher():
                 self._parent = os.getppid()
 
     def restore(self):
@@ -89,6 +90,12 @@ class RunControl:
         """True on every process as soon as one process was asked to stop (a collective: every process calls it)."""
         flag = torch.tensor([1.0 if self.requested else 0.0], device=self.accelerator.device)
         return bool(self.accelerator.gather(flag).sum().item() > 0)
+
+
+def end_with_launcher() -> bool:
+    """In a process started by a launcher: SIGTERM when the launcher exits (before RunControl is installed, while
+    models load, that ends the process; after, it stops the run). The CLI calls it first thing. True when set."""
+    return launched_by_a_launcher() and stop_when_parent_exits()
 
 
 def launched_by_a_launcher() -> bool:

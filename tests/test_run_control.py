@@ -111,3 +111,26 @@ def test_a_launcher_stopped_alone_stops_its_training_process(tmp_path):
 def test_the_launchers_exit_is_not_a_second_signal(tmp_path):
     # SIGTERM to the process group: the script gets it, then the launcher's exit; it still finishes its phase
     assert _launch_and_signal(tmp_path, whole_group=True) == {"requested": True, "signal": signal.SIGTERM}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_launcher_stopped_before_the_run_control_is_installed_ends_its_process(tmp_path):
+    # the CLI's first step: a launcher stopped while the models load (no handler yet) ends the process at once
+    script = tmp_path / "loading.py"
+    script.write_text("import time\nfrom ddpo_group.run_control import end_with_launcher\n"
+                      "print('ready', end_with_launcher(), flush=True)\ntime.sleep(60)\n")
+    launcher = subprocess.Popen(
+        [os.path.join(os.path.dirname(PYTHON), "accelerate"), "launch", "-q", "--config_file",
+         os.path.join(ROOT, "config", "accelerate.yaml"), str(script)],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert launcher.stdout.readline().split() == ["ready", "True"]
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+        deadline = time.time() + 20
+        while _group_alive(launcher.pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(launcher.pid)  # without it the script slept on for its 60 s
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
