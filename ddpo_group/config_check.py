@@ -18,7 +18,7 @@ from ddpo_group.algos.losses import AGG_MODES, KL_TYPES, registered_policy_losse
 from ddpo_group.diffusion.flow import CPS_LOG_PROBS, FLOW_GRIDS, SDE_TYPES
 from ddpo_group.plugins import PluginError, import_plugins
 from ddpo_group.rewards.combine import REWARD_AGGREGATIONS
-from ddpo_group.rewards.registry import list_rewards, unknown_reward_message
+from ddpo_group.rewards.registry import check_reward_keywords, list_rewards, resolve_reward, unknown_reward_message
 
 CRITIC_TRAIN_STEPS = ("endpoints", "all")
 TIMESTEP_SELECTIONS = ("all", "fraction", "endpoints", "segment_start", "segment_sample", "early")
@@ -406,6 +406,16 @@ def _check_rewards(config):
                 f"config.{field}: the file {target!r} of reward {spec!r} does not exist (looked in {os.getcwd()}); "
                 "give the path of a .py file, absolute or relative to the current directory"
             )
+    for spec, kwargs in config.reward_kwargs.to_dict().items():
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"config.reward_kwargs[{spec!r}] must be a mapping of keyword arguments, such as "
+                              f"'{{\"{spec}\": {{\"name\": value}}}}', got {kwargs!r}")
+    for spec, kwargs in config.reward_kwargs.to_dict().items():
+        if kwargs and spec in specs and not spec.startswith(("http://", "https://")):
+            try:  # a misspelt argument is named now, not on the first scored images
+                check_reward_keywords(spec, resolve_reward(spec), kwargs)
+            except Exception as err:  # that, or the reward cannot be imported
+                raise ConfigError(f"config.reward_kwargs[{spec!r}]: {' '.join(str(err).split())}") from None
     unused = sorted(set(config.reward_kwargs.to_dict()) - set(weights or [config.reward_fn]))
     if unused:
         raise ConfigError(
@@ -417,7 +427,6 @@ def _check_rewards(config):
 def _check_eval_rewards(config):
     """config.eval_rewards: comma-separated reward specs that resolve, scored at evaluations (eval_freq > 0)."""
     from ddpo_group.hacking import gold_specs
-    from ddpo_group.rewards.registry import resolve_reward
 
     specs = gold_specs(config.eval_rewards)
     if specs and not config.eval_freq:

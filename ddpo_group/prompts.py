@@ -78,6 +78,8 @@ def _record(item: Any, where: str) -> PromptRecord:
 def _resolve_path(path: str) -> str:
     if os.path.isfile(path):
         return path
+    if os.path.isdir(path):
+        raise ValueError(f"prompt file {path!r} is a directory; give a .txt, .json or .jsonl file")
     asset = os.path.join(ASSETS_DIR, path)
     if os.path.isfile(asset):
         return asset

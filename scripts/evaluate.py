@@ -143,7 +143,12 @@ def main(argv=None):
     # The run's reward as the trainer built it (weights, kwargs, aggregation), unless --reward names another.
     reward = args.reward or run.get("reward_fn") or ("" if run.get("reward_weights") else "shapes_alignment")
     # Rewards and prompts first, as the trainer does: a bad one fails before any diffusion model loads.
-    records = load_prompts(prompts, **prompt_kwargs)
+    try:
+        records = load_prompts(prompts, **prompt_kwargs)
+    except (ValueError, OSError) as err:
+        source = "--prompts" if args.prompts else ("the run's config.eval_prompt_fn" if run.get("eval_prompt_fn")
+                                                   else "the run's config.prompt_fn")
+        raise EvaluateError(f"{' '.join(str(err).split())} (from {source}; --prompts PATH evaluates other prompts)") from None
     if args.reward or not run:
         reward_fn = build_reward_fn(reward)
     else:

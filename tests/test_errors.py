@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 
+import ml_collections
 import numpy as np
 import pytest
 import torch
@@ -73,9 +74,26 @@ def test_a_misspelt_reward_argument_stops_the_run_before_any_model_loads(tmp_pat
 
     config = make_config(tmp_path, reward_fn="jpeg_compressibility")
     config.reward_kwargs = {"jpeg_compressibility": {"qualty": 5}}  # it used to fail on the first images, after sampling
-    with pytest.raises(TypeError, match="reward 'jpeg_compressibility' takes no keyword argument 'qualty'"):
+    with pytest.raises(ConfigError, match=r"config.reward_kwargs\['jpeg_compressibility'\]: reward "
+                                          "'jpeg_compressibility' takes no keyword argument 'qualty'; it takes none"):
         Trainer(config)
     assert not os.listdir(tmp_path)
+
+
+def test_reward_kwargs_of_a_class_reward_or_not_a_mapping_are_named_before_any_model_loads(tmp_path, no_model_loading):
+    plugin = tmp_path / "classy.py"
+    plugin.write_text("class Scaled:\n    def __init__(self, scale=1.0):\n        self.scale = scale\n"
+                      "    def __call__(self, images, prompts, metadata):\n        return [self.scale] * len(prompts), {}\n")
+    spec = f"{plugin}:Scaled"
+    config = make_config(tmp_path / "runs", reward_fn=spec)
+    config.reward_kwargs = ml_collections.ConfigDict({spec: {"scal": 2.0}}, allow_dotted_keys=True)  # as the CLI gives
+    with pytest.raises(ConfigError) as info:
+        check_config(config)
+    assert str(info.value) == (f"config.reward_kwargs[{spec!r}]: reward {spec!r} takes no keyword argument 'scal'; "
+                               "it takes 'scale'")
+    config.reward_kwargs = ml_collections.ConfigDict({spec: 5}, allow_dotted_keys=True)
+    with pytest.raises(ConfigError, match=r"config.reward_kwargs\[.*\] must be a mapping of keyword arguments"):
+        check_config(config)
 
 
 def test_reward_weights_that_are_all_zero_are_refused(tmp_path, no_model_loading):
@@ -99,13 +117,16 @@ def test_a_logdir_that_is_a_file_or_a_resume_from_that_is_a_file_is_named(tmp_pa
 
 
 @pytest.mark.parametrize("field", ["prompt_fn", "eval_prompt_fn"])
-@pytest.mark.parametrize("content, needle", [(None, "does not exist"), ("\n  \n", "has no prompts")])
+@pytest.mark.parametrize("content, needle", [(None, "does not exist"), ("\n  \n", "has no prompts"),
+                                             ("directory", "is a directory; give a .txt, .json or .jsonl file")])
 def test_a_bad_prompt_file_is_named_by_its_field_before_any_model_loads(tmp_path, no_model_loading, field, content,
                                                                         needle):
     from ddpo_group.trainer import Trainer
 
     prompts = tmp_path / "prompts.txt"
-    if content is not None:
+    if content == "directory":
+        prompts.mkdir()
+    elif content is not None:
         prompts.write_text(content)
     config = make_config(tmp_path / "runs", **{field: str(prompts)})
     with pytest.raises(ConfigError) as info:
@@ -245,6 +266,17 @@ def test_evaluate_bad_input_is_one_line(args, status, needle):
     result = _evaluate(*args)
     line = _one_line(result)
     assert result.returncode == status and line.startswith("evaluate.py: error:") and needle in line, line
+
+
+def test_evaluate_names_the_runs_prompt_field_when_its_file_is_gone(tensorboard_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tensorboard_run, run)
+    stored = json.loads((run / "config.json").read_text())
+    stored["prompt_fn"], stored["eval_prompt_fn"] = str(tmp_path / "deleted.txt"), ""
+    (run / "config.json").write_text(json.dumps(stored))
+    line = _one_line(_evaluate("--checkpoint", str(run)))
+    assert line == (f"evaluate.py: error: prompt file '{tmp_path / 'deleted.txt'}' does not exist (from the run's "
+                    "config.prompt_fn; --prompts PATH evaluates other prompts)"), line
 
 
 def test_evaluate_a_directory_without_checkpoints_is_one_line(tmp_path):

@@ -312,7 +312,18 @@ def build_reward_fn(reward_fn: str | None = None, reward_weights: dict[str, floa
     if unknown:
         raise ValueError(f"reward_kwargs keys {sorted(unknown)} are not rewards in use ({sorted(weights)})")
 
-    built = {spec: get_reward(spec, device=device, **reward_kwargs.get(spec, {})) for spec in weights}
+    for spec, kwargs in reward_kwargs.items():
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"reward_kwargs[{spec!r}] must be a mapping of keyword arguments, such as "
+                             f"{{{spec!r}: {{\"name\": value}}}}, got {kwargs!r}")
+    built = {}
+    for spec in weights:
+        try:
+            built[spec] = get_reward(spec, device=device, **reward_kwargs.get(spec, {}))
+        except TypeError as err:
+            if spec not in reward_kwargs:
+                raise
+            raise ValueError(f"reward_kwargs[{spec!r}]: {' '.join(str(err).split())}") from None
     names = _component_names({spec: getattr(fn, "served_name", None) for spec, fn in built.items()})
     components = {names[spec]: fn for spec, fn in built.items()}
     return CombinedReward(

@@ -144,21 +144,21 @@ def get_reward(spec: str, device: Any = None, **kwargs) -> Callable:
     takes one); a function gets `kwargs` bound with functools.partial.
     """
     obj = resolve_reward(spec)
+    if kwargs:
+        check_reward_keywords(spec, obj, kwargs)
     if inspect.isclass(obj) or isinstance(obj, functools.partial):
         if device is not None and "device" not in kwargs and _accepts(obj, "device"):
             kwargs["device"] = device
         return obj(**kwargs)
     if not callable(obj):
         raise ValueError(f"reward spec {spec!r} names {type(obj).__name__} object, not a callable")
-    if kwargs:
-        _check_keywords(spec, obj, kwargs)
     return functools.partial(obj, **kwargs) if kwargs else obj
 
 
-def _check_keywords(spec: str, fn: Callable, kwargs: dict) -> None:
-    """A TypeError naming the keyword arguments `fn` does not take, before any image is scored (a reward built
-    with a misspelt argument failed only on its first call: after a whole epoch's sampling, or on a server, on
-    every request)."""
+def check_reward_keywords(spec: str, fn: Callable, kwargs: dict) -> None:
+    """A TypeError naming the keyword arguments `fn` (a reward function, or a class: its constructor's) does not
+    take, before any image is scored (a function built with a misspelt argument failed only on its first call:
+    after a whole epoch's sampling, or on a server, on every request)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # no signature to read (a builtin): its first call says
