@@ -410,7 +410,6 @@ def _check_rewards(config):
         if not isinstance(kwargs, dict):
             raise ConfigError(f"config.reward_kwargs[{spec!r}] must be a mapping of keyword arguments, such as "
                               f"'{{\"{spec}\": {{\"name\": value}}}}', got {kwargs!r}")
-    for spec, kwargs in config.reward_kwargs.to_dict().items():
         if kwargs and spec in specs and not spec.startswith(("http://", "https://")):
             try:  # a misspelt argument is named now, not on the first scored images
                 check_reward_keywords(spec, resolve_reward(spec), kwargs)

@@ -216,7 +216,7 @@ def _read_records(run: RunData, path: Path, evaluation: bool = False) -> tuple[d
         raise ValueError(f"{path}: expected a list of records or an object with a 'records' list")
     document = document if isinstance(document, dict) else {}
     group = document.get("group_size") if isinstance(document.get("group_size"), int) else None
-    out = []
+    out, root = [], run.path.resolve()
     for i, record in enumerate(records):
         if not isinstance(record, dict) or "prompt" not in record or "reward" not in record:
             raise ValueError(f"{path}: record {i} must be an object with at least 'prompt' and 'reward'")
@@ -228,7 +228,7 @@ def _read_records(run: RunData, path: Path, evaluation: bool = False) -> tuple[d
         record["image_path"] = None
         if image:
             image_path = (path.parent / str(image)).resolve()
-            if not image_path.is_relative_to(run.path.resolve()):
+            if not image_path.is_relative_to(root):
                 # a samples file names images of its run only: nothing outside the run directory is embedded
                 record["outside"] = str(image)
             else:
