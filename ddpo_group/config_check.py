@@ -380,6 +380,7 @@ def check_config(config, num_processes=1, has_gpu=None):
         raise ConfigError(f"config.logdir={config.logdir!r} is a file; give a directory (created if missing)")
     _check_rewards(config)
     _check_eval_rewards(config)
+    _check_reward_prompts(config)
     return config
 
 
@@ -421,6 +422,28 @@ def _check_rewards(config):
             f"config.reward_kwargs names {unused}, which are not rewards in use ({sorted(weights or [config.reward_fn])}); "
             "key reward_kwargs by the reward's spec exactly as reward_fn or reward_weights give it"
         )
+
+
+def _check_reward_prompts(config):
+    """A reward that states what its prompts must hold (a `check_prompts(prompts, source, **its reward_kwargs)`
+    on its class or function, e.g. the OCR reward's quoted text) sees the training and evaluation prompts here,
+    before any model loads; its ValueError is a ConfigError naming the prompt field. Registered names and entry
+    points only: the other specs are resolved when the rewards are built."""
+    kwargs_by_spec = config.reward_kwargs.to_dict()
+    for spec in config.reward_weights.to_dict() or [config.reward_fn]:
+        if ":" in spec:
+            continue
+        check = getattr(resolve_reward(spec), "check_prompts", None)
+        if check is None:
+            continue
+        for field in ("prompt_fn", "eval_prompt_fn"):
+            if not config[field]:
+                continue
+            prompts = load_config_prompts(config, field)
+            try:
+                check(prompts, source=str(config[field]), **kwargs_by_spec.get(spec, {}))
+            except ValueError as err:
+                raise ConfigError(f"config.{field}={config[field]!r}: {' '.join(str(err).split())}") from None
 
 
 def _check_eval_rewards(config):
