@@ -200,3 +200,17 @@ def test_got_ocr2_batches_of_the_recogniser_keep_the_order(got_reward):
     finally:
         got_reward.recogniser.batch_size = 8
     assert texts == [" cat"] * 5
+
+
+# the preset -------------------------------------------------------------------------------------------------------
+def test_sd35_ocr_preset_names_the_missing_prompt_file_and_passes_with_quoted_prompts(tmp_path):
+    with pytest.raises(ConfigError, match="dataset/ocr/train.txt"):
+        check_config(make_config(tmp_path, "sd35_ocr"))
+    train, test = tmp_path / "train.txt", tmp_path / "test.txt"
+    train.write_text('a neon sign that says "open"\na chalkboard reading "Menu"\n')
+    test.write_text('a cake with "Happy Birthday" written in icing\n')
+    config = make_config(tmp_path, "sd35_ocr", prompt_fn=str(train), eval_prompt_fn=str(test))
+    check_config(config)
+    test.write_text("a cake\n")
+    with pytest.raises(ConfigError, match="config.eval_prompt_fn"):
+        check_config(config)

@@ -38,6 +38,12 @@ DECLARED = {
     "tiny_nft": {"train.objective", "forward.num_timesteps"} | NO_KL,
     "tiny_awm": {"train.objective", "forward.num_timesteps", "train.learning_rate"} | NO_KL,
 }
+# issue 33's task presets: each is sd35 (Flow-GRPO's settings) with only its task's fields changed.
+TASK_PRESETS = {
+    # the OCR task (branch i33ocr): Flow-GRPO's general_ocr_sd3 differs from geneval_sd3 in its data and reward only
+    "sd35_ocr": {"reward_fn", "reward_kwargs.ocr.engine", "prompt_fn", "eval_prompt_fn", "eval_images_per_prompt",
+                 "eval_freq", "save_freq"},
+}
 # What makes an evaluation comparable with the main job's: no algorithm variant may change these (the SDE window of
 # the Group-PPO design changes where the sampler's noise is, not its steps, guidance or noise level).
 TASK_FIELDS = re.compile(
@@ -87,6 +93,11 @@ def test_algorithm_variant_runs_the_main_jobs_task_and_evaluation(variant):
     assert config.sample.group_size == 8
     assert config.sample.guidance_scale == 3.0 and config.sample.eta == 1.0
     assert (config.eval_freq, config.eval_images_per_prompt, config.eval_seed) == (10, 8, 1234)
+
+
+@pytest.mark.parametrize("preset", sorted(TASK_PRESETS))
+def test_task_preset_differs_from_sd35_only_in_its_declared_fields(preset):
+    assert changed(flat(grpo.get_config(preset)), flat(grpo.sd35())) - {"variant"} == TASK_PRESETS[preset]
 
 
 def test_no_declared_field_is_part_of_the_task():

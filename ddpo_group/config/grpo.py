@@ -26,6 +26,7 @@
     tiny_flux       a random-weight tiny FLUX pipeline (flow matching), seconds; tests and smoke checks
     qwen_image      GRPO on Qwen-Image (flow matching, true CFG) with LoRA r64, Flow-Factory / verl settings, one GPU
     tiny_qwen_image  a random-weight tiny Qwen-Image pipeline (Qwen2.5-VL text, true CFG), seconds; tests and smoke checks
+    sd35_ocr        Flow-GRPO's OCR (text-rendering) recipe on SD3.5-Medium: the `ocr` reward (PaddleOCR), its prompt files
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
 tiny_early_window, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
@@ -475,6 +476,28 @@ def tiny_qwen_image():
     return config
 
 
+# --- issue 33: the OCR task (the `ocr` reward, ddpo_group/rewards/ocr.py; docs/tasks_ocr_judge.md) ---
+def sd35_ocr():
+    """Flow-GRPO's OCR recipe on SD3.5-Medium (yifan123/flow_grpo config/grpo.py: general_ocr_sd3, whose settings
+    are geneval_sd3's, and so sd35's here, but for the prompt set, the reward and the evaluation): the `ocr` reward
+    with Flow-GRPO's recogniser (PaddleOCR: pip install "ddpo-group[paddle]"; GOT-OCR 2.0 instead with
+    --config.reward_kwargs.ocr.engine=got_ocr2), trained on Flow-GRPO's dataset/ocr/train.txt and evaluated on its
+    dataset/ocr/test.txt, one image per test prompt, every 60 epochs (Flow-GRPO's eval_freq and save_freq 60).
+    The two prompt files are not shipped: take them from a clone of yifan123/flow_grpo (its dataset/ocr/, one
+    prompt a line with the text to render in double quotes) and run from the directory that holds dataset/, or
+    point --config.prompt_fn / --config.eval_prompt_fn at them. Flow-GRPO evaluates with 40 sampling steps; here the
+    evaluation samples with the training steps (10). Not yet run here (no GPU)."""
+    config = sd35()
+    config.reward_fn = "ocr"
+    config.reward_kwargs.ocr = {"engine": "paddleocr"}
+    config.prompt_fn = "dataset/ocr/train.txt"
+    config.eval_prompt_fn = "dataset/ocr/test.txt"
+    config.eval_images_per_prompt = 1
+    config.eval_freq = 60
+    config.save_freq = 60
+    return config
+
+
 VARIANTS = {
     "sd15": sd15,
     "ddpo": ddpo,
@@ -501,6 +524,7 @@ VARIANTS = {
     "tiny_flux": tiny_flux,
     "qwen_image": qwen_image,
     "tiny_qwen_image": tiny_qwen_image,
+    "sd35_ocr": sd35_ocr,  # issue 33: the OCR task
 }
 
 
