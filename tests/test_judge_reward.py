@@ -85,11 +85,11 @@ def test_image_is_a_png_data_url_of_the_same_pixels():
 # the endpoint -----------------------------------------------------------------------------------------------------
 class ChatServer:
     """An OpenAI-compatible chat-completions server on 127.0.0.1 (uvicorn): GET /v1/models lists `models`; POST
-    /v1/chat/completions answers by the question's text: `answers[text]` is {"content": str} or
+    /v1/chat/completions answers by the question's text: `answers[text]` (else `default`) is {"content": str} or
     {"top_logprobs": {token: lp}}, optionally with "fail": n (answer 503 n times first) and "delay": seconds."""
 
-    def __init__(self, answers, models=("judge",)):
-        self.answers, self.models = answers, list(models)
+    def __init__(self, answers, models=("judge",), default=None):
+        self.answers, self.models, self.default = answers, list(models), default
         self.requests, self.failed, self.in_flight, self.max_in_flight = [], {}, 0, 0
         self._lock = threading.Lock()
         sock = socket.socket()
@@ -132,7 +132,7 @@ class ChatServer:
     async def complete(self, request):
         content = request["messages"][0]["content"]
         question = next(part["text"] for part in content if part["type"] == "text")
-        spec = self.answers[question]
+        spec = self.answers.get(question, self.default)
         with self._lock:
             self.requests.append(request)
             failed = self.failed.get(question, 0)

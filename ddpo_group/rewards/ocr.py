@@ -45,6 +45,7 @@ reward uses it and a reward needs an OCR engine anyway; its absence is one line 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import re
 import threading
@@ -170,7 +171,10 @@ class PaddleOCRRecogniser(Recogniser):
         except ImportError as exc:
             raise RewardNotReadyError(f"reward 'ocr' with engine='paddleocr' needs the paddleocr package ({exc}); "
                                       f"install it: {PADDLE_INSTALL}", reward="ocr") from exc
-        version = int(str(getattr(paddleocr, "__version__", "3")).split(".")[0] or 3)
+        try:  # 2.x (Flow-GRPO pins 2.9.1) and 3.x take different switches
+            version = int(importlib.metadata.version("paddleocr").split(".")[0])
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            version = 3
         try:
             if version >= 3:
                 kwargs = dict(use_doc_orientation_classify=False, use_doc_unwarping=False,
