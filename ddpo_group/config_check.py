@@ -427,13 +427,18 @@ def _check_rewards(config):
 def _check_reward_prompts(config):
     """A reward that states what its prompts must hold (a `check_prompts(prompts, source, **its reward_kwargs)`
     on its class or function, e.g. the OCR reward's quoted text) sees the training and evaluation prompts here,
-    before any model loads; its ValueError is a ConfigError naming the prompt field. Registered names and entry
-    points only: the other specs are resolved when the rewards are built."""
+    before any model loads; its ValueError is a ConfigError naming the prompt field. The training rewards and the
+    gold rewards of the evaluations (which take no reward_kwargs); registered names and entry points only: the other
+    specs are resolved when the rewards are built."""
+    from ddpo_group.hacking import gold_specs
+
     kwargs_by_spec = config.reward_kwargs.to_dict()
-    for spec in config.reward_weights.to_dict() or [config.reward_fn]:
-        if ":" in spec:
-            continue
-        check = getattr(resolve_reward(spec), "check_prompts", None)
+    training = config.reward_weights.to_dict() or [config.reward_fn]
+    specs = {spec.strip(): kwargs_by_spec.get(spec, {}) for spec in training}
+    for spec in gold_specs(config.eval_rewards) if config.eval_freq else []:
+        specs.setdefault(spec, {})
+    for spec, kwargs in specs.items():
+        check = None if ":" in spec else getattr(resolve_reward(spec), "check_prompts", None)
         if check is None:
             continue
         for field in ("prompt_fn", "eval_prompt_fn"):
@@ -441,7 +446,7 @@ def _check_reward_prompts(config):
                 continue
             prompts = load_config_prompts(config, field)
             try:
-                check(prompts, source=str(config[field]), **kwargs_by_spec.get(spec, {}))
+                check(prompts, source=str(config[field]), **kwargs)
             except ValueError as err:
                 raise ConfigError(f"config.{field}={config[field]!r}: {' '.join(str(err).split())}") from None
 

@@ -105,6 +105,15 @@ def test_config_check_refuses_an_unquoted_ocr_prompt_file_before_any_model_loads
     check_config(config)
 
 
+def test_an_ocr_gold_reward_checks_the_prompts_too(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("a cat on a mat\n")
+    config = make_config(tmp_path, reward_fn="jpeg_compressibility", prompt_fn=str(path), eval_rewards="ocr",
+                         eval_freq=1)
+    with pytest.raises(ConfigError, match="line 1"):
+        check_config(config)
+
+
 def test_a_prompt_without_quotes_at_call_time_names_the_prompt():
     reward = OcrReward()
     with pytest.raises(RewardError) as info:

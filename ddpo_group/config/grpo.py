@@ -26,7 +26,7 @@
     tiny_flux       a random-weight tiny FLUX pipeline (flow matching), seconds; tests and smoke checks
     qwen_image      GRPO on Qwen-Image (flow matching, true CFG) with LoRA r64, Flow-Factory / verl settings, one GPU
     tiny_qwen_image  a random-weight tiny Qwen-Image pipeline (Qwen2.5-VL text, true CFG), seconds; tests and smoke checks
-    sd35_ocr        Flow-GRPO's OCR (text-rendering) recipe on SD3.5-Medium: the `ocr` reward (PaddleOCR), its prompt files
+    sd35_ocr        Flow-GRPO's OCR (text rendering) recipe on SD3.5-Medium: the `ocr` reward (PaddleOCR), one GPU
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
 tiny_early_window, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's

@@ -120,7 +120,10 @@ def yes_no_reward(top_logprobs: dict[str, float] | None, yes_token: str = "Yes",
             return 0.0 if yes is None else 1.0
         floor = min(lp for lp in top_logprobs.values() if lp is not None and lp > -math.inf)
         yes, no = (floor if yes is None else yes), (floor if no is None else no)
-    return 1.0 / (1.0 + math.exp(-(yes - no))) if yes - no > -700 else 0.0
+    difference = yes - no
+    if difference >= 0:  # the two forms of the sigmoid that never overflow
+        return 1.0 / (1.0 + math.exp(-difference))
+    return math.exp(difference) / (1.0 + math.exp(difference))
 
 
 def image_data_url(image) -> str:
