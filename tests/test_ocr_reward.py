@@ -89,6 +89,16 @@ def test_prompt_set_without_quotes_is_refused_naming_the_file_and_line(tmp_path)
     OcrReward.check_prompts(["a cat on a mat"], source=str(path), allow_unquoted=True)
 
 
+def test_a_jsonl_prompt_file_may_give_the_text_apart_from_the_prompt(tmp_path):
+    path = tmp_path / "ocr.jsonl"
+    path.write_text('{"prompt": "a bakery sign", "ocr_text": "Fresh Bread"}\n{"prompt": "a plain wall"}\n')
+    config = make_config(tmp_path, reward_fn="ocr", prompt_fn=str(path))
+    with pytest.raises(ConfigError, match="'a plain wall'"):
+        check_config(config)
+    path.write_text('{"prompt": "a bakery sign", "ocr_text": "Fresh Bread"}\n')
+    check_config(config)
+
+
 def test_empty_quotes_are_refused():
     with pytest.raises(ValueError, match="empty"):
         OcrReward.check_prompts(['a sign with "" on it'], source="")

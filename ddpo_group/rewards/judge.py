@@ -157,8 +157,9 @@ class EndpointJudge:
         except openai.OpenAIError as exc:
             raise RewardNotReadyError(
                 f"reward 'vlm_judge': the judge endpoint {self.url} does not answer GET {self.url}/models "
-                f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); start the server (docs/judge.md: vllm "
-                "serve MODEL --port PORT) or fix reward_kwargs.vlm_judge.url", reward="vlm_judge") from exc
+                f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); start the server "
+                "(docs/tasks_ocr_judge.md: vllm serve MODEL --port PORT) or fix reward_kwargs.vlm_judge.url",
+                reward="vlm_judge") from exc
         if self.model is None:
             if len(served) != 1:
                 raise RewardNotReadyError(
