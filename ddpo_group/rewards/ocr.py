@@ -335,12 +335,13 @@ class OcrReward:
 
 
 def _where(source: str, prompt: str, number: int) -> str:
-    """'prompt file F, line N' when `source` is a text file holding the prompt, else 'prompt N of F'."""
+    """'prompt file F, line N' when `source` is a text file with the prompt as a line of its own, else 'prompt N
+    of F' (N counts the prompts, not the lines: a .json / .jsonl record, or a prompt set that is no file)."""
     if source and os.path.isfile(source):
         try:
             with open(source, encoding="utf-8-sig") as f:
                 for lineno, line in enumerate(f, start=1):
-                    if prompt in line:
+                    if line.strip() == prompt:
                         return f"prompt file {source!r}, line {lineno}"
         except (OSError, UnicodeDecodeError):
             pass
