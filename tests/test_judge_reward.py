@@ -217,6 +217,10 @@ def test_unparsed_replies_are_counted_logged_and_given_the_batch_mean(serve, cap
     fixed = get_reward("vlm_judge", url=server.url, template="{prompt}", retries=0, unparsed_reward=0.0,
                        max_unparsed_fraction=0.5)
     assert fixed(images(2), ["q0", "q7"], [{}, {}])[0].tolist() == [0.4, 0.0]
+    # with a fixed value, a batch of one unparsed image is no error when the fraction allows it
+    lenient = get_reward("vlm_judge", url=server.url, template="{prompt}", retries=0, unparsed_reward=0.0,
+                         max_unparsed_fraction=1.0)
+    assert lenient(images(1), ["q7"], [{}])[0].tolist() == [0.0]
 
 
 def test_too_many_unparsed_replies_stop_the_run_quoting_one(serve):

@@ -28,8 +28,9 @@ A reply that cannot be scored (no score match, a score outside [score_min, score
 logged (a warning with the reply; info ``unparsed_reply``: the first one, a string, kept out of metrics.jsonl),
 and its reward is ``unparsed_reward``: "mean" (default) gives it the mean reward of the batch's parsed replies,
 so that a judge's failure neither rewards nor punishes the image much (Flow-GRPO gives 0, which punishes it); a
-number gives that number. More than ``max_unparsed_fraction`` of a batch unparsed (default 0.25), or all of it,
-stops the run with a RewardError quoting a reply: the template or the pattern is wrong, not the images.
+number gives that number. More than ``max_unparsed_fraction`` of a batch unparsed (default 0.25; a batch is one
+call of the reward), or all of it with "mean", stops the run with a RewardError quoting a reply: the template or
+the pattern is wrong, not the images.
 
 The endpoint (``backend="endpoint"``, the ``openai`` package: ``pip install "ddpo-group[judge]"``): ``url`` is
 the API base ("http://host:8000/v1"), ``model`` the served model name (None: the endpoint must serve exactly one,
@@ -382,7 +383,8 @@ class VlmJudgeReward:
             info["unparsed_reply"] = reply
             logger.warning("vlm_judge (%s): %d of %d replies unparsed; the first, for %r: %r", self.where,
                            int(unparsed.sum()), len(values), prompts[first], reply)
-            if unparsed.all() or unparsed.mean() > self.max_unparsed_fraction:
+            no_mean = unparsed.all() and self.unparsed_reward == "mean"  # nothing parsed to take the mean of
+            if no_mean or unparsed.mean() > self.max_unparsed_fraction:
                 raise RewardError(
                     f"reward 'vlm_judge' ({self.where}): {int(unparsed.sum())} of {len(values)} replies could not "
                     f"be scored (max_unparsed_fraction={self.max_unparsed_fraction:g}); the first, for prompt "
