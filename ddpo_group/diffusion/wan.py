@@ -60,6 +60,19 @@ def to_flow_euler(pipeline):
     return pipeline
 
 
+def keep_fp32_modules(transformer):
+    """Put the modules the model class keeps in float32 (``_keep_in_fp32_modules``: Wan's rope, time embedder,
+    modulation table and norms) back in float32 after a cast of the whole model, as ``from_pretrained(...,
+    torch_dtype=...)`` loads them; diffusers' Wan blocks compute those parts in float32. Returns `transformer`."""
+    names = getattr(transformer, "_keep_in_fp32_modules", None) or ()
+    for prefix, module in transformer.named_modules():
+        tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+        for key, tensor in tensors:
+            if tensor.is_floating_point() and any(part in names for part in f"{prefix}.{key}".split(".")):
+                tensor.data = tensor.data.float()
+    return transformer
+
+
 @register_family("wan")
 class WanPolicy(FlowMatchingPolicy):
     """Wan 2.1 / 2.2 text-to-video (``WanPipeline``): a UMT5 text encoder with fixed-length zero-padded
@@ -88,7 +101,15 @@ class WanPolicy(FlowMatchingPolicy):
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):
         builders = {"tiny-wan": build_tiny_wan_pipeline, "random-wan21-1.3b": build_random_wan21_pipeline}
-        return to_flow_euler(load_pretrained(WanPipeline, model, revision, torch_dtype, builders))
+        pipeline = to_flow_euler(load_pretrained(WanPipeline, model, revision, torch_dtype, builders))
+        keep_fp32_modules(pipeline.transformer)
+        return pipeline
+
+    def prepare(self, device, dtype, use_lora, lora_rank=4, lora_alpha=None):
+        """The base's (frozen parts in `dtype`, LoRA or the whole transformer in float32), then the transformer's
+        float32 modules back in float32 (WanTransformer3DModel's rope, time embedder, norms), as from_pretrained
+        with a torch_dtype leaves them."""
+        return keep_fp32_modules(super().prepare(device, dtype, use_lora, lora_rank, lora_alpha))
 
     @property
     def resolution(self):
@@ -130,10 +151,10 @@ class WanPolicy(FlowMatchingPolicy):
         return self.pipeline.transformer.config.in_channels
 
     def critic_sizes(self):
-        raise ValueError(
-            "config.algorithm.adv_estimator: the value network (critic) reads image latents (B, C, h, w); a Wan "
-            "video's latents have a time axis: use a critic-free estimator such as 'grpo'"
-        )
+        """The critic (GAE, Group-PPO) reads a video's latents (B, C, f, h, w) with the f latent frames stacked on
+        the channels: latent_channels C f; prompt_dim the text width."""
+        frames = (self.num_frames - 1) // self.pipeline.vae_scale_factor_temporal + 1
+        return {"latent_channels": self.latent_channels * frames, "prompt_dim": self.pipeline.transformer.config.text_dim}
 
     def _encode(self, prompts, negative_prompt, guidance_scale, device):
         """prompt_embeds (B, max_sequence_length, D), zero past each prompt's tokens; with guidance > 1 the
