@@ -370,3 +370,22 @@ def test_a_critic_run_trains_tiny_wan(tmp_path, estimator):
         algorithm__adv_estimator=estimator, train__timestep_selection="segment_start" if estimator == "group_ppo" else "all",
         sample__sde_window_size=1 if estimator == "group_ppo" else 0))))[0]
     assert row["train/skipped_steps"] == 0 and math.isfinite(row["loss"])
+
+
+def test_wan_2_2_ti2v_per_token_timesteps_reproduce_the_pipeline(pipeline):
+    # Wan 2.2 TI2V-5B's pipeline flag: the transformer gets one timestep per latent token
+    parts = {name: getattr(pipeline, name) for name in ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")}
+    ti2v = type(pipeline)(**parts, expand_timesteps=True)
+    ti2v.set_progress_bar_config(disable=True)
+    policy = policy_for(ti2v)
+    policy.height = policy.width = 32
+    policy.num_frames = 5
+    policy.configure(max_sequence_length=LENGTH)
+    ours = policy.sample(PROMPTS, 3, 4.0, 0.0, generator=torch.Generator().manual_seed(8))
+    theirs = ti2v(prompt=PROMPTS, height=32, width=32, num_frames=5, num_inference_steps=3, guidance_scale=4.0,
+                  generator=torch.Generator().manual_seed(8), output_type="pt", max_sequence_length=LENGTH).frames
+    assert (ours.images - theirs).abs().max() < 1e-5
+    noisy = policy.sample(PROMPTS, 3, 4.0, 0.7, generator=torch.Generator().manual_seed(9))
+    for k in range(3):
+        log_prob, _, _ = policy.step_log_prob(ti2v.transformer, noisy, torch.arange(2), torch.full((2,), k), 4.0, 0.7)
+        assert torch.equal(log_prob, noisy.log_probs[:, k])
