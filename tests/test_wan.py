@@ -285,6 +285,14 @@ def test_a_video_reward_gets_the_clips_and_is_refused_for_an_image_model(tmp_pat
         check_config(make_config(tmp_path, variant="tiny_wan", reward_frames=-1))
 
 
+def test_frames_for_an_image_model_are_one_line_naming_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"^config.sample.num_frames=5: the sd3 family makes images, not videos; "
+                                          r"set sample.num_frames=0$"):
+        Trainer(make_config(tmp_path, variant="tiny_sd3", sample__num_frames=5))
+    with pytest.raises(ConfigError, match=r"^config.sample.num_frames=6: this Wan model takes 1 \+ 2 k frames"):
+        Trainer(make_config(tmp_path, variant="tiny_wan", run_name="w", sample__num_frames=6))
+
+
 def test_video_grids_are_animated_webp_with_every_frame(tmp_path):
     videos = _videos()[:2]
     grid = save_epoch_samples(tmp_path, 3, videos, ["a", "a"], [0.5, 0.25], [1.0, -1.0], group_size=2, fps=8)
