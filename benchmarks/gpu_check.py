@@ -15,7 +15,10 @@ the loading route of "random-sd15"):
     flux      "random-flux": FLUX.1-dev (transformer 11.9B: 19 double + 38 single blocks; `--flux-depth D,S`
               builds fewer, and the output says so), small CLIP-L / 1-layer T5 of the real widths; the `flux`
               preset's sampling (guidance embedding 3.5, eta 0.9), 512 px
-    tiny, tiny-sd3, tiny-flux   the tiny offline models: the same code path in seconds on a CPU
+    wan       "random-wan21-1.3b": Wan 2.1 T2V 1.3B (transformer 1.42B: 30 blocks of 12 x 128, FFN 8960; the published
+              3-D VAE), a 1-layer UMT5 of the real width 4096; the `wan21_t2v_1_3b` preset's sampling (Flow-GRPO's
+              33 frames, CFG 4.5, eta 0.7) at 256 x 256: videos, sampled against the pipeline's pipeline(...).frames
+    tiny, tiny-sd3, tiny-flux, tiny-wan   the tiny offline models: the same code path in seconds on a CPU
 
 Rewards on random weights mean nothing, so precision, exactness, speed and memory are checked. For each
 architecture and dtype:
@@ -89,9 +92,13 @@ ARCHS = {
     "tiny": dict(model="tiny", flow=None, resolution=0, sample_steps=50),
     "tiny-sd3": dict(model="tiny-sd3", flow="sd35", resolution=0, sample_steps=10, max_sequence_length=16),
     "tiny-flux": dict(model="tiny-flux", flow="flux", resolution=0, sample_steps=10, max_sequence_length=16),
+    # video: samples (B, F, 3, H, W); the pipeline's output is .frames
+    "wan": dict(model="random-wan21-1.3b", flow="wan21_t2v_1_3b", resolution=256, sample_steps=10, video=True),
+    "tiny-wan": dict(model="tiny-wan", flow="wan21_t2v_1_3b", resolution=0, sample_steps=10, max_sequence_length=16,
+                     num_frames=5, video=True),
 }
 FLOW_SAMPLE_FIELDS = ("sde_type", "eta", "guidance_scale", "max_sequence_length", "cps_log_prob", "flow_grid",
-                      "flow_grid_shift")
+                      "flow_grid_shift", "num_frames")
 PROMPTS = ["a photo of a cat", "a photo of a dog", "a red circle", "a blue square"]
 
 
@@ -132,8 +139,9 @@ def flow_sample_settings(spec):
     """The flow preset's sampling settings for this arch (sde_type, eta, guidance, ...)."""
     preset = grpo.get_config(spec["flow"]).sample
     settings = {field: preset[field] for field in FLOW_SAMPLE_FIELDS}
-    if "max_sequence_length" in spec:
-        settings["max_sequence_length"] = spec["max_sequence_length"]
+    for field in ("max_sequence_length", "num_frames"):
+        if field in spec:
+            settings[field] = spec[field]
     return settings
 
 
@@ -165,8 +173,12 @@ def check_sampling(spec, device, dtype, batch, repeats=1):
         def ours(level=eta):
             return policy.sample(prompts, steps, guidance, level, generator=torch.Generator().manual_seed(0))
 
+        if spec.get("video"):  # WanPipeline: frames, and the videos in .frames
+            call["num_frames"] = policy.num_frames
+
         def theirs():
-            return pipeline(prompts, generator=torch.Generator().manual_seed(0), **call).images
+            output = pipeline(prompts, generator=torch.Generator().manual_seed(0), **call)
+            return output.frames if spec.get("video") else output.images
 
         ode = ours(0.0).images.float()
         entry["ode_vs_pipeline_max_abs_image_diff"] = float((ode - theirs().float().to(ode.device)).abs().max())
@@ -193,6 +205,7 @@ def check_sampling(spec, device, dtype, batch, repeats=1):
         "sample_steps": steps,
         "sampling_repeats": repeats,
         "resolution": int(trajectories.images.shape[-1]),
+        **({"num_frames": int(trajectories.images.shape[1])} if spec.get("video") else {}),
         "sampling_mask_all_ones": bool(torch.equal(trajectories.mask, expected_mask)),
         "log_probs_dtype": str(trajectories.log_probs.dtype),
     })

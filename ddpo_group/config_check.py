@@ -17,6 +17,7 @@ from ddpo_group.algos.grouping import ADVANTAGE_NORMS
 from ddpo_group.algos.losses import AGG_MODES, KL_TYPES, registered_policy_losses
 from ddpo_group.diffusion.flow import CPS_LOG_PROBS, FLOW_GRIDS, SDE_TYPES
 from ddpo_group.plugins import PluginError, import_plugins
+from ddpo_group.rewards.base import is_video_reward
 from ddpo_group.rewards.combine import REWARD_AGGREGATIONS
 from ddpo_group.rewards.registry import check_reward_keywords, list_rewards, resolve_reward, unknown_reward_message
 
@@ -416,6 +417,7 @@ def _check_rewards(config):
                 check_reward_keywords(spec, resolve_reward(spec), kwargs)
             except Exception as err:  # that, or the reward cannot be imported
                 raise ConfigError(f"config.reward_kwargs[{spec!r}]: {' '.join(str(err).split())}") from None
+    _check_reward_modality(config, specs, field)
     unused = sorted(set(config.reward_kwargs.to_dict()) - set(weights or [config.reward_fn]))
     if unused:
         raise ConfigError(
@@ -451,6 +453,31 @@ def _check_reward_prompts(config):
                 raise ConfigError(f"config.{field}={config[field]!r}: {' '.join(str(err).split())}") from None
 
 
+def _check_reward_modality(config, specs, field):
+    """config.reward_frames, and a video reward (registered with video=True) on an image model, named before any
+    model loads (the model's family from its offline name or model_index.json, only when a video reward is named)."""
+    frames = config.get("reward_frames", 4)
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 0:
+        raise ConfigError(f"config.reward_frames={frames!r} must be an integer >= 0 (0: every frame of a video)")
+    video_specs = []
+    for spec in specs:
+        try:
+            if not spec.startswith(("http://", "https://")) and is_video_reward(resolve_reward(spec)):
+                video_specs.append(spec)
+        except Exception:
+            continue  # named when the rewards are built
+    if not video_specs:
+        return
+    from ddpo_group.diffusion.policy import family_for_model
+
+    family = family_for_model(config.pretrained.model, config.pretrained.revision or None)
+    if not family.video:
+        raise ConfigError(
+            f"config.{field}: reward {video_specs[0]!r} scores videos (registered with video=True) and "
+            f"config.pretrained.model={config.pretrained.model!r} makes images ({family.family}); use an image reward"
+        )
+
+
 def _check_eval_rewards(config):
     """config.eval_rewards: comma-separated reward specs that resolve, scored at evaluations (eval_freq > 0)."""
     from ddpo_group.hacking import gold_specs
@@ -466,3 +493,4 @@ def _check_eval_rewards(config):
             resolve_reward(spec)
         except Exception as err:  # an unknown name, a missing file or module, an error importing it
             raise ConfigError(f"config.eval_rewards: {err}") from err
+    _check_reward_modality(config, specs, "eval_rewards")

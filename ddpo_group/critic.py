@@ -78,7 +78,8 @@ class ValueNetwork(nn.Module):
         """V(x_t, t, c).
 
         Args:
-            latents: (B, C, h, w) noisy latents x_t.
+            latents: (B, C, h, w) noisy latents x_t; a video's (B, C', f, h, w) are read as (B, C' f, h, w), its
+                frames stacked on the channels (latent_channels = C' f: ``critic_sizes`` of a video family).
             timesteps: (B,) or scalar scheduler timesteps.
             prompt_embeds: (B, L, D) token embeddings (mean-pooled over L here) or (B, D)
                 already pooled.
@@ -86,6 +87,8 @@ class ValueNetwork(nn.Module):
         Returns:
             (B,) values.
         """
+        if latents.dim() == 5:
+            latents = latents.flatten(1, 2)
         if latents.dim() != 4 or latents.shape[1] != self.latent_channels:
             raise ValueError(
                 f"latents must be (B, {self.latent_channels}, h, w), got {tuple(latents.shape)}"
@@ -130,8 +133,8 @@ def compute_values(critic, latents, timesteps, prompt_embeds, micro_batch_size=N
     Returns:
         (B, T) float tensor on the device of ``latents``.
     """
-    if latents.dim() != 5:
-        raise ValueError(f"latents must be (B, T+1, C, h, w), got {tuple(latents.shape)}")
+    if latents.dim() not in (5, 6):
+        raise ValueError(f"latents must be (B, T+1, C, h, w) or a video's (B, T+1, C, f, h, w), got {tuple(latents.shape)}")
     B, T_plus_1 = latents.shape[:2]
     T = T_plus_1 - 1
     if timesteps.shape != (B, T):

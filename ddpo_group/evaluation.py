@@ -117,11 +117,12 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
     }
 
 
-def gold_reward_fn(eval_rewards, device=None):
+def gold_reward_fn(eval_rewards, device=None, reward_frames=4):
     """The CombinedReward of the evaluation-only rewards of config.eval_rewards (None when it names none): one
-    component per spec, named as training reward components are (the short name, the spec when two collide)."""
+    component per spec, named as training reward components are (the short name, the spec when two collide);
+    on videos an image reward scores `reward_frames` frames per video (config.reward_frames)."""
     specs = gold_specs(eval_rewards)
-    return build_reward_fn(None, {spec: 1.0 for spec in specs}, device=device) if specs else None
+    return build_reward_fn(None, {spec: 1.0 for spec in specs}, device=device, reward_frames=reward_frames) if specs else None
 
 
 class Evaluator:
@@ -137,7 +138,7 @@ class Evaluator:
         self.prompts = load_config_prompts(config, "eval_prompt_fn") if config.eval_prompt_fn else prompts
         self.first = None  # (epoch, reward mean) of this process's first evaluation: the console's "since"
         # evaluation-only ("gold") rewards: built and loaded now, so a missing model fails before the first epoch
-        self.gold_fn = gold_reward_fn(config.eval_rewards, device=accelerator.device)
+        self.gold_fn = gold_reward_fn(config.eval_rewards, device=accelerator.device, reward_frames=config.reward_frames)
         if self.gold_fn is not None:
             self.gold_fn.check_ready()
         self.history = None  # metrics of the run's evaluations so far (the divergence rule reads them)

@@ -9,6 +9,11 @@ under `run_dir/samples/`:
                           where `grid` and each `image` are paths relative to the samples/ folder (`grid` is
                           null when max_rows=0); `extra` adds document fields, `record_fields` fields per record
 
+Videos (N, F, 3, H, W) are moving pictures: every sample is samples/epoch_XXXX/NNN.webp and the grid
+epoch_XXXX.webp, animated WebP (Pillow, lossless, looping, `fps` frames a second), each grid frame the
+grid of that frame of every video; the JSON says "video": true and each record its "frames".
+`video_samples_html` is the report's fragment for them.
+
 Every file is written to a temporary file in the same folder and moved into place with
 `os.replace`, so a crash never leaves a half-written PNG or JSON behind. The JSON is written
 last: when it exists, the images it names exist too.
@@ -225,6 +230,14 @@ def save_png(image: Image.Image, path: str | os.PathLike) -> None:
     atomic_write(Path(path), lambda tmp: image.save(tmp, format="PNG"))
 
 
+def save_animation(frames: Sequence[Image.Image], path: str | os.PathLike, fps: float = 16.0) -> None:
+    """Save frames as a looping, lossless animated WebP atomically (one frame: a still WebP)."""
+    duration = max(1, round(1000 / fps))
+    atomic_write(Path(path), lambda tmp: frames[0].save(
+        tmp, format="WEBP", save_all=True, append_images=list(frames[1:]), duration=duration, loop=0, lossless=True,
+    ))
+
+
 def save_json(obj: Any, path: str | os.PathLike) -> None:
     """Save a JSON document atomically."""
 
@@ -266,6 +279,7 @@ def save_epoch_samples(
     prefix: str = "epoch",
     extra: dict | None = None,
     record_fields: Sequence[dict] | None = None,
+    fps: float = 16.0,
 ) -> Path | None:
     """Write the epoch's grid, single images and JSON records; return the grid path (None with max_rows=0).
 
@@ -273,7 +287,8 @@ def save_epoch_samples(
     extra: more fields of the JSON document (e.g. the evaluation's seed); record_fields: N dicts, each merged
     into its sample's record (e.g. {"prompt_index": i, "image_index": j}).
 
-    images: (N, 3, H, W) float in [0, 1]; prompts: N strings; rewards: (N,); advantages: (N,)
+    images: (N, 3, H, W) float in [0, 1], or videos (N, F, 3, H, W) (animated WebP files at `fps`, module docstring);
+    prompts: N strings; rewards: (N,); advantages: (N,)
     per-sample advantages, or None. Grid rows come from `group_rows(prompts, group_size)`,
     capped at `max_rows` rows (0: no grid image); `group_size` columns. Every sample (not only those in the grid)
     is saved as samples/epoch_XXXX/NNN.png and listed in samples/epoch_XXXX.json.
@@ -285,8 +300,11 @@ def save_epoch_samples(
     if max_rows < 0:
         raise ValueError(f"max_rows must be >= 0 (0: no grid image), got {max_rows}")
     array = _to_numpy(images)
-    if array.ndim != 4 or array.shape[1] != 3:
-        raise ValueError(f"images must have shape (N, 3, H, W) with values in [0, 1], got {tuple(array.shape)}")
+    video = array.ndim == 5
+    if array.ndim not in (4, 5) or array.shape[-3] != 3:
+        raise ValueError(
+            f"images must have shape (N, 3, H, W) or videos (N, F, 3, H, W) with values in [0, 1], got {tuple(array.shape)}"
+        )
     num = array.shape[0]
     if num == 0:
         raise ValueError("images: need at least one sample, got N = 0")
@@ -308,11 +326,15 @@ def save_epoch_samples(
     samples_dir = Path(run_dir) / "samples"
     stem = f"{prefix}_{epoch:04d}"
     digits = max(3, len(str(num - 1)))
-    pixels = [to_uint8_hwc(image) for image in array]
     records = []
     for index in range(num):
-        image_rel = f"{stem}/{index:0{digits}d}.png"
-        save_png(Image.fromarray(pixels[index], mode="RGB"), samples_dir / image_rel)
+        if video:
+            image_rel = f"{stem}/{index:0{digits}d}.webp"
+            frames = [Image.fromarray(to_uint8_hwc(frame), mode="RGB") for frame in array[index]]
+            save_animation(frames, samples_dir / image_rel, fps)
+        else:
+            image_rel = f"{stem}/{index:0{digits}d}.png"
+            save_png(Image.fromarray(to_uint8_hwc(array[index]), mode="RGB"), samples_dir / image_rel)
         advantage = float(advantages[index])
         records.append(
             {
@@ -321,6 +343,7 @@ def save_epoch_samples(
                 "reward": float(rewards[index]),
                 "advantage": advantage if np.isfinite(advantage) else None,
                 "image": image_rel,
+                **({"frames": int(array.shape[1])} if video else {}),
                 **(record_fields[index] if record_fields is not None else {}),
             }
         )
@@ -339,9 +362,43 @@ def save_epoch_samples(
                 else:
                     cells.append(None)
                     captions.append("")
-        grid = make_grid(cells, group_size, captions=captions, row_labels=[p for p, _ in rows], upscale=upscale)
-        grid_path = samples_dir / f"{stem}.png"
-        save_png(grid, grid_path)
+        labels = [p for p, _ in rows]
+        if video:  # one grid per frame, the frames of the animation
+            grids = [make_grid([None if cell is None else cell[f] for cell in cells], group_size, captions=captions,
+                               row_labels=labels, upscale=upscale) for f in range(array.shape[1])]
+            grid_path = samples_dir / f"{stem}.webp"
+            save_animation(grids, grid_path, fps)
+        else:
+            grid = make_grid(cells, group_size, captions=captions, row_labels=labels, upscale=upscale)
+            grid_path = samples_dir / f"{stem}.png"
+            save_png(grid, grid_path)
     document = {"epoch": int(epoch), "group_size": int(group_size), "grid": grid_path.name if grid_path else None}
+    if video:
+        document["video"] = True
     save_json({**document, **(extra or {}), "records": records}, samples_dir / f"{stem}.json")
     return grid_path
+
+
+def video_samples_html(run_dir: str | os.PathLike, prefix: str = "epoch", max_grids: int = 2) -> str:
+    """The report's fragment for a video run: the last `max_grids` animated grids of samples/{prefix}_XXXX.json
+    (those marked "video") inlined as data URIs under a heading, each captioned with its epoch; "" when the run
+    has no video samples (an image run: the report's own grids show it)."""
+    import base64
+    import html
+
+    samples_dir = Path(run_dir) / "samples"
+    documents = []
+    for path in sorted(samples_dir.glob(f"{prefix}_*.json")):
+        with open(path, encoding="utf-8") as f:
+            document = json.load(f)
+        if document.get("video") and document.get("grid") and (samples_dir / document["grid"]).is_file():
+            documents.append(document)
+    if not documents:
+        return ""
+    parts = [f"<h2>{'Evaluation' if prefix == 'eval' else 'Sample'} videos</h2>"]
+    for document in documents[-max_grids:]:
+        data = base64.b64encode((samples_dir / document["grid"]).read_bytes()).decode("ascii")
+        caption = html.escape(f"epoch {document['epoch']} ({document['grid']}, animated WebP)")
+        parts.append(f'<figure><img src="data:image/webp;base64,{data}" alt="{caption}"><figcaption>{caption}'
+                     "</figcaption></figure>")
+    return "\n".join(parts)

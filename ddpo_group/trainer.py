@@ -99,7 +99,7 @@ class Trainer:
         self.reward_fn = build_reward_fn(
             config.reward_fn or None, config.reward_weights.to_dict() or None, reward_workers=config.reward_workers,
             reward_kwargs=config.reward_kwargs.to_dict() or None, reward_aggregation=config.reward_aggregation,
-            device=acc.device,
+            device=acc.device, reward_frames=config.reward_frames,
         )
         self.reward_fn.check_ready()
         self.reward_runner = AsyncRewardRunner(self.reward_fn, config.reward_workers)

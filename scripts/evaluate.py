@@ -149,12 +149,14 @@ def main(argv=None):
         source = "--prompts" if args.prompts else ("the run's config.eval_prompt_fn" if run.get("eval_prompt_fn")
                                                    else "the run's config.prompt_fn")
         raise EvaluateError(f"{' '.join(str(err).split())} (from {source}; --prompts PATH evaluates other prompts)") from None
+    frames = run.get("reward_frames", 4)  # on videos: the frames an image reward scores, as the run scored them
     if args.reward or not run:
-        reward_fn = build_reward_fn(reward)
+        reward_fn = build_reward_fn(reward, reward_frames=frames)
     else:
         reward_fn = build_reward_fn(run.get("reward_fn") or None, run.get("reward_weights") or None,
                                     reward_kwargs=run.get("reward_kwargs") or None,
-                                    reward_aggregation=run.get("reward_aggregation", "sum_then_normalize"))
+                                    reward_aggregation=run.get("reward_aggregation", "sum_then_normalize"),
+                                    reward_frames=frames)
         reward = reward or "+".join(run.get("reward_weights") or {})
     reward_fn.check_ready()
     policy = load_checkpoint_policy(checkpoint, run) if checkpoint else load_policy(args.model)

@@ -40,6 +40,27 @@ def test_the_flow_archs_pass_every_check_on_the_cpu(tmp_path):
     assert results["archs"]["tiny-sd3"]["dtypes"]["bf16"]["grpo_one_optimizer_step"]["optimizer_steps_per_epoch"] == 1
 
 
+def test_the_wan_arch_samples_videos_against_the_pipeline_and_trains_exactly(tmp_path):
+    # tiny-wan: the code path of the `wan` arch (Wan 2.1 1.3B) at tiny size; the pipeline's output is .frames
+    result, results = run_check(tmp_path, "--arch", "tiny-wan", "--variants", "grpo,group_ppo")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    entry = results["archs"]["tiny-wan"]["dtypes"]["bf16"]
+    assert entry["num_frames"] == 5 and entry["sampling_mask_all_ones"] is True and entry["pipeline_s"] > 0
+    assert entry["ode_vs_pipeline_max_abs_image_diff"] >= 0 and entry["model_fwd_bwd_s"] > 0
+    for name in ("grpo", "group_ppo"):
+        row = entry["variants"][name]
+        assert row["approx_kl_by_epoch"] == [0.0, 0.0] and row["clipfrac_by_epoch"] == [0.0, 0.0]
+        assert row["on_policy_max_abs_log_ratio"] == 0.0 and row["skipped_steps"] == 0
+
+
+def test_the_wan_arch_is_wan_2_1_1_3b():
+    gpu_check = _gpu_check_module()
+    spec = gpu_check.arch_settings("wan", gpu_check.parse_args(["--arch", "wan"]))
+    assert spec["model"] == "random-wan21-1.3b" and spec["video"] and spec["resolution"] == 256
+    settings = gpu_check.flow_sample_settings(spec)
+    assert settings["num_frames"] == 33 and settings["guidance_scale"] == 4.5  # Flow-GRPO's Wan settings
+
+
 def test_runs_with_gradient_checkpointing_stay_exact(tmp_path):
     result, results = run_check(tmp_path, "--arch", "tiny-sd3", "--variants", "grpo,nft", "--gradient-checkpointing")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

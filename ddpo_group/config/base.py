@@ -115,6 +115,8 @@ def get_config():
     sample.negative_prompt = ""
     # Image side in pixels; 0: the model's default size.
     sample.resolution = 0
+    # Video models (Wan): frames per video (1 + 4k for Wan); 0: the model's default. Image models take only 0.
+    sample.num_frames = 0
     # Flow-matching models (SD3, FLUX): the SDE of the stochastic steps, "sde" (Flow-GRPO), "cps"
     # (coefficients-preserving sampling, eta <= 1) or "dance" (DanceGRPO); "" is "sde" there and the only
     # value for SD 1.x/2.x (DDIM). For flow models sample.eta is the noise level a of these steps.
@@ -314,6 +316,10 @@ def get_config():
     # Seconds a batch's reward may take once sampling has finished; past it the run stops with an error naming
     # the reward (0: no limit). Generous for reward servers and large models.
     config.reward_timeout = 600.0
+    # Videos: an image reward scores this many evenly spaced frames of each video (first and last among them) and
+    # the video's reward is their mean (Flow-Factory's and verl-omni's per-frame rewards); 0: every frame. A video
+    # reward (registered with video=True) gets the whole clip.
+    config.reward_frames = 4
     # Keyword arguments of each reward, by reward name, e.g. {"aesthetic": {"weights_path": "/path/mlp.safetensors"}}.
     config.reward_kwargs = ml_collections.ConfigDict(allow_dotted_keys=True)
 

@@ -27,7 +27,10 @@ def _per_row(field):
 class Trajectories:
     """A batch of B denoising trajectories of T steps.
 
-    images (B, 3, H, W) float in [0, 1]; latents (B, T+1, C, h, w) float32: x_0 (noise) ... x_T;
+    images (B, 3, H, W) float in [0, 1], or for a video family (``DiffusionPolicy.video``) videos
+    (B, F, 3, H, W): F frames of the same layout; latents (B, T+1, C, h, w) float32: x_0 (noise) ... x_T,
+    (B, T+1, C, f, h, w) with a video family's latent time axis (every step and log-density is
+    element-wise over the non-batch dims, so the axis rides along);
     log_probs (B, T) float32; timesteps (B, T) (int64 for DDIM); prompt_embeds (B, L, D);
     negative_prompt_embeds (B, L, D) or None (no guidance); mask (B, T) float, 0 where
     std_dev_t == 0; prompts list of B str; prompt_ids (B,) int64 (the GRPO group key);
@@ -196,8 +199,10 @@ CONFIGURE_FIELDS = ("sde_type", "max_sequence_length", "resolution", "cps_log_pr
 
 def configure_from_sample(policy, sample):
     """policy.configure with the CONFIGURE_FIELDS that `sample` (config.sample, or a run's config.json dict) holds; a
-    field it lacks (a run older than the field) keeps configure's default, the behaviour that run had."""
+    field it lacks (a run older than the field) keeps configure's default, the behaviour that run had. Then
+    policy.configure_frames with sample.num_frames (0 where it has none: the model's own)."""
     policy.configure(**{field: sample[field] for field in CONFIGURE_FIELDS if field in sample})
+    policy.configure_frames(sample["num_frames"] if "num_frames" in sample else 0)
 
 
 class DiffusionPolicy:
@@ -211,6 +216,9 @@ class DiffusionPolicy:
     configure(sde_type, max_sequence_length, resolution, cps_log_prob, flow_grid, flow_grid_shift)
                                           the config's sampling options (ValueError naming the field when the
                                           family has no use for one)
+    video, configure_frames(num_frames)   whether samples are videos (B, F, 3, H, W) (class attribute, False:
+                                          images); the frames F of a video family (config.sample.num_frames,
+                                          0: the model's default); an image family refuses any other than 0
     prepare(device, dtype, use_lora, lora_rank, lora_alpha) -> module
                                           freeze and move the frozen parts (dtype), add LoRA or unfreeze
                                           the whole model; returns the trainable module
@@ -238,6 +246,8 @@ class DiffusionPolicy:
     pipeline_class_names = ()
     # whether `flow_grpo_kl_std` applies (train.kl_type="flow_grpo"): flow-matching families only
     supports_flow_grpo_kl = False
+    # whether samples are videos (B, F, 3, H, W) with latents (B, C, f, h, w); images (B, 3, H, W) otherwise
+    video = False
 
     def __init__(self, pipeline):
         if not self.supports(pipeline):
@@ -255,6 +265,14 @@ class DiffusionPolicy:
     def configure(self, sde_type="", max_sequence_length=0, resolution=0, cps_log_prob="normalized",
                   flow_grid="pipeline", flow_grid_shift=3.0):
         raise NotImplementedError
+
+    def configure_frames(self, num_frames):
+        """config.sample.num_frames: an image family makes one frame and takes only 0 (a video family overrides)."""
+        if num_frames:
+            raise ValueError(
+                f"config.sample.num_frames={num_frames}: the {self.family} family makes images, not videos; "
+                "set sample.num_frames=0"
+            )
 
     def prepare(self, device, dtype, use_lora, lora_rank=4, lora_alpha=None):
         raise NotImplementedError

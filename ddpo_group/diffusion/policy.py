@@ -14,7 +14,7 @@ protocol:
 Imports go one way (docs/architecture.md): this module -> the families -> ``base``.
 """
 
-from ddpo_group.diffusion import flux, qwen_image, sd, sd3  # noqa: F401  the registration lines (one per family)
+from ddpo_group.diffusion import flux, qwen_image, sd, sd3, wan  # noqa: F401  the registration lines (one per family)
 from ddpo_group.diffusion.base import FAMILIES, DiffusionPolicy, register_family  # noqa: F401  (re-exported)
 
 

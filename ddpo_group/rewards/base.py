@@ -16,6 +16,14 @@ NumPy needs no device move, and editing it in place changes nothing else. A rewa
 runs a model on the accelerator says so, `@register_reward("name", device_tensors=True)`
 (or a `device_tensors = True` attribute): it gets a copy on the training device instead.
 
+Videos (a video family's samples, ``DiffusionPolicy.video``) are (B, F, 3, H, W) in [0, 1]. An image reward
+never sees one: ``CombinedReward`` gives it `config.reward_frames` evenly spaced frames of every video
+(`frame_indices`) as a batch of B * k images (each prompt and metadata dict repeated k times, frame-major
+within a video) and the video's reward is the mean of its k frame rewards, what Flow-Factory and verl-omni do
+for PickScore and OCR. A reward that scores whole clips (motion, temporal consistency) declares itself,
+`@register_reward("name", video=True)` (or a `video = True` attribute), and receives the (B, F, 3, H, W)
+videos; it cannot score an image model's samples (a config error naming the reward field).
+
 Built-in, optional and shapes-world rewards register here when their modules are imported;
 ``registry.py`` imports them all and resolves a spec string to a reward.
 """
@@ -54,7 +62,7 @@ class RewardNotReadyError(RewardError):
     """
 
 
-def register_reward(name: str, device_tensors: bool = False):
+def register_reward(name: str, device_tensors: bool = False, video: bool = False):
     """Decorator: register a reward function or class under `name`.
 
         @register_reward("my_reward")
@@ -62,6 +70,7 @@ def register_reward(name: str, device_tensors: bool = False):
             return images.mean(dim=(1, 2, 3)), {}
 
     device_tensors=True: the reward receives its images on the training device (module docstring).
+    video=True: the reward scores videos (B, F, 3, H, W) as a whole (module docstring); it is never given images.
 
     Registering a different object under a taken name raises ValueError (re-registering
     the same function, e.g. when its module is imported twice, is allowed).
@@ -81,6 +90,8 @@ def register_reward(name: str, device_tensors: bool = False):
             )
         if device_tensors:
             obj.device_tensors = True
+        if video:
+            obj.video = True
         REWARD_REGISTRY[name] = obj
         return obj
 
@@ -94,6 +105,24 @@ def _qualname(obj) -> str:
 def wants_device_tensors(fn) -> bool:
     """Whether a reward (function, instance, or partial of one) asked for images on the training device."""
     return bool(getattr(fn, "device_tensors", False) or getattr(getattr(fn, "func", None), "device_tensors", False))
+
+
+def is_video_reward(fn) -> bool:
+    """Whether a reward (function, instance, or partial of one) scores whole videos (registered with video=True)."""
+    return bool(getattr(fn, "video", False) or getattr(getattr(fn, "func", None), "video", False))
+
+
+def frame_indices(num_frames: int, count: int) -> list[int]:
+    """`count` evenly spaced frame indices of a video of `num_frames` frames: round(i (F - 1) / (k - 1)), i = 0..k-1
+    (halves rounded up), so the first and the last frame are among them; the middle frame (F - 1) // 2 for k = 1;
+    every frame for k = 0 or k >= F."""
+    if num_frames < 1:
+        raise ValueError(f"a video needs at least one frame, got {num_frames}")
+    if count == 0 or count >= num_frames:
+        return list(range(num_frames))
+    if count == 1:
+        return [(num_frames - 1) // 2]
+    return [(2 * i * (num_frames - 1) + count - 1) // (2 * (count - 1)) for i in range(count)]
 
 
 def to_uint8_images(images) -> np.ndarray:

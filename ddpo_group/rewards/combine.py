@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ddpo_group.rewards.base import frame_indices, is_video_reward
 from ddpo_group.rewards.registry import (
     RewardError,
     RewardNotReadyError,
@@ -114,11 +115,13 @@ class CombinedReward:
     components: {name: fn(images, prompts, metadata) -> (rewards (B,), info)};
     weights: {name: w}; batch_size: components are called on chunks of at most this many
     images (None: the whole batch); workers: threads that run the (component, chunk) calls.
+    frames: for videos (B, F, 3, H, W), the evenly spaced frames an image component scores per video, its reward
+    the mean over them (0: every frame); a video component (``is_video_reward``) gets the videos (rewards/base.py).
     """
 
     def __init__(self, components: dict[str, Callable], weights: dict[str, float] | None = None,
                  workers: int = 1, batch_size: int | None = None,
-                 aggregation: str = "sum_then_normalize"):
+                 aggregation: str = "sum_then_normalize", frames: int = 4):
         if not components:
             raise ValueError("CombinedReward: at least one reward component is needed")
         weights = {name: 1.0 for name in components} if weights is None else dict(weights)
@@ -130,7 +133,11 @@ class CombinedReward:
             raise ValueError(f"reward_workers must be >= 1, got {workers}")
         if batch_size is not None and int(batch_size) < 1:
             raise ValueError(f"reward_batch_size must be >= 1 or None, got {batch_size}")
+        if int(frames) != frames or frames < 0:
+            raise ValueError(f"reward_frames must be an integer >= 0 (0: every frame of a video), got {frames}")
+        self.frames = int(frames)
         self.components = dict(components)
+        self.video_components = [name for name, fn in components.items() if is_video_reward(fn)]
         self.weights = {name: float(w) for name, w in weights.items()}
         self.names = list(self.components)
         self.workers = int(workers)
@@ -197,12 +204,34 @@ class CombinedReward:
             )
         return validate_rewards(output[0], name, prompts, offset), output[1]
 
+    def _call_frames(self, name, fn, videos, prompts, metadata, offset):
+        """An image reward on videos (b, F, 3, H, W): its rewards of `self.frames` evenly spaced frames per video
+        (one call on b * k images, a video's frames consecutive, its prompt and metadata repeated), averaged per
+        video: (b,) float64, and the info of that call."""
+        index = frame_indices(videos.shape[1], self.frames)
+        k = len(index)
+        frames = videos[:, index].reshape(-1, *videos.shape[2:])
+        rewards, info = self._call(name, fn, frames, [p for p in prompts for _ in range(k)],
+                                   [m for m in metadata for _ in range(k)], offset * k)
+        return rewards.reshape(-1, k).mean(axis=1), info
+
+    def check_images(self, video: bool, field: str = "reward_fn") -> None:
+        """ValueError naming `field` when a video reward would be given images (`video` False: an image model)."""
+        if self.video_components and not video:
+            raise ValueError(
+                f"config.{field}: reward {self.video_components[0]!r} scores videos (registered with video=True) and "
+                "this model makes images; use an image reward, or a video model such as Wan"
+            )
+
     def __call__(self, images, prompts, metadata=None):
-        """images (B, 3, H, W) in [0, 1], B prompts, B metadata dicts (None: empty dicts) ->
-        (total (B,) float64, {name: (B,) float64}, info {"<name>/<key>": value})."""
+        """images (B, 3, H, W) in [0, 1] or videos (B, F, 3, H, W), B prompts, B metadata dicts (None: empty
+        dicts) -> (total (B,) float64, {name: (B,) float64}, info {"<name>/<key>": value}). On videos an image
+        component scores `frames` frames per video and gets their mean; a video component the whole videos."""
         images = torch.as_tensor(images) if not isinstance(images, torch.Tensor) else images
-        if images.ndim != 4 or images.shape[1] != 3:
-            raise ValueError(f"images must have shape (B, 3, H, W), got {tuple(images.shape)}")
+        video = images.ndim == 5
+        if images.ndim not in (4, 5) or images.shape[-3] != 3:
+            raise ValueError(f"images must have shape (B, 3, H, W) or videos (B, F, 3, H, W), got {tuple(images.shape)}")
+        self.check_images(video)
         batch = images.shape[0]
         prompts = list(prompts)
         metadata = [{} for _ in prompts] if metadata is None else list(metadata)
@@ -227,6 +256,9 @@ class CombinedReward:
             stop = start + step
             fn = self.components[name]
             source = images.detach() if wants_device_tensors(fn) else on_host
+            if video and not is_video_reward(fn):
+                return self._call_frames(name, fn, source[start:stop].clone(), prompts[start:stop], metadata[start:stop],
+                                         start)
             return self._call(name, fn, source[start:stop].clone(), prompts[start:stop], metadata[start:stop], start)
 
         if self.workers > 1 and len(calls) > 1:
@@ -282,7 +314,7 @@ def _component_names(served: dict[str, str | None]) -> dict[str, str]:
 def build_reward_fn(reward_fn: str | None = None, reward_weights: dict[str, float] | None = None,
                     reward_workers: int = 1, reward_kwargs: dict[str, dict] | None = None,
                     reward_aggregation: str = "sum_then_normalize", reward_batch_size: int | None = None,
-                    device=None) -> CombinedReward:
+                    device=None, reward_frames: int = 4) -> CombinedReward:
     """CombinedReward from config values.
 
     reward_fn: one reward spec (registry name, "module:function", "file.py:function",
@@ -290,7 +322,7 @@ def build_reward_fn(reward_fn: str | None = None, reward_weights: dict[str, floa
     (when non-empty it replaces reward_fn, which may then be None). reward_kwargs:
     {spec: {keyword: value}} passed to that component's constructor (e.g.
     {"aesthetic": {"mlp_weights": "/path.pth"}}, {"http://h:p": {"timeout": 30}}). device: passed
-    to components whose constructor takes `device`.
+    to components whose constructor takes `device`. reward_frames: the frames an image reward scores per video.
     Component names (logged as reward/<name>) are the specs' short names (`component_name`; for a remote
     reward the name its server serves), or the full spec when two short names collide.
     """
@@ -332,6 +364,7 @@ def build_reward_fn(reward_fn: str | None = None, reward_weights: dict[str, floa
         workers=reward_workers,
         batch_size=reward_batch_size,
         aggregation=reward_aggregation,
+        frames=reward_frames,
     )
 
 
