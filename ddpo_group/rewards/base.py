@@ -16,6 +16,17 @@ NumPy needs no device move, and editing it in place changes nothing else. A rewa
 runs a model on the accelerator says so, `@register_reward("name", device_tensors=True)`
 (or a `device_tensors = True` attribute): it gets a copy on the training device instead.
 
+A group-wise reward sees a whole prompt group and returns one value per member (a rank, a pairwise
+preference): `@register_reward("name", group_wise=True)` (or a `group_wise = True` attribute). Its
+signature is the same, but every call holds exactly one group: all the samples of the group and no
+other (images (G, 3, H, W), G prompts, G metadata dicts), in the order of their sample index. In
+training a group is every sample of the epoch with the same prompt id, the key the GRPO advantages
+group by (sample.group_size images; a multiple when the prompt was drawn more than once), gathered
+from every process first; in the evaluation it is the images_per_prompt images of one prompt;
+called directly, a CombinedReward groups by the `groups` keys it is given (default: equal prompts).
+`reward_batch_size` never splits a group. docs/CONTRACTS.md "Group-wise rewards" says how the rollout
+forms groups across processes.
+
 Built-in, optional and shapes-world rewards register here when their modules are imported;
 ``registry.py`` imports them all and resolves a spec string to a reward.
 """
@@ -54,7 +65,7 @@ class RewardNotReadyError(RewardError):
     """
 
 
-def register_reward(name: str, device_tensors: bool = False):
+def register_reward(name: str, device_tensors: bool = False, group_wise: bool = False):
     """Decorator: register a reward function or class under `name`.
 
         @register_reward("my_reward")
@@ -62,6 +73,7 @@ def register_reward(name: str, device_tensors: bool = False):
             return images.mean(dim=(1, 2, 3)), {}
 
     device_tensors=True: the reward receives its images on the training device (module docstring).
+    group_wise=True: each call holds one whole prompt group (module docstring).
 
     Registering a different object under a taken name raises ValueError (re-registering
     the same function, e.g. when its module is imported twice, is allowed).
@@ -81,6 +93,8 @@ def register_reward(name: str, device_tensors: bool = False):
             )
         if device_tensors:
             obj.device_tensors = True
+        if group_wise:
+            obj.group_wise = True
         REWARD_REGISTRY[name] = obj
         return obj
 
@@ -94,6 +108,11 @@ def _qualname(obj) -> str:
 def wants_device_tensors(fn) -> bool:
     """Whether a reward (function, instance, or partial of one) asked for images on the training device."""
     return bool(getattr(fn, "device_tensors", False) or getattr(getattr(fn, "func", None), "device_tensors", False))
+
+
+def is_group_wise(fn) -> bool:
+    """Whether a reward (function, instance, or partial of one) asked to be called on whole prompt groups."""
+    return bool(getattr(fn, "group_wise", False) or getattr(getattr(fn, "func", None), "group_wise", False))
 
 
 def to_uint8_images(images) -> np.ndarray:
