@@ -19,7 +19,7 @@ from ddpo_group.prompts import load_prompts
 from ddpo_group.rewards import CombinedReward, RewardError, RewardNotReadyError, build_reward_fn, get_reward
 from ddpo_group.rewards.optional import group_ranks
 from ddpo_group.trainer import train
-from helpers import PYTHON, ROOT, free_port, make_config, read_dump, read_json, subprocess_env
+from helpers import PYTHON, ROOT, free_port, make_config, read_dump, read_json, read_metrics, subprocess_env
 
 PLUGIN = os.path.join(ROOT, "tests", "group_reward_plugin.py")
 BRIGHTNESS, RANK = f"{PLUGIN}:brightness", f"{PLUGIN}:brightness_rank"
@@ -267,3 +267,34 @@ def test_hpsv3_missing_package_or_checkpoint_is_one_line_before_any_model_loads(
     with pytest.raises(RewardNotReadyError, match=r"checkpoint_path=.* is not a file.*huggingface-cli download "
                                                   r"MizzenAI/HPSv3 HPSv3.safetensors"):
         build_reward_fn("hpsv3", reward_kwargs={"hpsv3": {"checkpoint_path": missing}}).check_ready()
+
+
+def test_the_sd35_pickscore_recipe_runs_two_epochs_on_tiny_sd3_with_the_real_pickscore_path(tmp_path):
+    """The preset's task, reward and algorithm fields as they are; its model and sizes swapped for tiny-sd3 and a
+    random tiny CLIP with its tokenizer and image processor saved as PickScore's checkpoint directories are."""
+    from ddpo_group.config import grpo
+
+    clip_dir, processor_dir = str(tmp_path / "clip"), str(tmp_path / "processor")
+    tiny_clip(seed=2).save_pretrained(clip_dir)
+    build_tiny_tokenizer().save_pretrained(processor_dir)
+    tiny_image_processor().save_pretrained(processor_dir)
+    prompts = tmp_path / "train.txt"
+    prompts.write_text("a red square\na blue circle\na green square\n")
+    config = grpo.get_config("sd35_pickscore")
+    assert dict(config.reward_kwargs.pickscore) == {"divisor": 26.0, "preprocess": "processor"}
+    config.reward_kwargs.pickscore.update(model=clip_dir, tokenizer=processor_dir)
+    config.pretrained.model, config.mixed_precision, config.use_lora = "tiny-sd3", "no", False
+    config.logdir, config.run_name, config.num_epochs, config.save_freq, config.log_images_every = (
+        str(tmp_path), "r", 2, 0, 0)
+    config.prompt_fn = config.eval_prompt_fn = str(prompts)
+    config.eval_freq = 1
+    for key, value in dict(batch_size=4, group_size=2, num_batches_per_epoch=1, num_steps=3, resolution=0,
+                           max_sequence_length=16).items():
+        config.sample[key] = value
+    config.train.batch_size, config.train.gradient_accumulation_steps = 2, 1
+    rows = read_metrics(train(config))
+    trained = [row for row in rows if "reward_mean" in row]
+    assert [row["epoch"] for row in trained] == [0, 1]
+    # PickScore / 26 of a random CLIP with logit scale e^2.5: |r| <= e^2.5 / 26 < 0.47
+    assert all(abs(row["reward_mean"]) < np.exp(2.5) / 26 for row in trained)
+    assert all("eval/reward_mean" in row for row in rows if row.get("eval_only"))

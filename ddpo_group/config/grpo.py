@@ -26,6 +26,7 @@
     tiny_flux       a random-weight tiny FLUX pipeline (flow matching), seconds; tests and smoke checks
     qwen_image      GRPO on Qwen-Image (flow matching, true CFG) with LoRA r64, Flow-Factory / verl settings, one GPU
     tiny_qwen_image  a random-weight tiny Qwen-Image pipeline (Qwen2.5-VL text, true CFG), seconds; tests and smoke checks
+    sd35_pickscore  SD3.5-Medium with Flow-GRPO's PickScore settings (PickScore / 26 on its prompt set, KL 0.01), one GPU
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
 tiny_early_window, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
@@ -502,6 +503,31 @@ VARIANTS = {
     "qwen_image": qwen_image,
     "tiny_qwen_image": tiny_qwen_image,
 }
+
+
+# ---- sd35_pickscore (issue 33: the PickScore task) ----
+def sd35_pickscore():
+    """SD3.5-Medium with Flow-GRPO's PickScore settings (yifan123/flow_grpo, config/grpo.py: pickscore_sd3): the sd35
+    recipe (Flow-GRPO's geneval_sd3, scaled from 32 GPUs to one) with the PickScore reward on Flow-GRPO's scale
+    (exp(logit_scale) x cosine / 26 on the CLIP image processor's input: flow_grpo/pickscore_scorer.py) and KL weight
+    0.01 (geneval_sd3: 0.04). Prompts: Flow-GRPO's dataset/pickscore/train.txt (25,432 Pick-a-Pic prompts) and
+    test.txt (2,048), not shipped here: run from a directory holding them or pass --config.prompt_fn=PATH
+    --config.eval_prompt_fn=PATH; evaluated every 60 epochs as Flow-GRPO (one image per prompt, at the training's
+    10 steps where Flow-GRPO's evaluation takes 40). Flow-GRPO's EMA of the LoRA weights and its global std have no
+    counterpart here. Not yet run (no GPU and no hub access where it was written)."""
+    config = sd35()
+    config.reward_fn = "pickscore"
+    config.reward_kwargs["pickscore"] = {"divisor": 26.0, "preprocess": "processor"}  # Flow-GRPO's value
+    config.train.beta = 0.01  # Flow-GRPO pickscore_sd3: beta 0.01
+    config.prompt_fn = "dataset/pickscore/train.txt"  # Flow-GRPO: config.dataset = dataset/pickscore
+    config.eval_prompt_fn = "dataset/pickscore/test.txt"
+    config.eval_freq = 60  # Flow-GRPO: eval_freq 60, save_freq 60
+    config.save_freq = 60
+    config.eval_images_per_prompt = 1
+    return config
+
+
+VARIANTS["sd35_pickscore"] = sd35_pickscore
 
 
 def get_config(name="sd15"):

@@ -24,7 +24,7 @@ training a group is every sample of the epoch with the same prompt id, the key t
 group by (sample.group_size images; a multiple when the prompt was drawn more than once), gathered
 from every process first; in the evaluation it is the images_per_prompt images of one prompt;
 called directly, a CombinedReward groups by the `groups` keys it is given (default: equal prompts).
-`reward_batch_size` never splits a group. docs/CONTRACTS.md "Group-wise rewards" says how the rollout
+`reward_batch_size` never splits a group. docs/group_rewards.md says how the rollout
 forms groups across processes.
 
 Built-in, optional and shapes-world rewards register here when their modules are imported;

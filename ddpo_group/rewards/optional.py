@@ -137,7 +137,7 @@ class PickScoreReward(_ClipSimilarityReward):
     divisor=26 with preprocess="processor" is Flow-GRPO's value (yifan123/flow_grpo, flow_grpo/pickscore_scorer.py:
     the image processor on PIL images, exp(logit_scale) * cosine, then / 26, "norm to 0-1"); the default
     (divisor 1, torch preprocessing of the float images) is PickScore's own scale, ~ 26x larger, and its resize
-    differs from the processor's PIL resize by rounding-level amounts (docs/CONTRACTS.md "PickScore's scale").
+    differs from the processor's PIL resize by rounding-level amounts (docs/group_rewards.md, "PickScore's scale").
     """
 
     name = "pickscore"
@@ -274,7 +274,7 @@ class HPSv2Reward:
 class HPSv3Reward:
     """r = HPSv3's preference score of (prompt, image): the mean mu of the (mu, sigma) its Qwen2-VL-7B reward model
     returns (the `hpsv3` package, MizzenAI/HPSv3: HPSv3RewardInferencer(config_path, checkpoint_path, device)
-    .reward(images, prompts) -> (B, 2), "we select miu as the final output").
+    .reward(images, prompts) -> (B, 2) rows (mu, sigma); its inference.py scores with mu).
 
     checkpoint_path: HPSv3.safetensors (None: the package downloads MizzenAI/HPSv3 from the hub, which needs the
     network); config_path: the package's model config (None: its HPSv3_7B.yaml, whose base model
