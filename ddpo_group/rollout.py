@@ -61,7 +61,8 @@ class GroupCollector:
         base = batch_index * len(ids)
         for place, key in enumerate(ids.tolist()):
             if key in self.owned:
-                self.members[key].append((base + place, gathered[place].cpu()))
+                # a copy, not a view: a view would keep the whole gathered batch alive until the group is scored
+                self.members[key].append((base + place, gathered[place].to("cpu", copy=True)))
         for key in sorted(self.owned):
             if self.last_batch[key] == batch_index:
                 indices, images = zip(*self.members.pop(key))
@@ -77,14 +78,17 @@ class GroupCollector:
         Every process calls it; a failure on one process stops all of them with its message (none waits forever
         for the failed one's values)."""
         values, infos, failure = {}, [], None
-        try:
-            for indices, future in self.futures:
+        for indices, future in self.futures:
+            try:
                 _, components, info = self.runner.result(future, timeout)
-                infos.append(info)
-                for n, index in enumerate(indices):
-                    values[index] = {name: float(part[n]) for name, part in components.items()}
-        except RewardError as exc:
-            failure = exc
+            except RewardError as exc:  # its sample numbers count within the group: name the epoch's too
+                failure = RewardError(f"{exc} (the group's samples {', '.join(map(str, indices))} of the epoch)",
+                                      reward=exc.reward, prompt=exc.prompt)
+                failure.__cause__ = exc
+                break
+            infos.append(info)
+            for n, index in enumerate(indices):
+                values[index] = {name: float(part[n]) for name, part in components.items()}
         if self.world > 1:
             from accelerate.utils import gather_object
 

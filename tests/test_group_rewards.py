@@ -95,6 +95,42 @@ def test_an_evaluation_gives_each_prompts_images_to_one_group_wise_call_whatever
     assert small["components"]["brightness_rank"] == pytest.approx(np.mean(ranks))
 
 
+def test_the_rollouts_collector_scores_each_owned_group_once_complete_and_stops_on_a_failure():
+    """One process (the two-process run is below): groups of prompt ids completed over two batches."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from ddpo_group.rewards import AsyncRewardRunner
+    from ddpo_group.rollout import GroupCollector
+    from group_reward_plugin import brightness_rank
+
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=True)
+    batches = [np.array([1, 0, 1, 2]), np.array([0, 2, 0, 1])]  # prompt 0: samples 1, 4, 6; 1: 0, 2, 7; 2: 3, 5
+    values = [0.9, 0.5, 0.1, 0.3, 0.2, 0.6, 0.8, 0.4]
+    runner = AsyncRewardRunner(CombinedReward({"rank": brightness_rank}))
+    collector = GroupCollector(batches, RECORDS, runner, acc)
+    collector.add(0, _images(values[:4]).float())
+    assert collector.futures == []  # no group is complete after the first batch
+    collector.add(1, _images(values[4:]).float())
+    parts, _ = collector.results(list(range(8)), timeout=None)
+    # prompt 0: (0.5, 0.2, 0.8) -> 1, 0, 2; prompt 1: (0.9, 0.1, 0.4) -> 2, 0, 1; prompt 2: (0.3, 0.6) -> 0, 1
+    expected = [2 / 3, 1 / 3, 0, 0, 0, 1 / 2, 2 / 3, 1 / 3]
+    np.testing.assert_allclose(parts["rank"], expected, atol=1e-6)
+
+    def broken(images, prompts, metadata):
+        raise KeyError("no model")
+
+    broken.group_wise = True
+    broken_runner = AsyncRewardRunner(CombinedReward({"broken": broken}))
+    failing = GroupCollector(batches[:1], RECORDS, broken_runner, acc)
+    failing.add(0, _images(values[:4]).float())
+    with pytest.raises(RewardError, match="reward 'broken' raised KeyError"):
+        failing.results(list(range(4)), timeout=None)
+    runner.shutdown()
+    broken_runner.shutdown()
+
+
 def _check_training_groups(run_dir, ranks, group_size):
     """Each prompt group's group-wise component, gathered over the ranks' dumps, is the rank of its per-image one."""
     dumps = [read_dump(run_dir, rank=rank) for rank in range(ranks)]
@@ -212,7 +248,8 @@ def test_pickscore_rank_is_the_rank_of_pickscore_within_the_group():
     images = torch.cat([images, images[:1]])  # sample 3 repeats sample 0: a tie in group "a red square"
     prompts = PROMPTS + ["a red square"]
     scores = get_reward("pickscore", model=clip, tokenizer=tokenizer)(images, prompts, [{}] * 4)[0].numpy()
-    reward = build_reward_fn("pickscore_rank", reward_kwargs={"pickscore_rank": {"model": clip, "tokenizer": tokenizer}})
+    kwargs = {"pickscore_rank": {"model": clip, "tokenizer": tokenizer}}
+    reward = build_reward_fn("pickscore_rank", reward_kwargs=kwargs)
     assert reward.group_wise_names == ["pickscore_rank"]
     _, parts, info = reward(images, prompts)
     group = [0, 2, 3]  # scores[0] == scores[3]: they share ranks (r, r + 1) -> r + 0.5
