@@ -77,6 +77,19 @@ def test_a_failing_group_wise_reward_names_the_group_not_a_sample():
         CombinedReward({"broken": broken})(_images([0.1, 0.2, 0.3, 0.4]), ["a", "b", "a", "b"])
 
 
+def test_a_served_group_wise_reward_makes_its_client_group_wise():
+    from ddpo_group.rewards.server import make_server
+    from group_reward_plugin import brightness_rank
+
+    values = [0.2, 0.6, 0.4, 0.8]  # multiples of 1/255 would survive the PNG's 8 bits; these keep their order
+    with make_server(brightness_rank, name="brightness_rank") as url:
+        reward = build_reward_fn(None, {url: 1.0, BRIGHTNESS: 1.0})
+        assert reward.group_wise_names == ["brightness_rank"]
+        _, parts, _ = reward(_images(values).float(), ["a", "b", "a", "b"])
+    # the server refuses a call with several prompts (the plugin raises): each POST held one group
+    np.testing.assert_allclose(parts["brightness_rank"], [0, 0, 1 / 2, 1 / 2], atol=1e-12)
+
+
 RECORDS = load_prompts("shapes")[:4]
 
 
