@@ -106,6 +106,10 @@ def test_an_evaluation_gives_each_prompts_images_to_one_group_wise_call_whatever
     ranks = np.stack([expected_ranks(row) for row in brightness])
     np.testing.assert_allclose(small["rewards"], brightness + 0.5 * ranks, rtol=0, atol=1e-6)
     assert small["components"]["brightness_rank"] == pytest.approx(np.mean(ranks))
+    # a group-wise gold reward (config.eval_rewards) is scored on whole groups too
+    gold = evaluate(policy_for(build_tiny_pipeline(seed=0)), None, RECORDS, build_reward_fn(BRIGHTNESS), 3, 2, 3.0,
+                    1.0, seed=7, batch_size=2, gold_fn=build_reward_fn(None, {RANK: 1.0}))["gold"]["brightness_rank"]
+    np.testing.assert_allclose(gold, ranks, atol=1e-12)
 
 
 def test_the_rollouts_collector_scores_each_owned_group_once_complete_and_stops_on_a_failure():
