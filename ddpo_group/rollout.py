@@ -65,9 +65,9 @@ class GroupCollector:
                 self.members[key].append((base + place, gathered[place].to("cpu", copy=True)))
         for key in sorted(self.owned):
             if self.last_batch[key] == batch_index:
-                indices, images = zip(*self.members.pop(key))
+                indices, group_images = zip(*self.members.pop(key))
                 record = self.prompts[key]
-                future = self.runner.submit(torch.stack(images), [record.prompt] * len(indices),
+                future = self.runner.submit(torch.stack(group_images), [record.prompt] * len(indices),
                                             [record.metadata] * len(indices), groups=[key] * len(indices),
                                             only="group_wise")
                 self.futures.append((indices, future))
