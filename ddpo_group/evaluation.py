@@ -67,8 +67,13 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
     """
     pairs = [(i, j) for i in range(len(records)) for j in range(images_per_prompt)]
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
-    mine = pairs[rank::world]
-    results = []
+    scorers = [fn for fn in (reward_fn, gold_fn) if fn is not None]
+    group_wise = any(getattr(fn, "group_wise_names", None) for fn in scorers)
+    # a group-wise reward sees a prompt's images_per_prompt images in one call: all of a prompt's images are
+    # sampled on one process then (the same images: their noise depends on (seed, i, j) only)
+    mine = [pair for pair in pairs if pair[0] % world == rank] if group_wise else pairs[rank::world]
+    only = {"only": "per_image"} if group_wise else {}
+    results, waiting = [], {}  # waiting: prompt index -> [(result row, image)] of a group not yet complete
     for start in range(0, len(mine), batch_size):
         if should_stop is not None and world == 1 and start > 0 and should_stop():
             return None  # several processes finish the evaluation: each must reach the gather below
@@ -80,12 +85,17 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
             batch = policy.sample(prompts, num_steps, guidance_scale, eta, generator=generators, model=model)
         images = batch.images.float().cpu()
         metadata = [records[i].metadata for i, _ in chunk]
-        total, components, _ = reward_fn(images, prompts, metadata)
-        gold = gold_fn(images, prompts, metadata)[1] if gold_fn is not None else {}
+        total, components, _ = reward_fn(images, prompts, metadata, **only)
+        gold = gold_fn(images, prompts, metadata, **only)[1] if gold_fn is not None else {}
         for n, (i, j) in enumerate(chunk):
             keep = images[n].clone() if i < grid_prompts else None  # a view would carry the whole batch in a gather
-            results.append((i, j, float(total[n]), {k: float(v[n]) for k, v in components.items()}, keep,
-                            {k: float(v[n]) for k, v in gold.items()}))
+            row = [i, j, float(total[n]), {k: float(v[n]) for k, v in components.items()}, keep,
+                   {k: float(v[n]) for k, v in gold.items()}]
+            results.append(row)
+            if group_wise:
+                waiting.setdefault(i, []).append((row, images[n]))
+        for i in [i for i, members in waiting.items() if len(members) == images_per_prompt]:
+            _score_group(records[i], waiting.pop(i), reward_fn, gold_fn)
     if accelerator is not None and world > 1:
         from accelerate.utils import gather_object
 
@@ -115,6 +125,23 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         "grid_prompts": [records[i].prompt for i in range(min(grid_prompts, len(records)))],
         "gold": gold,
     }
+
+
+def _score_group(record, members, reward_fn, gold_fn):
+    """Add the group-wise components of `reward_fn` and `gold_fn` to the result rows `members` [(row, image)] of
+    one prompt's images: row[2] += w_k * r_k, row[3][k] = r_k (row[5][k] for gold)."""
+    rows, images = zip(*members)
+    images = torch.stack(images)
+    prompts, metadata = [record.prompt] * len(rows), [record.metadata] * len(rows)
+    for fn, slot in ((reward_fn, 3), (gold_fn, 5)):
+        if fn is None or not getattr(fn, "group_wise_names", None):
+            continue
+        _, components, _ = fn(images, prompts, metadata, only="group_wise")
+        for name, values in components.items():
+            for row, value in zip(rows, values):
+                row[slot][name] = float(value)
+                if slot == 3:
+                    row[2] += fn.weights[name] * float(value)
 
 
 def gold_reward_fn(eval_rewards, device=None, reward_frames=4):

@@ -155,3 +155,17 @@ def test_readme_gives_every_algorithm_variant_a_command_that_trains_exactly_it(t
         differ = changed(flat(built), flat(grpo.get_config(variant)))
         assert differ <= BOOKKEEPING, (variant, differ - BOOKKEEPING)
         assert (built.num_epochs, built.eval_freq, built.seed) == (40, 5, 42)
+
+
+# ---- issue 33's task presets: each is sd35 (the model, the sampler and Flow-GRPO's algorithm) with only the fields of
+# its task changed; declared by hand from the preset's source (sd35_pickscore: flow_grpo config/grpo.py pickscore_sd3)
+TASK_PRESETS = {
+    "sd35_pickscore": {"reward_fn", "reward_kwargs.pickscore.divisor", "reward_kwargs.pickscore.preprocess",
+                       "train.beta", "prompt_fn", "eval_prompt_fn", "eval_freq", "save_freq",
+                       "eval_images_per_prompt"},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(TASK_PRESETS))
+def test_task_preset_differs_from_sd35_only_in_its_declared_fields(variant):
+    assert changed(flat(grpo.get_config(variant)), flat(grpo.sd35())) - {"variant"} == TASK_PRESETS[variant]

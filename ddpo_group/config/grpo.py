@@ -30,6 +30,7 @@
     wan21_t2v_1_3b  GRPO + KL on Wan 2.1 T2V 1.3B (text-to-video, 33 frames) with Flow-GRPO's Wan settings, one GPU
     wan21_t2v_14b   GRPO on Wan 2.1 T2V 14B (5 frames, 10 steps) with Flow-Factory's Wan 2.1 T2V settings, LoRA
     tiny_wan        a random-weight tiny Wan pipeline (UMT5 text, videos of 5 frames), seconds; tests and smoke checks
+    sd35_pickscore  SD3.5-Medium with Flow-GRPO's PickScore settings (PickScore / 26 on its prompt set, KL 0.01), one GPU
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
 tiny_early_window, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
@@ -602,6 +603,31 @@ VARIANTS = {
     "wan21_t2v_14b": wan21_t2v_14b,
     "tiny_wan": tiny_wan,
 }
+
+
+# ---- sd35_pickscore (issue 33: the PickScore task) ----
+def sd35_pickscore():
+    """SD3.5-Medium with Flow-GRPO's PickScore settings (yifan123/flow_grpo, config/grpo.py: pickscore_sd3): the sd35
+    recipe (Flow-GRPO's geneval_sd3, scaled from 32 GPUs to one) with the PickScore reward on Flow-GRPO's scale
+    (exp(logit_scale) x cosine / 26 on the CLIP image processor's input: flow_grpo/pickscore_scorer.py) and KL weight
+    0.01 (geneval_sd3: 0.04). Prompts: Flow-GRPO's dataset/pickscore/train.txt (25,432 Pick-a-Pic prompts) and
+    test.txt (2,048), not shipped here: run from a directory holding them or pass --config.prompt_fn=PATH
+    --config.eval_prompt_fn=PATH; evaluated every 60 epochs as Flow-GRPO (one image per prompt, at the training's
+    10 steps where Flow-GRPO's evaluation takes 40). Flow-GRPO's EMA of the LoRA weights and its global std have no
+    counterpart here. Not yet run (no GPU and no hub access where it was written)."""
+    config = sd35()
+    config.reward_fn = "pickscore"
+    config.reward_kwargs["pickscore"] = {"divisor": 26.0, "preprocess": "processor"}  # Flow-GRPO's value
+    config.train.beta = 0.01  # Flow-GRPO pickscore_sd3: beta 0.01
+    config.prompt_fn = "dataset/pickscore/train.txt"  # Flow-GRPO: config.dataset = dataset/pickscore
+    config.eval_prompt_fn = "dataset/pickscore/test.txt"
+    config.eval_freq = 60  # Flow-GRPO: eval_freq 60, save_freq 60
+    config.save_freq = 60
+    config.eval_images_per_prompt = 1
+    return config
+
+
+VARIANTS["sd35_pickscore"] = sd35_pickscore
 
 
 def get_config(name="sd15"):

@@ -7,7 +7,7 @@
 calls; see `registry` for the spec strings (registered name, entry point of the group
 "ddpo_group.rewards", "module:function", "file.py:function", "http://host:port").
 Built-ins: jpeg_compressibility, jpeg_incompressibility, aesthetic; optional (lazy):
-clip_score, pickscore, imagereward, hpsv2; the shapes-world rewards "shapes_*"
+clip_score, pickscore, pickscore_rank (group-wise), imagereward, hpsv2, hpsv3; the shapes-world rewards "shapes_*"
 (ddpo_group.rewards.shapes). The reward server is ``python -m ddpo_group.rewards.server``.
 """
 

@@ -24,6 +24,18 @@ for PickScore and OCR. A reward that scores whole clips (motion, temporal consis
 `@register_reward("name", video=True)` (or a `video = True` attribute), and receives the (B, F, 3, H, W)
 videos; it cannot score an image model's samples (a config error naming the reward field).
 
+
+A group-wise reward sees a whole prompt group and returns one value per member (a rank, a pairwise
+preference): `@register_reward("name", group_wise=True)` (or a `group_wise = True` attribute). Its
+signature is the same, but every call holds exactly one group: all the samples of the group and no
+other (images (G, 3, H, W), G prompts, G metadata dicts), in the order of their sample index. In
+training a group is every sample of the epoch with the same prompt id, the key the GRPO advantages
+group by (sample.group_size images; a multiple when the prompt was drawn more than once), gathered
+from every process first; in the evaluation it is the images_per_prompt images of one prompt;
+called directly, a CombinedReward groups by the `groups` keys it is given (default: equal prompts).
+`reward_batch_size` never splits a group. docs/group_rewards.md says how the rollout
+forms groups across processes.
+
 Built-in, optional and shapes-world rewards register here when their modules are imported;
 ``registry.py`` imports them all and resolves a spec string to a reward.
 """
@@ -62,7 +74,9 @@ class RewardNotReadyError(RewardError):
     """
 
 
-def register_reward(name: str, device_tensors: bool = False, video: bool = False):
+
+
+def register_reward(name: str, device_tensors: bool = False, video: bool = False, group_wise: bool = False):
     """Decorator: register a reward function or class under `name`.
 
         @register_reward("my_reward")
@@ -71,6 +85,7 @@ def register_reward(name: str, device_tensors: bool = False, video: bool = False
 
     device_tensors=True: the reward receives its images on the training device (module docstring).
     video=True: the reward scores videos (B, F, 3, H, W) as a whole (module docstring); it is never given images.
+    group_wise=True: each call holds one whole prompt group (module docstring).
 
     Registering a different object under a taken name raises ValueError (re-registering
     the same function, e.g. when its module is imported twice, is allowed).
@@ -92,6 +107,8 @@ def register_reward(name: str, device_tensors: bool = False, video: bool = False
             obj.device_tensors = True
         if video:
             obj.video = True
+        if group_wise:
+            obj.group_wise = True
         REWARD_REGISTRY[name] = obj
         return obj
 
@@ -123,6 +140,11 @@ def frame_indices(num_frames: int, count: int) -> list[int]:
     if count == 1:
         return [(num_frames - 1) // 2]
     return [(2 * i * (num_frames - 1) + count - 1) // (2 * (count - 1)) for i in range(count)]
+
+
+def is_group_wise(fn) -> bool:
+    """Whether a reward (function, instance, or partial of one) asked to be called on whole prompt groups."""
+    return bool(getattr(fn, "group_wise", False) or getattr(getattr(fn, "func", None), "group_wise", False))
 
 
 def to_uint8_images(images) -> np.ndarray:

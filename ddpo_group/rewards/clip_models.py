@@ -98,3 +98,20 @@ def load_tokenizer(tokenizer, reward: str, field: str = "tokenizer"):
             f"argument {field}=/path/to/local/dir (config: reward_kwargs.{reward}.{field})",
             reward=reward,
         ) from exc
+
+
+def load_image_processor(processor, reward: str, field: str = "image_processor"):
+    """`processor` if it is already an image processor object, else `CLIPImageProcessor.from_pretrained(processor)`."""
+    if not isinstance(processor, str):
+        return processor
+    import transformers
+
+    try:
+        return transformers.CLIPImageProcessor.from_pretrained(processor)
+    except (OSError, ValueError) as exc:
+        raise RewardNotReadyError(
+            f"reward {reward!r}: cannot load the CLIP image processor {processor!r} ({exc}). Download it with "
+            f"`huggingface-cli download {processor}` while online, or set the reward's keyword argument "
+            f"{field}=/path/to/local/dir (config: reward_kwargs.{reward}.{field})",
+            reward=reward,
+        ) from exc

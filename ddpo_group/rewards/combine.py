@@ -6,6 +6,11 @@
 "sum_then_normalize" (Flow-GRPO: the advantage estimator sees `total`) or
 "normalize_then_sum" (MixGRPO: one group advantage per component, then the weighted sum
 of those). This module only provides `total` and the per-component rewards.
+
+A group-wise component (`register_reward(name, group_wise=True)`, rewards/base.py) is called once per
+prompt group with the whole group, whatever `batch_size`; per-image components are called on chunks of
+`batch_size`. `CombinedReward(..., only="per_image" | "group_wise")` runs one kind alone: the rollout
+scores the per-image components batch by batch and the group-wise ones once a group is complete.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import numpy as np
 import torch
 
 from ddpo_group.rewards.base import frame_indices, is_video_reward
+
+
+from ddpo_group.rewards.base import is_group_wise
 from ddpo_group.rewards.registry import (
     RewardError,
     RewardNotReadyError,
@@ -30,6 +38,7 @@ from ddpo_group.rewards.registry import (
 )
 
 REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+REWARD_KINDS = ("per_image", "group_wise")
 
 
 def _prompt_list(prompts, limit: int = 3) -> str:
@@ -37,12 +46,15 @@ def _prompt_list(prompts, limit: int = 3) -> str:
     return shown + (", ..." if len(prompts) > limit else "")
 
 
-def validate_rewards(rewards, name: str, prompts, offset: int = 0) -> np.ndarray:
+def validate_rewards(rewards, name: str, prompts, offset: int = 0, indices=None) -> np.ndarray:
     """`rewards` as a float64 array of shape (B,) with B = len(prompts), all finite.
 
-    Otherwise RewardError naming the reward `name`, the sample index (offset + i) and its prompt.
+    Otherwise RewardError naming the reward `name`, the sample index (offset + i, or indices[i] when the
+    B samples are not contiguous: a prompt group) and its prompt.
     """
     batch = len(prompts)
+    number = (lambda i: int(indices[i])) if indices is not None else (lambda i: offset + i)  # noqa: E731
+    span = _span(indices) if indices is not None else f"{offset}..{offset + batch - 1}"
     given = type(rewards).__name__
     try:
         if isinstance(rewards, torch.Tensor):
@@ -61,14 +73,13 @@ def validate_rewards(rewards, name: str, prompts, offset: int = 0) -> np.ndarray
     except (TypeError, ValueError, OverflowError) as exc:
         raise RewardError(
             f"reward {name!r} returned {given} that is not an array of numbers "
-            f"({exc}) for prompts {_prompt_list(prompts)} (samples {offset}..{offset + batch - 1})",
+            f"({exc}) for prompts {_prompt_list(prompts)} (samples {span})",
             reward=name,
         ) from exc
     if array.shape != (batch,):
         raise RewardError(
             f"reward {name!r} returned shape {tuple(array.shape)} for a batch of {batch} images; "
-            f"expected ({batch},) (prompts {_prompt_list(prompts)}, samples "
-            f"{offset}..{offset + batch - 1})",
+            f"expected ({batch},) (prompts {_prompt_list(prompts)}, samples {span})",
             reward=name,
         )
     bad = np.flatnonzero(~np.isfinite(array))
@@ -76,18 +87,25 @@ def validate_rewards(rewards, name: str, prompts, offset: int = 0) -> np.ndarray
     if too_big.size and not bad.size:
         i = int(too_big[0])
         raise RewardError(
-            f"reward {name!r} returned {array[i]:.3g} for sample {offset + i} (prompt {prompts[i]!r}), which does not "
+            f"reward {name!r} returned {array[i]:.3g} for sample {number(i)} (prompt {prompts[i]!r}), which does not "
             f"fit in float32 (|r| <= {np.finfo(np.float32).max:.3g}); rescale the reward",
-            reward=name, index=offset + i, prompt=prompts[i],
+            reward=name, index=number(i), prompt=prompts[i],
         )
     if bad.size:
         i = int(bad[0])
         raise RewardError(
-            f"reward {name!r} returned {array[i]} for sample {offset + i} (prompt {prompts[i]!r}); "
+            f"reward {name!r} returned {array[i]} for sample {number(i)} (prompt {prompts[i]!r}); "
             f"rewards must be finite ({bad.size} non-finite value(s) in the batch)",
-            reward=name, index=offset + i, prompt=prompts[i],
+            reward=name, index=number(i), prompt=prompts[i],
         )
     return array
+
+
+def _span(rows) -> str:
+    rows = [int(i) for i in rows]
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return f"{rows[0]}..{rows[-1]}"
+    return ", ".join(map(str, rows[:4])) + (", ..." if len(rows) > 4 else "")
 
 
 def info_metrics(infos):
@@ -113,8 +131,10 @@ class CombinedReward:
     """Calls each component on a batch and returns (total, components, info).
 
     components: {name: fn(images, prompts, metadata) -> (rewards (B,), info)};
-    weights: {name: w}; batch_size: components are called on chunks of at most this many
-    images (None: the whole batch); workers: threads that run the (component, chunk) calls.
+    frames: for videos (B, F, 3, H, W), the evenly spaced frames an image component scores per video, its reward
+    weights: {name: w}; batch_size: per-image components are called on chunks of at most this many
+    images (None: the whole batch), group-wise ones on whole groups; workers: threads that run the
+    (component, chunk or group) calls.
     frames: for videos (B, F, 3, H, W), the evenly spaced frames an image component scores per video, its reward
     the mean over them (0: every frame); a video component (``is_video_reward``) gets the videos (rewards/base.py).
     """
@@ -140,6 +160,8 @@ class CombinedReward:
         self.video_components = [name for name, fn in components.items() if is_video_reward(fn)]
         self.weights = {name: float(w) for name, w in weights.items()}
         self.names = list(self.components)
+        # components called on whole prompt groups (register_reward(..., group_wise=True)), in `names` order
+        self.group_wise_names = [name for name in self.names if is_group_wise(self.components[name])]
         self.workers = int(workers)
         self.batch_size = batch_size
         self.aggregation = aggregation
@@ -169,8 +191,10 @@ class CombinedReward:
                 return i
         return None
 
-    def _call(self, name, fn, images, prompts, metadata, offset):
-        # `images` is this call's own copy (__call__): float32 on the CPU, or on the device when the reward asked
+    def _call(self, name, fn, images, prompts, metadata, rows):
+        # `images` is this call's own copy (__call__): float32 on the CPU, or on the device when the reward asked;
+        # rows: the sample indices of the call (a contiguous chunk, or a prompt group's members)
+        group = name in self.group_wise_names
         try:
             output = fn(images, prompts, metadata)
         except RewardError:
@@ -184,17 +208,19 @@ class CombinedReward:
             ) from exc
         except Exception as exc:
             index = 0 if len(prompts) == 1 else None
-            if index is None and getattr(fn, "locate_errors", True):
+            # a group-wise reward is not scored sample by sample: the failure is the group's
+            if index is None and not group and getattr(fn, "locate_errors", True):
                 index = self._locate_failure(fn, images, prompts, metadata)
             if index is None:
-                where = (f"on the batch of samples {offset}..{offset + len(prompts) - 1} "
+                what = "prompt group" if group else "batch"
+                where = (f"on the {what} of samples {_span(rows)} "
                          f"(prompts {_prompt_list(prompts)})")
                 raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc} {where}",
                                   reward=name) from exc
             raise RewardError(
-                f"reward {name!r} raised {type(exc).__name__}: {exc} on sample {offset + index} "
+                f"reward {name!r} raised {type(exc).__name__}: {exc} on sample {rows[index]} "
                 f"(prompt {prompts[index]!r})",
-                reward=name, index=offset + index, prompt=prompts[index],
+                reward=name, index=int(rows[index]), prompt=prompts[index],
             ) from exc
         if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], dict)):
             raise RewardError(
@@ -202,9 +228,9 @@ class CombinedReward:
                 f"(prompts {_prompt_list(prompts)})",
                 reward=name,
             )
-        return validate_rewards(output[0], name, prompts, offset), output[1]
+        return validate_rewards(output[0], name, prompts, indices=rows), output[1]
 
-    def _call_frames(self, name, fn, videos, prompts, metadata, offset):
+    def _call_frames(self, name, fn, videos, prompts, metadata, rows):
         """An image reward on videos (b, F, 3, H, W): its rewards of `self.frames` evenly spaced frames per video
         (one call on b * k images, a video's frames consecutive, its prompt and metadata repeated), averaged per
         video: (b,) float64, and the info of that call."""
@@ -212,7 +238,7 @@ class CombinedReward:
         k = len(index)
         frames = videos[:, index].reshape(-1, *videos.shape[2:])
         rewards, info = self._call(name, fn, frames, [p for p in prompts for _ in range(k)],
-                                   [m for m in metadata for _ in range(k)], offset * k)
+                                   [m for m in metadata for _ in range(k)], np.repeat(np.asarray(rows), k))
         return rewards.reshape(-1, k).mean(axis=1), info
 
     def check_images(self, video: bool, field: str = "reward_fn") -> None:
@@ -223,10 +249,14 @@ class CombinedReward:
                 "this model makes images; use an image reward, or a video model such as Wan"
             )
 
-    def __call__(self, images, prompts, metadata=None):
+    def __call__(self, images, prompts, metadata=None, groups=None, only=None):
         """images (B, 3, H, W) in [0, 1] or videos (B, F, 3, H, W), B prompts, B metadata dicts (None: empty
         dicts) -> (total (B,) float64, {name: (B,) float64}, info {"<name>/<key>": value}). On videos an image
-        component scores `frames` frames per video and gets their mean; a video component the whole videos."""
+        component scores `frames` frames per video and gets their mean; a video component the whole videos.
+
+        groups: B hashable keys, one group per distinct key, for the group-wise components (None: samples with
+        equal prompts are one group). only: "per_image" or "group_wise" runs that kind of component alone (the
+        components dict and total then hold those only); None runs all."""
         images = torch.as_tensor(images) if not isinstance(images, torch.Tensor) else images
         video = images.ndim == 5
         if images.ndim not in (4, 5) or images.shape[-3] != 3:
@@ -240,26 +270,37 @@ class CombinedReward:
                 f"got {batch} images, {len(prompts)} prompts and {len(metadata)} metadata dicts; "
                 f"they must be equal"
             )
-        step = batch if self.batch_size is None else int(self.batch_size)
-        calls = [
-            (name, start)
-            for name in self.names
-            for start in range(0, batch, max(step, 1))
-        ]
+        if only not in (None,) + REWARD_KINDS:
+            raise ValueError(f"only must be None or one of {REWARD_KINDS}, got {only!r}")
+        keys = prompts if groups is None else list(groups)
+        if len(keys) != batch:
+            raise ValueError(f"got {len(keys)} group keys for {batch} images; give one per image")
+        names = [name for name in self.names
+                 if only is None or (name in self.group_wise_names) == (only == "group_wise")]
+        step = max(batch if self.batch_size is None else int(self.batch_size), 1)
+        chunks = [np.arange(start, min(start + step, batch)) for start in range(0, batch, step)]
+        members = {}
+        for index, key in enumerate(keys):  # groups in the order of their first sample
+            members.setdefault(key, []).append(index)
+        whole_groups = [np.asarray(rows) for rows in members.values()]
+        calls = [(name, rows) for name in names
+                 for rows in (whole_groups if name in self.group_wise_names else chunks)]
 
         # every reward gets its own copy (registry docstring): moved to the CPU once (float32, or float64 when
         # given float64), cloned per call; a reward that asked for device tensors gets a clone of the original
         on_host = images.detach().to("cpu", torch.promote_types(images.dtype, torch.float32))
 
         def run(call):
-            name, start = call
-            stop = start + step
+            name, rows = call
             fn = self.components[name]
             source = images.detach() if wants_device_tensors(fn) else on_host
+            if len(rows) and rows[-1] - rows[0] == len(rows) - 1:  # contiguous: a slice's clone
+                own = source[int(rows[0]) : int(rows[-1]) + 1].clone()
+            else:  # a group spread over the batch: indexing copies
+                own = source[torch.as_tensor(rows, device=source.device)]
             if video and not is_video_reward(fn):
-                return self._call_frames(name, fn, source[start:stop].clone(), prompts[start:stop], metadata[start:stop],
-                                         start)
-            return self._call(name, fn, source[start:stop].clone(), prompts[start:stop], metadata[start:stop], start)
+                return self._call_frames(name, fn, own, [prompts[i] for i in rows], [metadata[i] for i in rows], rows)
+            return self._call(name, fn, own, [prompts[i] for i in rows], [metadata[i] for i in rows], rows)
 
         if self.workers > 1 and len(calls) > 1:
             with self._executor_lock:
@@ -269,10 +310,10 @@ class CombinedReward:
         else:
             results = [run(call) for call in calls]
 
-        parts = {name: [] for name in self.names}
+        components = {name: np.zeros(batch, dtype=np.float64) for name in names}
         info = {}
-        for (name, _), (rewards, component_info) in zip(calls, results):
-            parts[name].append(rewards)
+        for (name, rows), (rewards, component_info) in zip(calls, results):
+            components[name][rows] = rewards
             for key, value in component_info.items():
                 key = f"{name}/{key}"
                 if key in info:  # chunked call: concatenate per-sample values, keep the first scalar
@@ -280,13 +321,20 @@ class CombinedReward:
                         info[key] = np.concatenate([np.asarray(info[key]), np.asarray(value)])
                 else:
                     info[key] = value
-        components = {name: np.concatenate(parts[name]) if parts[name] else np.zeros(0) for name in self.names}
-        total = np.zeros(batch, dtype=np.float64)
-        for name in self.names:
-            total = total + self.weights[name] * components[name]
-        if len(self.names) > 1:
-            validate_rewards(total, "the weighted sum of " + "+".join(self.names), prompts)
+        total = self.weighted_total(components, prompts)
         return total, components, info
+
+    def weighted_total(self, components, prompts=None) -> np.ndarray:
+        """sum_k w_k * components[k] over the components given (in the order of `names`), (B,) float64;
+        validated (finite, fits float32) when it sums more than one component."""
+        present = [name for name in self.names if name in components]
+        total = np.zeros(len(components[present[0]]) if present else 0, dtype=np.float64)
+        for name in present:
+            total = total + self.weights[name] * np.asarray(components[name], dtype=np.float64)
+        if len(present) > 1:
+            prompts = [""] * len(total) if prompts is None else prompts
+            validate_rewards(total, "the weighted sum of " + "+".join(present), prompts)
+        return total
 
     def close(self) -> None:
         """Stop the worker threads (a later call starts new ones)."""
@@ -398,21 +446,22 @@ class AsyncRewardRunner:
             item = self._queue.get()
             if item is None:
                 return
-            future, args = item
+            future, args, kwargs = item
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(self.reward_fn(*args))
+                future.set_result(self.reward_fn(*args, **kwargs))
             except BaseException as exc:  # delivered to the caller of result()
                 future.set_exception(exc)
 
-    def submit(self, images, prompts, metadata=None) -> concurrent.futures.Future:
+    def submit(self, images, prompts, metadata=None, **kwargs) -> concurrent.futures.Future:
+        """Queue reward_fn(images, prompts, metadata, **kwargs) (kwargs: e.g. CombinedReward's groups, only)."""
         if isinstance(images, torch.Tensor):
             images = images.detach()
         prompts = list(prompts)
         metadata = [{} for _ in prompts] if metadata is None else [dict(m) for m in metadata]
         future = concurrent.futures.Future()
-        self._queue.put((future, (images, prompts, metadata)))
+        self._queue.put((future, (images, prompts, metadata), kwargs))
         return future
 
     def result(self, future: concurrent.futures.Future, timeout: float | None = None):

@@ -9,8 +9,10 @@ Protocol (version 1), one POST per batch (Content-Type: application/json) to the
     response  200 {"rewards": [number, one per image], "info": {str: JSON value}}
               4xx / 5xx {"error": "message"}
 
-and GET on the same URL: 200 {"reward": NAME, "protocol": 1, ...} (the server's description; a server
-that answers GET with 405 or 501 has none, and is still used). Images are quantized to 8 bits
+and GET on the same URL: 200 {"reward": NAME, "protocol": 1, "group_wise": bool, ...} (the server's
+description; a server that answers GET with 405 or 501 has none, and is still used). A server whose
+reward is group-wise (rewards/base.py) says so, and the client is then group-wise too: each POST holds
+one whole prompt group. Images are quantized to 8 bits
 (round(255 x)) before PNG encoding; numpy / torch values in metadata are sent as lists / numbers.
 
 The client asks for the description when the reward is built (before any sampling): an unreachable
@@ -138,6 +140,7 @@ class RemoteReward:
         self._host, self._port = parts.hostname, parts.port
         self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self.description, self.served_name, self._checked = None, None, False
+        self.group_wise = False  # set from the description: a served group-wise reward (check_ready)
         if check:
             self.check_ready()
 
@@ -263,6 +266,8 @@ class RemoteReward:
                     f"{PROTOCOL_VERSION}; run the same version of ddpo-group on both sides", reward=self.url)
             name = description.get("reward")
             self.served_name = name if isinstance(name, str) and name.strip() else None
+            # a served group-wise reward makes this client one: CombinedReward sends it whole prompt groups
+            self.group_wise = description.get("group_wise") is True
         self.description, self._checked = description, True
 
     def __call__(self, images, prompts, metadata):

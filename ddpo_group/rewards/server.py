@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ddpo_group.rewards.base import is_group_wise
 from ddpo_group.rewards.registry import component_name, get_reward
 from ddpo_group.rewards.remote import PROTOCOL_VERSION, RequestTooLarge, decode_images, to_json
 
@@ -85,6 +86,8 @@ class RewardApp:
             "reward": name, "protocol": PROTOCOL_VERSION,
             "paths": {"score (POST)": self.score_paths, "describe (GET)": ["/", "/health", f"/{name}"]},
             "limits": asdict(limits),
+            # a group-wise reward (rewards/base.py): its clients send one whole prompt group per request
+            "group_wise": is_group_wise(reward_fn),
         }
         self.executor = concurrent.futures.ThreadPoolExecutor(limits.workers, thread_name_prefix="reward")
 
