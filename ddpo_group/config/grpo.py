@@ -26,6 +26,8 @@
     tiny_flux       a random-weight tiny FLUX pipeline (flow matching), seconds; tests and smoke checks
     qwen_image      GRPO on Qwen-Image (flow matching, true CFG) with LoRA r64, Flow-Factory / verl settings, one GPU
     tiny_qwen_image  a random-weight tiny Qwen-Image pipeline (Qwen2.5-VL text, true CFG), seconds; tests and smoke checks
+    sdxl            GRPO + KL on SDXL 1.0 base (DDIM, two text encoders, pooled embeddings, time ids) with LoRA, one GPU
+    tiny_sdxl       a random-weight tiny SDXL pipeline, seconds; tests and smoke checks
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
 tiny_early_window, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
@@ -502,6 +504,44 @@ VARIANTS = {
     "qwen_image": qwen_image,
     "tiny_qwen_image": tiny_qwen_image,
 }
+
+
+# ---- issue 37: SDXL and the image-editing families (FLUX.1 Kontext, Qwen-Image-Edit) ----
+def sdxl():
+    """SDXL 1.0 base (hub id stabilityai/stable-diffusion-xl-base-1.0) with LoRA: SD 1.5's GRPO + KL recipe (sd15:
+    DDIM with eta 1.0 as ddpo-pytorch, group 8, reference KL 0.004) at SDXL's own settings: 1024 px, CFG 5.0 and 25
+    steps (the SDXL GRPO / DPO research scripts' validation sampling in huggingface/diffusers
+    examples/research_projects/diffusion_grpo/train_diffusion_grpo_sdxl.py), LoRA rank 8 and learning rate 1e-5
+    (that script's README command, fp16). fp16 keeps SDXL's VAE in float32 (its force_upcast); the fixed VAE
+    madebyollin/sdxl-vae-fp16-fix is the usual swap. Not yet run here (no GPU, no hub); its UNet is 2.6B parameters."""
+    config = sd15()
+    config.pretrained.model = "stabilityai/stable-diffusion-xl-base-1.0"
+    config.lora_rank = 8
+    config.sample.resolution = 1024
+    config.sample.num_steps = 25
+    config.sample.guidance_scale = 5.0
+    config.sample.batch_size = 8
+    config.train.batch_size = 2
+    config.train.gradient_accumulation_steps = 8  # two optimizer steps per epoch of 32 trajectories, as sd15
+    config.train.learning_rate = 1e-5
+    return config
+
+
+def tiny_sdxl():
+    """A random-weight tiny SDXL pipeline (two tiny CLIP encoders, one with projection; pooled embeddings and time
+    ids), DDIM, seconds: tests and smoke runs."""
+    config = test()
+    config.pretrained.model = "tiny-sdxl"
+    config.reward_fn = "jpeg_compressibility"  # random weights: any reward that varies between images
+    config.sample.guidance_scale = 5.0
+    return config
+
+
+VARIANTS.update({
+    "sdxl": sdxl,
+    "tiny_sdxl": tiny_sdxl,
+})
+# ---- end of issue 37's SDXL and editing block ----
 
 
 def get_config(name="sd15"):
