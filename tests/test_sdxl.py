@@ -224,3 +224,36 @@ def test_a_resumed_sdxl_run_ends_where_a_straight_one_does(tmp_path):
     end, again = lora(straight), lora(stopped)
     assert set(end) == set(again) and all(torch.equal(end[k], again[k]) for k in end)
     assert read_metrics(stopped)[1]["loss"] == read_metrics(straight)[1]["loss"]
+
+
+def test_the_random_sdxl_unet_is_sdxl_bases_size():
+    from diffusers import UNet2DConditionModel
+
+    from ddpo_group.diffusion.tiny import SDXL_UNET
+
+    with torch.device("meta"):  # shapes only: no 2.6B weights drawn
+        unet = UNet2DConditionModel(**SDXL_UNET)
+    # stabilityai/stable-diffusion-xl-base-1.0's UNet: 2,567,463,684 parameters; its added embedding takes the six
+    # time ids x 256 Fourier features and the 1280-wide pooled text embedding
+    assert sum(p.numel() for p in unet.parameters()) == 2_567_463_684
+    assert unet.add_embedding.linear_1.in_features == 6 * 256 + 1280
+
+
+def test_gpu_check_runs_the_sdxl_code_path_on_the_cpu(tmp_path):
+    import json
+    import subprocess
+
+    from helpers import PYTHON, ROOT, subprocess_env
+
+    output = tmp_path / "gpu_check.json"
+    result = subprocess.run(
+        [PYTHON, "benchmarks/gpu_check.py", "--device", "cpu", "--dtypes", "bf16", "--arch", "tiny-sdxl", "--variants",
+         "grpo", "--steps", "2", "--sample-steps", "2", "--sample-batch", "4", "--batches", "1", "--train-batch", "2",
+         "--repeats", "1", "--sample-repeats", "1", "--epochs", "2", "--optimizer-steps", "2", "--output", str(output)],
+        cwd=ROOT, env=subprocess_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    entry = json.loads(output.read_text())["archs"]["tiny-sdxl"]["dtypes"]["bf16"]
+    assert entry["sampling_mask_all_ones"] is True and entry["sample_steps"] == 2
+    row = entry["variants"]["grpo"]
+    assert row["approx_kl_by_epoch"] == [0.0, 0.0] and row["on_policy_max_abs_log_ratio"] == 0.0
