@@ -28,6 +28,8 @@
     tiny_qwen_image  a random-weight tiny Qwen-Image pipeline (Qwen2.5-VL text, true CFG), seconds; tests and smoke checks
     sdxl            GRPO + KL on SDXL 1.0 base (DDIM, two text encoders, pooled embeddings, time ids) with LoRA, one GPU
     tiny_sdxl       a random-weight tiny SDXL pipeline, seconds; tests and smoke checks
+    flux_kontext    GRPO image editing on FLUX.1 Kontext [dev] with Flow-Factory's settings, LoRA r64, one GPU
+    tiny_flux_kontext  a random-weight tiny FLUX.1 Kontext editing the shipped shapes-world sources, seconds
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
 tiny_early_window, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
@@ -537,9 +539,59 @@ def tiny_sdxl():
     return config
 
 
+def _flow_factory_edit(config):
+    """X-GenGroup/Flow-Factory's GRPO LoRA edit recipes (examples/grpo/lora/flux1_kontext/default.yaml and
+    qwen_image_edit_plus/default.yaml), scaled to one GPU: LoRA r64 / alpha 128, bf16, 384 px targets and sources,
+    10 steps, 16 images per prompt, clip range 1e-4, no KL, lr 3e-4, weight decay 1e-4, two optimizer steps per
+    epoch. Both train the SDE at one random step of 1-3 only: not expressible with sample.sde_window's modes, so
+    every step is stochastic here. The prompt file's records carry their source image (docs/editing.md); the reward
+    is PickScore there (optional extra here), aesthetic as the installed default."""
+    config.lora_rank = 64
+    config.lora_alpha = 128
+    config.prompt_fn = "shapes_edits.jsonl"  # replace with your edit prompts: {"prompt", "source_image"} records
+    config.sample.num_steps = 10
+    config.sample.resolution = 384
+    config.sample.group_size = 16
+    config.sample.batch_size = 16
+    config.sample.num_batches_per_epoch = 2
+    config.train.batch_size = 2
+    config.train.gradient_accumulation_steps = 8
+    config.train.learning_rate = 3e-4
+    config.train.adam_weight_decay = 1e-4
+    config.train.clip_range = 1e-4
+    config.train.use_reference_model = False
+    config.train.use_kl_loss = False
+    config.train.beta = 0.0
+    return config
+
+
+def flux_kontext():
+    """FLUX.1 Kontext [dev] (hub id black-forest-labs/FLUX.1-Kontext-dev): image editing with Flow-Factory's recipe
+    (``_flow_factory_edit``): its guidance embedding 2.5, Flow-SDE noise level 0.9. Not yet run (no GPU, no hub);
+    the shipped shapes_edits.jsonl sources are 32 px: give 384 px sources (sample.resolution) of your own."""
+    config = _flow_factory_edit(flux())
+    config.pretrained.model = "black-forest-labs/FLUX.1-Kontext-dev"
+    config.sample.guidance_scale = 2.5  # Flow-Factory / the pipeline's default: the guidance embedding, not CFG
+    config.sample.eta = 0.9  # Flow-Factory: Flow-SDE noise_level 0.9
+    return config
+
+
+def tiny_flux_kontext():
+    """A random-weight tiny FLUX.1 Kontext pipeline (the tiny FLUX's parts) editing the shipped 32 px shapes-world
+    sources of shapes_edits.jsonl, seconds: tests and smoke runs."""
+    config = tiny_flux()
+    config.pretrained.model = "tiny-flux-kontext"
+    config.prompt_fn = "shapes_edits.jsonl"
+    config.sample.resolution = 32
+    config.sample.guidance_scale = 2.5
+    return config
+
+
 VARIANTS.update({
     "sdxl": sdxl,
     "tiny_sdxl": tiny_sdxl,
+    "flux_kontext": flux_kontext,
+    "tiny_flux_kontext": tiny_flux_kontext,
 })
 # ---- end of issue 37's SDXL and editing block ----
 

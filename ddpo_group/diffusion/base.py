@@ -219,6 +219,10 @@ class DiffusionPolicy:
     sample(prompts, ..., keep_steps=True) -> Trajectories
                                           trajectories with float32 latents and log-probs, no graph
                                           (keep_steps=False: the clean latents only, no log-prob computed)
+    conditions_on_images                  class attribute, True for an image-editing family: its `sample` takes
+                                          source_images (B, 3, H, W) float in [0, 1], one per prompt, and keeps
+                                          their encoding in Trajectories.extra_cond (re-scored exactly); the
+                                          callers pass source_images only to such a family (edit_sources.py)
     step_log_prob(model, batch, rows, step_index, guidance_scale, eta) -> (log_prob, mean, std)
                                           one stored step re-scored with `model`, with autograd
     forward_noise(x0, noise, timesteps) -> (x_t, target, x0_scale)
@@ -238,6 +242,8 @@ class DiffusionPolicy:
     pipeline_class_names = ()
     # whether `flow_grpo_kl_std` applies (train.kl_type="flow_grpo"): flow-matching families only
     supports_flow_grpo_kl = False
+    # whether `sample` edits a source image per prompt (sample(..., source_images=...)): the editing families
+    conditions_on_images = False
 
     def __init__(self, pipeline):
         if not self.supports(pipeline):

@@ -175,10 +175,12 @@ class FlowMatchingPolicy(DiffusionPolicy):
 
     @torch.no_grad()
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
-               model=None, show_progress=False, keep_steps=True):
+               model=None, show_progress=False, keep_steps=True, source_images=None):
         """B trajectories of `num_steps` SDE steps; eta: the noise level a, or one per step (0: an ODE step).
 
-        keep_steps=False: only the clean latents are kept and no log-prob is computed (``Trajectories``)."""
+        keep_steps=False: only the clean latents are kept and no log-prob is computed (``Trajectories``).
+        source_images: (B, 3, H, W) float in [0, 1], an editing family's source image per prompt (``_encode_source``
+        puts its encoding into the conditioning, kept in ``Trajectories.extra_cond``)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -190,6 +192,8 @@ class FlowMatchingPolicy(DiffusionPolicy):
         batch_size = len(prompts)
         levels = noise_levels(eta, num_steps)
         cond = self._encode(prompts, negative_prompt, guidance_scale, device)
+        if self.conditions_on_images or source_images is not None:
+            cond.update(self._encode_source(source_images, batch_size, device))
         latents = self._initial_latents(batch_size, device, generator)
         timesteps, sigmas = self._set_timesteps(num_steps, device)
         check_sigma_grid(sigmas.unsqueeze(0))  # once: the steps below then do not read their sigmas back from the device
@@ -224,6 +228,21 @@ class FlowMatchingPolicy(DiffusionPolicy):
             sigmas=grid,
             extra_cond={name: value for name, value in cond.items() if name not in COND_FIELDS} or None,
         )
+
+    def _encode_source(self, source_images, batch_size, device):
+        """An editing family's conditioning tensors of its source images (name -> (B, ...), kept in extra_cond)."""
+        raise ValueError(f"{type(self.pipeline).__name__} does not edit images: sample it without source_images")
+
+    def _check_source_images(self, source_images, batch_size):
+        """(B, 3, resolution, resolution) float32 source images, or a ValueError naming the field."""
+        if source_images is None:
+            raise ValueError(f"{type(self.pipeline).__name__} edits an image: every prompt needs a source image "
+                             "(the prompt record's field 'source_image'; docs/editing.md)")
+        side = self.resolution
+        if tuple(source_images.shape) != (batch_size, 3, side, side):
+            raise ValueError(f"source_images must be (B, 3, H, W) = ({batch_size}, 3, {side}, {side}) (the field "
+                             f"'source_image' at config.sample.resolution), got {tuple(source_images.shape)}")
+        return source_images.float()
 
     @staticmethod
     def _rows_cond(batch, rows):

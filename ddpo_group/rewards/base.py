@@ -16,6 +16,12 @@ NumPy needs no device move, and editing it in place changes nothing else. A rewa
 runs a model on the accelerator says so, `@register_reward("name", device_tensors=True)`
 (or a `device_tensors = True` attribute): it gets a copy on the training device instead.
 
+Image editing (FLUX.1 Kontext, Qwen-Image-Edit; docs/editing.md): a prompt record's ``source_image`` reaches the
+reward as the image itself, so an edit reward compares before and after: ``metadata[i]["source_image"]`` is the
+source the sample edited, a float32 CPU tensor (3, H, W) in [0, 1] of the images' size (the reward's own copy),
+and ``metadata[i]["source_image_path"]`` the file it was read from (a remote reward receives the image as nested
+lists, ``remote.py``). Text-to-image prompts carry neither.
+
 Built-in, optional and shapes-world rewards register here when their modules are imported;
 ``registry.py`` imports them all and resolves a spec string to a reward.
 """
