@@ -121,3 +121,41 @@ def check_edit_prompts(records, conditions_on_images: bool, resolution: int, fie
             f"config.{field}: prompt {record.prompt!r} has a field '{SOURCE_FIELD}' but config.pretrained.model="
             f"{model!r} does not edit images: use an editing model (FLUX.1 Kontext, Qwen-Image-Edit) or drop the field"
         )
+
+
+def edit_pairs_html(run_dir: str, epoch: int | None = None, max_pairs: int = 16) -> str:
+    """The HTML report's fragment of an editing run: source -> edited pairs of an epoch's samples (the last epoch
+    with samples when `epoch` is None), each with its prompt and reward; "" for a run without source images.
+
+    Reads samples/epoch_XXXX.json (written by grids.save_epoch_samples with sources) and embeds the PNGs it names
+    as data URIs, so the fragment stands alone. For ddpo_group/inspect.py's report (a section after the sample
+    grids)."""
+    import base64
+    import glob
+    import html
+    import json
+
+    samples = os.path.join(run_dir, "samples")
+    documents = sorted(glob.glob(os.path.join(samples, "epoch_[0-9][0-9][0-9][0-9].json")))
+    if epoch is not None:
+        documents = [d for d in documents if d.endswith(f"epoch_{epoch:04d}.json")]
+    if not documents:
+        return ""
+    with open(documents[-1], encoding="utf-8") as f:
+        document = json.load(f)
+    pairs = [r for r in document.get("records", []) if r.get("source_image")][:max_pairs]
+    if not pairs:
+        return ""
+
+    def image(rel):
+        with open(os.path.join(samples, rel), "rb") as f:
+            data = base64.b64encode(f.read()).decode("ascii")
+        return f'<img src="data:image/png;base64,{data}" style="width:128px;image-rendering:pixelated">'
+
+    rows = "".join(
+        f"<tr><td>{image(r['source_image'])}</td><td>&rarr;</td><td>{image(r['image'])}</td>"
+        f"<td>{html.escape(r['prompt'])}<br>reward {r['reward']:.4g}</td></tr>"
+        for r in pairs
+    )
+    return (f"<section><h2>Edits of epoch {document['epoch']}: source &rarr; edited</h2>"
+            f"<table>{rows}</table></section>")

@@ -254,3 +254,16 @@ def test_bad_edit_prompts_are_one_line_naming_the_field(tmp_path):
     (record,) = load_config_prompts(config, "prompt_fn")
     assert record.metadata["source_image"] == str(tmp_path / "ok.png")
     assert source_images([record], 32).shape == (1, 3, 32, 32)
+
+
+def test_the_report_fragment_shows_source_edited_pairs(tmp_path):
+    from ddpo_group.edit_sources import edit_pairs_html
+
+    run_dir = train(make_config(tmp_path, variant="tiny_flux_kontext", num_epochs=1, sample__num_steps=2))
+    fragment = edit_pairs_html(run_dir)
+    document = json.loads(open(os.path.join(run_dir, "samples", "epoch_0000.json")).read())
+    assert fragment.count("<tr>") == len(document["records"]) == 4
+    assert fragment.count("data:image/png;base64,") == 8 and "source &rarr; edited" in fragment
+    assert document["records"][0]["prompt"] in fragment
+    plain = train(make_config(tmp_path, variant="tiny_flux", run_name="t2i", num_epochs=1, sample__num_steps=2))
+    assert edit_pairs_html(plain) == ""
