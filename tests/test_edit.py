@@ -267,3 +267,124 @@ def test_the_report_fragment_shows_source_edited_pairs(tmp_path):
     assert document["records"][0]["prompt"] in fragment
     plain = train(make_config(tmp_path, variant="tiny_flux", run_name="t2i", num_epochs=1, sample__num_steps=2))
     assert edit_pairs_html(plain) == ""
+
+
+# ---- Qwen-Image-Edit: the source conditions the text encoder (vision tokens) and the latents ----
+
+from ddpo_group.diffusion.qwen_image import QwenImageEditPolicy, build_tiny_qwen_image_edit_pipeline  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qwen_edit():
+    return build_tiny_qwen_image_edit_pipeline(seed=0)
+
+
+def _qwen_policy(pipeline):
+    policy = policy_for(pipeline)
+    policy.configure(max_sequence_length=32, resolution=32)
+    return policy
+
+
+def _pixels(seed):
+    return (np.random.default_rng(seed).random((2, 32, 32, 3)) * 255).astype(np.uint8)
+
+
+def _as_sources(pixels):
+    return torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255
+
+
+def test_the_qwen_edit_family_and_its_tokenizer_match_the_pipelines_template(qwen_edit):
+    assert family_for_model("tiny-qwen-image-edit") is QwenImageEditPolicy
+    policy = policy_for(qwen_edit)
+    assert isinstance(policy, QwenImageEditPolicy) and policy.family == "qwen_image_edit" and policy.conditions_on_images
+    tokenizer = qwen_edit.tokenizer
+    prefix = qwen_edit.prompt_template_encode.split("<|vision_start|>")[0]
+    # Qwen2.5-VL's tokenizer: the edit template's system turn and "<|im_start|>user\n" are the 64 dropped tokens
+    assert len(tokenizer(prefix).input_ids) == qwen_edit.prompt_template_encode_start_idx == 64
+    with pytest.raises(ValueError, match="every prompt needs a source image"):
+        policy.sample(PROMPTS, 2, 4.0, 0.7)
+
+
+def test_the_qwen_edit_condition_reads_the_source_in_the_text_and_the_latents(qwen_edit):
+    policy = _qwen_policy(qwen_edit)
+    pixels = _pixels(0)
+    batch = policy.sample(PROMPTS, 2, 4.0, 0.7, generator=torch.Generator().manual_seed(0),
+                          source_images=_as_sources(pixels), keep_steps=False)
+    # the vision tower's 4 merged tokens (56 px: 4 x 4 patches of 14, merged 2 x 2) and the text's, after the 64
+    text = [len(qwen_edit.tokenizer(f"{p}<|im_end|>\n<|im_start|>assistant\n").input_ids) for p in PROMPTS]
+    assert batch.extra_cond["prompt_embeds_mask"].sum(1).tolist() == [2 + 4 + n for n in text]  # + vision start / end
+    vae = qwen_edit.vae
+    with torch.no_grad():
+        mode = vae.encode((_as_sources(pixels) * 2 - 1).unsqueeze(2)).latent_dist.mean[:, :, 0]
+    mean = torch.tensor([0.1, -0.2, 0.3, 0.0]).view(1, 4, 1, 1)
+    std = torch.tensor([1.5, 0.8, 1.2, 2.0]).view(1, 4, 1, 1)
+    torch.testing.assert_close(batch.extra_cond["image_latents"], (mode - mean) / std, rtol=0, atol=1e-6)
+    other = policy.sample(PROMPTS, 2, 4.0, 0.7, generator=torch.Generator().manual_seed(0),
+                          source_images=_as_sources(_pixels(1)), keep_steps=False)
+    assert (other.prompt_embeds - batch.prompt_embeds).abs().max() > 1e-4  # the text encoder sees the image
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_noise_level_zero_reproduces_the_qwen_edit_pipeline(qwen_edit, guidance, monkeypatch):
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as edit_module
+
+    # the pipeline resizes the source to about 1024 x 1024 px; the tiny test keeps it at its 32 px
+    monkeypatch.setattr(edit_module, "calculate_dimensions", lambda area, ratio: (32, 32, None))
+    policy = _qwen_policy(qwen_edit)
+    pixels = _pixels(2)
+    ours = policy.sample(PROMPTS, 4, guidance, 0.0, generator=torch.Generator().manual_seed(3),
+                         source_images=_as_sources(pixels))
+    theirs = qwen_edit(image=[Image.fromarray(p) for p in pixels], prompt=PROMPTS, true_cfg_scale=guidance,
+                       negative_prompt=[" "] * 2 if guidance > 1 else None, height=32, width=32, num_inference_steps=4,
+                       generator=torch.Generator().manual_seed(3), output_type="pt").images
+    assert ours.images.shape == theirs.shape == (2, 3, 32, 32)
+    assert (ours.images - theirs).abs().max() < 1e-5
+    assert (theirs[0] - theirs[1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])
+def test_qwen_edit_rescoring_is_exact_also_after_cat_and_index(qwen_edit, guidance):
+    policy = _qwen_policy(qwen_edit)
+    first = policy.sample(PROMPTS, 3, guidance, 0.7, generator=torch.Generator().manual_seed(5),
+                          source_images=_as_sources(_pixels(3)))
+    second = policy.sample(["a cat", "a dog"], 3, guidance, 0.7, generator=torch.Generator().manual_seed(6),
+                           source_images=_as_sources(_pixels(4)))
+    both = Trajectories.cat([first, second])
+    picked = both.index([3, 0])
+    assert torch.equal(picked.extra_cond["image_latents"][1], first.extra_cond["image_latents"][0])
+    for start, part in ((0, first), (2, second)):
+        rows = torch.arange(start, start + 2)
+        for k in range(3):
+            log_prob, _, _ = policy.step_log_prob(qwen_edit.transformer, both, rows, torch.full((2,), k), guidance, 0.7)
+            assert torch.equal(log_prob, part.log_probs[:, k])
+
+
+def test_a_qwen_edit_run_trains_exactly_on_policy_exports_lora_and_resumes(tmp_path):
+    common = dict(use_lora=True, lora_rank=2, save_freq=1, log_images_every=0, train__learning_rate=3e-2,
+                  sample__batch_size=2, sample__num_batches_per_epoch=2, train__gradient_accumulation_steps=2)
+    trainer = Trainer(make_config(tmp_path, variant="tiny_qwen_image_edit", run_name="straight", **common))
+    straight = trainer.run()
+    rows = read_metrics(straight)
+    assert [row["approx_kl"] for row in rows] == [0.0, 0.0]  # one optimizer step per epoch: exactly on-policy
+    assert rows[-1]["train/skipped_steps"] == 0 and math.isfinite(rows[-1]["loss"])
+    fresh = build_tiny_qwen_image_edit_pipeline(seed=0)
+    fresh.load_lora_weights(os.path.join(straight, "checkpoints", "checkpoint_2", "lora"))
+
+    def images(policy):
+        policy.configure(max_sequence_length=32, resolution=32)
+        return policy.sample(PROMPTS, 3, 4.5, 0.0, generator=torch.Generator().manual_seed(5),
+                             source_images=_as_sources(_pixels(5))).images
+
+    trained, loaded = images(trainer.policy), images(policy_for(fresh))
+    assert (trained - images(policy_for(build_tiny_qwen_image_edit_pipeline(seed=0)))).abs().max() > 1e-4
+    assert (loaded - trained).abs().max() < 1e-5
+
+    stopped = train(make_config(tmp_path, variant="tiny_qwen_image_edit", run_name="parts", num_epochs=1, **common))
+    Trainer(make_config(tmp_path, variant="tiny_qwen_image_edit", run_name="parts", resume_from=stopped, **common),
+            overrides=["num_epochs", "resume_from"]).run()
+
+    def lora(run):
+        return load_file(os.path.join(run, "checkpoints", "checkpoint_2", "lora", "pytorch_lora_weights.safetensors"))
+
+    end, again = lora(straight), lora(stopped)
+    assert set(end) == set(again) and all(torch.equal(end[k], again[k]) for k in end)

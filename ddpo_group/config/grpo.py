@@ -30,6 +30,8 @@
     tiny_sdxl       a random-weight tiny SDXL pipeline, seconds; tests and smoke checks
     flux_kontext    GRPO image editing on FLUX.1 Kontext [dev] with Flow-Factory's settings, LoRA r64, one GPU
     tiny_flux_kontext  a random-weight tiny FLUX.1 Kontext editing the shipped shapes-world sources, seconds
+    qwen_image_edit GRPO image editing on Qwen-Image-Edit (true CFG 4) with Flow-Factory's settings, LoRA r64, one GPU
+    tiny_qwen_image_edit  a random-weight tiny Qwen-Image-Edit editing the shipped shapes-world sources, seconds
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
 tiny_early_window, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
@@ -587,11 +589,37 @@ def tiny_flux_kontext():
     return config
 
 
+def qwen_image_edit():
+    """Qwen-Image-Edit (hub id Qwen/Qwen-Image-Edit; QwenImageEditPipeline, true CFG with the negative prompt " ")
+    with Flow-Factory's recipe (``_flow_factory_edit``; its example trains Qwen-Image-Edit-2509 with the same
+    settings): true CFG 4, Flow-SDE noise level 1.0. max_sequence_length 512 holds the source's vision tokens
+    (a 384 px source: 196) and the prompt. Not yet run (no GPU, no hub); the 20B transformer in bf16 with LoRA
+    needs an 80 GB GPU."""
+    config = _flow_factory_edit(qwen_image())
+    config.pretrained.model = "Qwen/Qwen-Image-Edit"
+    config.sample.guidance_scale = 4.0  # Flow-Factory: guidance_scale 4 (true CFG)
+    config.sample.eta = 1.0  # Flow-Factory: noise_level 1.0
+    config.sample.max_sequence_length = 512
+    return config
+
+
+def tiny_qwen_image_edit():
+    """A random-weight tiny Qwen-Image-Edit pipeline (its Qwen2.5-VL vision tower reads the source) editing the
+    shipped 32 px shapes-world sources of shapes_edits.jsonl, seconds: tests and smoke runs."""
+    config = tiny_qwen_image()
+    config.pretrained.model = "tiny-qwen-image-edit"
+    config.prompt_fn = "shapes_edits.jsonl"
+    config.sample.resolution = 32
+    return config
+
+
 VARIANTS.update({
     "sdxl": sdxl,
     "tiny_sdxl": tiny_sdxl,
     "flux_kontext": flux_kontext,
     "tiny_flux_kontext": tiny_flux_kontext,
+    "qwen_image_edit": qwen_image_edit,
+    "tiny_qwen_image_edit": tiny_qwen_image_edit,
 })
 # ---- end of issue 37's SDXL and editing block ----
 

@@ -191,9 +191,11 @@ class FlowMatchingPolicy(DiffusionPolicy):
         device = self.pipeline._execution_device
         batch_size = len(prompts)
         levels = noise_levels(eta, num_steps)
-        cond = self._encode(prompts, negative_prompt, guidance_scale, device)
         if self.conditions_on_images or source_images is not None:
-            cond.update(self._encode_source(source_images, batch_size, device))
+            sources = self._check_source_images(source_images, batch_size).to(device)
+            cond = self._encode_edit(prompts, negative_prompt, guidance_scale, device, sources)
+        else:
+            cond = self._encode(prompts, negative_prompt, guidance_scale, device)
         latents = self._initial_latents(batch_size, device, generator)
         timesteps, sigmas = self._set_timesteps(num_steps, device)
         check_sigma_grid(sigmas.unsqueeze(0))  # once: the steps below then do not read their sigmas back from the device
@@ -229,12 +231,18 @@ class FlowMatchingPolicy(DiffusionPolicy):
             extra_cond={name: value for name, value in cond.items() if name not in COND_FIELDS} or None,
         )
 
-    def _encode_source(self, source_images, batch_size, device):
-        """An editing family's conditioning tensors of its source images (name -> (B, ...), kept in extra_cond)."""
-        raise ValueError(f"{type(self.pipeline).__name__} does not edit images: sample it without source_images")
+    def _encode_edit(self, prompts, negative_prompt, guidance_scale, device, source_images):
+        """An editing family's conditioning: the text's (``_encode``) and its source images' (``_encode_source``:
+        name -> (B, ...), kept in extra_cond); a family whose text encoder reads the image too overrides this."""
+        return {**self._encode(prompts, negative_prompt, guidance_scale, device), **self._encode_source(source_images)}
+
+    def _encode_source(self, source_images):
+        raise NotImplementedError
 
     def _check_source_images(self, source_images, batch_size):
         """(B, 3, resolution, resolution) float32 source images, or a ValueError naming the field."""
+        if not self.conditions_on_images:
+            raise ValueError(f"{type(self.pipeline).__name__} does not edit images: sample it without source_images")
         if source_images is None:
             raise ValueError(f"{type(self.pipeline).__name__} edits an image: every prompt needs a source image "
                              "(the prompt record's field 'source_image'; docs/editing.md)")

@@ -189,11 +189,9 @@ class FluxKontextPolicy(FluxPolicy):
         )
         return pipe._unpack_latents(packed, self.resolution, self.resolution, pipe.vae_scale_factor)
 
-    def _encode_source(self, source_images, batch_size, device):
-        pipe = self.pipeline
-        images = self._check_source_images(source_images, batch_size).to(device)
-        vae = pipe.vae
-        latents = vae.encode((2 * images - 1).to(vae.dtype)).latent_dist.mode()
+    def _encode_source(self, source_images):
+        vae = self.pipeline.vae
+        latents = vae.encode((2 * source_images - 1).to(vae.dtype)).latent_dist.mode()
         latents = (latents.float() - vae.config.shift_factor) * vae.config.scaling_factor
         return {"image_latents": latents}
 
