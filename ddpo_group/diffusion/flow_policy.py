@@ -80,7 +80,10 @@ class FlowMatchingPolicy(DiffusionPolicy):
     ``_initial_latents(batch_size, device, generator)`` (B, C, h, w) float32,
     ``_timesteps(num_steps, device)`` (sets the scheduler's grid) and
     ``_velocity(model, latents, timesteps, cond, guidance_scale)`` float32; ``_decode`` when its VAE
-    is not diffusers' AutoencoderKL with scaling and shift factors.
+    is not diffusers' AutoencoderKL with scaling and shift factors. An image-editing family also sets
+    ``conditions_on_images = True`` and provides ``_encode_source(images) -> cond dict`` of its source images
+    (or ``_encode_edit`` when its text encoder reads the image too); ``sample(..., source_images=...)`` calls it
+    (docs/editing.md).
     """
 
     pipeline_class = None
@@ -179,7 +182,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
         """B trajectories of `num_steps` SDE steps; eta: the noise level a, or one per step (0: an ODE step).
 
         keep_steps=False: only the clean latents are kept and no log-prob is computed (``Trajectories``).
-        source_images: (B, 3, H, W) float in [0, 1], an editing family's source image per prompt (``_encode_source``
+        source_images: (B, 3, H, W) float in [0, 1], an editing family's source image per prompt (``_encode_edit``
         puts its encoding into the conditioning, kept in ``Trajectories.extra_cond``)."""
         if isinstance(prompts, str):
             prompts = [prompts]
