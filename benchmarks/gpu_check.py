@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py                      # a CUDA machine: SD-1.5 and SD3.5-Medium, random weights
     python benchmarks/gpu_check.py --arch flux --dtypes bf16                       # FLUX.1-dev (12B)
     python benchmarks/gpu_check.py --arch flux --flux-depth 8,16 --dtypes bf16     # FLUX with fewer blocks
+    python benchmarks/gpu_check.py --arch sdxl --dtypes bf16 --sample-batch 4 --train-batch 2   # SDXL base (2.6B UNet)
     python benchmarks/gpu_check.py --device cpu --arch tiny,tiny-sd3 --dtypes bf16 --steps 4   # the code path on a CPU
 
 No hub: every architecture is built from the published configs' numbers with random weights (offline names,
@@ -18,13 +19,16 @@ the loading route of "random-sd15"):
     wan       "random-wan21-1.3b": Wan 2.1 T2V 1.3B (transformer 1.42B: 30 blocks of 12 x 128, FFN 8960; the published
               3-D VAE), a 1-layer UMT5 of the real width 4096; the `wan21_t2v_1_3b` preset's sampling (Flow-GRPO's
               33 frames, CFG 4.5, eta 0.7) at 256 x 256: videos, sampled against the pipeline's pipeline(...).frames
-    tiny, tiny-sd3, tiny-flux, tiny-wan   the tiny offline models: the same code path in seconds on a CPU
+    sdxl      "random-sdxl": SDXL 1.0 base (UNet 2.57B: the published config; VAE with scaling 0.13025), small
+              2-layer text encoders of the real widths 768 + 1280 (pooled 1280) and 77 tokens; DDIM at 1024 px,
+              25 sampling steps (the `sdxl` preset's), the SD path's eta 1 and CFG 5
+    tiny, tiny-sd3, tiny-flux, tiny-wan, tiny-sdxl   the tiny offline models: the same code path in seconds on a CPU
 
 Rewards on random weights mean nothing, so precision, exactness, speed and memory are checked. For each
 architecture and dtype:
 
     sampling      time of the policy's sampler (`sample_trajectories` for SD) vs the pipeline's own `pipeline(...)`,
-                  same dtype, batch `--sample-batch` (8), `--sample-steps` (SD 50, flow 10); for the flow models also
+                  same dtype, batch `--sample-batch` (8), `--sample-steps` (SD 50, SDXL 25, flow 10); for the flow models also
                   the largest |image difference| at noise level 0 (the ODE path) against `pipeline(...)` (reported:
                   the pipeline keeps its latents in the model dtype, the policy in float32); each sampler is called
                   once untimed, then `--sample-repeats` (3) times, and the mean is reported
@@ -96,6 +100,9 @@ ARCHS = {
     "wan": dict(model="random-wan21-1.3b", flow="wan21_t2v_1_3b", resolution=256, sample_steps=10, video=True),
     "tiny-wan": dict(model="tiny-wan", flow="wan21_t2v_1_3b", resolution=0, sample_steps=10, max_sequence_length=16,
                      num_frames=5, video=True),
+    # SDXL 1.0 base's UNet at its 1024 px, sampled as the `sdxl` preset does (25 DDIM steps, CFG 5)
+    "sdxl": dict(model="random-sdxl", flow=None, resolution=0, sample_steps=25),
+    "tiny-sdxl": dict(model="tiny-sdxl", flow=None, resolution=0, sample_steps=25),
 }
 FLOW_SAMPLE_FIELDS = ("sde_type", "eta", "guidance_scale", "max_sequence_length", "cps_log_prob", "flow_grid",
                       "flow_grid_shift", "num_frames")
@@ -409,7 +416,7 @@ def parse_args(argv=None):
     parser.add_argument("--epochs", type=int, default=2, help="epochs of each training run")
     parser.add_argument("--lr", type=float, default=1e-30, help="learning rate of the training runs")
     parser.add_argument("--optimizer-steps", type=int, default=4, help="optimizer steps per epoch (at most the micro-batches)")
-    parser.add_argument("--sample-steps", type=int, default=0, help="steps of the sampling check (0: SD 50, flow 10)")
+    parser.add_argument("--sample-steps", type=int, default=0, help="steps of the sampling check (0: SD 50, SDXL 25, flow 10)")
     parser.add_argument("--resolution", type=int, default=0, help="image side (0: SD 1.5's own 512, flow 512, tiny own)")
     parser.add_argument("--sample-batch", type=int, default=8)
     parser.add_argument("--batches", type=int, default=2, help="sampling batches per epoch")

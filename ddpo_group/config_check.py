@@ -48,9 +48,26 @@ def load_config_prompts(config, field: str) -> list:
 
     kwargs = dict(config.prompt_fn_kwargs) if field == "prompt_fn" else {}
     try:
-        return load_prompts(config[field], **kwargs)
+        records = load_prompts(config[field], **kwargs)
     except (ValueError, OSError) as err:
         raise ConfigError(f"config.{field}={config[field]!r}: {' '.join(str(err).split())}") from None
+    _check_edit_prompts(config, field, records)
+    return records
+
+
+def _check_edit_prompts(config, field, records):
+    """An editing model's prompts carry readable source images of the run's resolution; other models' carry none
+    (ddpo_group/edit_sources.py); checked before any model loads (the family is known by the model's name)."""
+    from ddpo_group.diffusion.policy import family_for_model
+    from ddpo_group.edit_sources import SOURCE_FIELD, check_edit_prompts
+
+    editing = getattr(family_for_model(config.pretrained.model), "conditions_on_images", False)
+    if not editing and not any(SOURCE_FIELD in record.metadata for record in records):
+        return
+    try:
+        check_edit_prompts(records, editing, config.sample.resolution, field, config.pretrained.model)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def load_base_config():

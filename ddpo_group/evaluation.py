@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ddpo_group.config_check import load_config_prompts
+from ddpo_group.edit_sources import reward_metadata, source_images
 from ddpo_group.grids import save_epoch_samples
 from ddpo_group.hacking import PROXY_KEY, describe, gold_key, gold_names, gold_specs
 from ddpo_group.inspect import read_metrics
@@ -81,10 +82,12 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         prompts = [records[i].prompt for i, _ in chunk]
         generators = [sample_generator(seed, i, j) for i, j in chunk]
         context = accelerator.autocast() if accelerator is not None else torch.autocast("cpu", enabled=False)
+        sources = source_images([records[i] for i, _ in chunk], getattr(policy, "resolution", 0) or 0)
+        extra = {"source_images": sources} if getattr(policy, "conditions_on_images", False) else {}
         with context:
-            batch = policy.sample(prompts, num_steps, guidance_scale, eta, generator=generators, model=model)
+            batch = policy.sample(prompts, num_steps, guidance_scale, eta, generator=generators, model=model, **extra)
         images = batch.images.float().cpu()
-        metadata = [records[i].metadata for i, _ in chunk]
+        metadata = reward_metadata([records[i].metadata for i, _ in chunk], sources)
         total, components, _ = reward_fn(images, prompts, metadata, **only)
         gold = gold_fn(images, prompts, metadata, **only)[1] if gold_fn is not None else {}
         for n, (i, j) in enumerate(chunk):
@@ -203,6 +206,7 @@ class Evaluator:
                 prefix="eval", record_fields=[{"prompt_index": i, "image_index": j} for i in range(kept) for j in range(per_image)],
                 extra={"final": final, "seed": config.eval_seed, "prompts": [r.prompt for r in self.prompts],
                        "rewards": result["rewards"].tolist()},
+                sources=source_images([r for r in self.prompts[:kept] for _ in range(per_image)]),  # editing: source -> edited
             )
             if grid is not None:
                 metrics["eval/grid"] = os.path.relpath(grid, self.run_dir.path)

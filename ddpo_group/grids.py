@@ -280,6 +280,7 @@ def save_epoch_samples(
     extra: dict | None = None,
     record_fields: Sequence[dict] | None = None,
     fps: float = 16.0,
+    sources: Any = None,
 ) -> Path | None:
     """Write the epoch's grid, single images and JSON records; return the grid path (None with max_rows=0).
 
@@ -292,6 +293,9 @@ def save_epoch_samples(
     per-sample advantages, or None. Grid rows come from `group_rows(prompts, group_size)`,
     capped at `max_rows` rows (0: no grid image); `group_size` columns. Every sample (not only those in the grid)
     is saved as samples/epoch_XXXX/NNN.png and listed in samples/epoch_XXXX.json.
+    sources: (N, 3, H, W) in [0, 1], the source image each sample edits (an editing run), or None. With sources
+    each grid row starts with its prompt's source (caption "source"), then its edits: source -> edited side by
+    side; each sample's source is saved as samples/epoch_XXXX/NNN_source.png, its record's "source_image".
     """
     if epoch < 0:
         raise ValueError(f"epoch must be >= 0, got {epoch}")
@@ -326,6 +330,9 @@ def save_epoch_samples(
     samples_dir = Path(run_dir) / "samples"
     stem = f"{prefix}_{epoch:04d}"
     digits = max(3, len(str(num - 1)))
+    source_array = None if sources is None else _to_numpy(sources)
+    if source_array is not None and source_array.shape != array.shape:
+        raise ValueError(f"sources must have the images' shape {tuple(array.shape)}, got {tuple(source_array.shape)}")
     records = []
     for index in range(num):
         if video:
@@ -347,6 +354,10 @@ def save_epoch_samples(
                 **(record_fields[index] if record_fields is not None else {}),
             }
         )
+        if source_array is not None:
+            source_rel = f"{stem}/{index:0{digits}d}_source.png"
+            save_png(Image.fromarray(to_uint8_hwc(source_array[index]), mode="RGB"), samples_dir / source_rel)
+            records[-1]["source_image"] = source_rel
 
     grid_path = None
     if max_rows:
@@ -354,6 +365,9 @@ def save_epoch_samples(
         cells: list[Any] = []
         captions: list[str] = []
         for _, indices in rows:
+            if source_array is not None:  # the row's source first: source -> edited
+                cells.append(source_array[indices[0]])
+                captions.append("source")
             for slot in range(group_size):
                 if slot < len(indices):
                     index = indices[slot]
@@ -363,13 +377,14 @@ def save_epoch_samples(
                     cells.append(None)
                     captions.append("")
         labels = [p for p, _ in rows]
+        columns = group_size + (source_array is not None)
         if video:  # one grid per frame, the frames of the animation
-            grids = [make_grid([None if cell is None else cell[f] for cell in cells], group_size, captions=captions,
+            grids = [make_grid([None if cell is None else cell[f] for cell in cells], columns, captions=captions,
                                row_labels=labels, upscale=upscale) for f in range(array.shape[1])]
             grid_path = samples_dir / f"{stem}.webp"
             save_animation(grids, grid_path, fps)
         else:
-            grid = make_grid(cells, group_size, captions=captions, row_labels=labels, upscale=upscale)
+            grid = make_grid(cells, columns, captions=captions, row_labels=labels, upscale=upscale)
             grid_path = samples_dir / f"{stem}.png"
             save_png(grid, grid_path)
     document = {"epoch": int(epoch), "group_size": int(group_size), "grid": grid_path.name if grid_path else None}

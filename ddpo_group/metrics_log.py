@@ -15,6 +15,7 @@ import resource
 
 import torch
 
+from ddpo_group.edit_sources import source_images
 from ddpo_group.grids import save_epoch_samples
 from ddpo_group.run_dir import write_json_atomic
 
@@ -113,9 +114,11 @@ class MetricsLog:
         if acc.is_main_process and log_images:
             mask = gathered.mask
             adv = (gathered.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+            records = [prompts[int(i)] for i in gathered.prompt_ids.tolist()]
             grid = save_epoch_samples(
-                self.run_dir.path, epoch, images.cpu(), [prompts[int(i)].prompt for i in gathered.prompt_ids.tolist()],
+                self.run_dir.path, epoch, images.cpu(), [record.prompt for record in records],
                 rewards.cpu().numpy(), adv.cpu().numpy(), config.sample.group_size,
+                sources=source_images(records),  # an editing run's grid: source -> edited (None otherwise)
             )
             metrics["samples/grid"] = os.path.relpath(grid, self.run_dir.path)
         self.write(metrics)

@@ -12,7 +12,8 @@
 - a file path: *.txt (one prompt a line; blank lines and lines starting with # skipped),
   *.json (a list of records or {"prompts": [...]}) or *.jsonl (one record a line). A record
   is a string or an object {"prompt": ..., "data_source": ..., "ground_truth": ..., ...}
-  whose fields other than "prompt" become the metadata the reward receives. A file name not
+  whose fields other than "prompt" become the metadata the reward receives (an editing prompt's
+  "source_image" is a path relative to the file, made absolute here: ddpo_group/edit_sources.py). A file name not
   found as given is looked up in ddpo_group/assets/prompts/;
 - "package.module:function" or "path/to/file.py:function": a function called with
   `kwargs` that returns a list of strings, dicts or PromptRecords.
@@ -30,6 +31,8 @@ import importlib.util
 import json
 import os
 from typing import Any
+
+from ddpo_group.edit_sources import resolve_source_path
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "prompts")
 
@@ -75,6 +78,13 @@ def _record(item: Any, where: str) -> PromptRecord:
     return PromptRecord(clean_prompt(prompt), metadata)
 
 
+def _file_record(item: Any, where: str, path: str) -> PromptRecord:
+    """A record of a prompt file: its source image path (an editing prompt's) made absolute, relative to the file."""
+    record = _record(item, where)
+    resolve_source_path(record.metadata, path, where)
+    return record
+
+
 def _resolve_path(path: str) -> str:
     if os.path.isfile(path):
         return path
@@ -106,7 +116,7 @@ def load_jsonl(path: str) -> list[PromptRecord]:
                 item = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: invalid JSON ({exc.msg})") from exc
-            records.append(_record(item, where))
+            records.append(_file_record(item, where, path))
     return records
 
 
@@ -123,7 +133,7 @@ def load_json(path: str) -> list[PromptRecord]:
         data = data["prompts"]
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a list of records or {{'prompts': [...]}}, got {type(data).__name__}")
-    return [_record(item, f"{path}, record {i}") for i, item in enumerate(data)]
+    return [_file_record(item, f"{path}, record {i}", path) for i, item in enumerate(data)]
 
 
 def load_file(path: str) -> list[PromptRecord]:

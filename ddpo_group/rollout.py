@@ -21,8 +21,14 @@ from tqdm.auto import tqdm
 
 from ddpo_group.batch import EpochBatch
 from ddpo_group.diffusion.base import window_noise_levels
+from ddpo_group.edit_sources import reward_metadata, source_images
 from ddpo_group.rewards.base import RewardError
 from ddpo_group.rewards.combine import info_metrics
+
+
+def source_kwargs(policy, sources):
+    """sample()'s source_images argument for an editing family (``conditions_on_images``), none for the others."""
+    return {"source_images": sources} if getattr(policy, "conditions_on_images", False) else {}
 
 
 def draw_prompt_indices(num_prompts, total, group_size, seed, epoch, batch_index):
@@ -135,17 +141,19 @@ def sample_epoch(policy, prompts, reward_runner, config, accelerator, epoch, met
         generator = torch.Generator().manual_seed(
             int(np.random.default_rng([config.seed, epoch, batch_index, acc.process_index]).integers(2**62))
         )
+        sources = source_images(records, s.resolution)  # an editing run's source images, None otherwise
         with acc.autocast():
             trajectories = policy.sample(
                 [r.prompt for r in records], num_steps=s.num_steps, guidance_scale=s.guidance_scale, eta=levels,
                 generator=generator, prompt_ids=torch.as_tensor(local, dtype=torch.int64),
-                negative_prompt=s.negative_prompt, model=model, keep_steps=keep_steps,
+                negative_prompt=s.negative_prompt, model=model, keep_steps=keep_steps, **source_kwargs(policy, sources),
             )
         # rewards of this batch run in the thread pool while the next batch samples
         # (the group-wise components wait for whole groups: GroupCollector)
         only = {"only": "per_image"} if group_wise else {}
         futures.append(reward_runner.submit(
-            trajectories.images.float(), [r.prompt for r in records], [r.metadata for r in records], **only
+            trajectories.images.float(), [r.prompt for r in records],
+            reward_metadata([r.metadata for r in records], sources), **only
         ))
         if collector is not None:
             collector.add(batch_index, trajectories.images)

@@ -31,6 +31,12 @@
     wan21_t2v_14b   GRPO on Wan 2.1 T2V 14B (5 frames, 10 steps) with Flow-Factory's Wan 2.1 T2V settings, LoRA
     tiny_wan        a random-weight tiny Wan pipeline (UMT5 text, videos of 5 frames), seconds; tests and smoke checks
     sd35_pickscore  SD3.5-Medium with Flow-GRPO's PickScore settings (PickScore / 26 on its prompt set, KL 0.01), one GPU
+    sdxl            GRPO + KL on SDXL 1.0 base (DDIM, two text encoders, pooled embeddings, time ids) with LoRA, one GPU
+    tiny_sdxl       a random-weight tiny SDXL pipeline, seconds; tests and smoke checks
+    flux_kontext    GRPO image editing on FLUX.1 Kontext [dev] with Flow-Factory's settings, LoRA r64, one GPU
+    tiny_flux_kontext  a random-weight tiny FLUX.1 Kontext editing the shipped shapes-world sources, seconds
+    qwen_image_edit GRPO image editing on Qwen-Image-Edit (true CFG 4) with Flow-Factory's settings, LoRA r64, one GPU
+    tiny_qwen_image_edit  a random-weight tiny Qwen-Image-Edit editing the shipped shapes-world sources, seconds
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
 tiny_early_window, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
@@ -628,6 +634,120 @@ def sd35_pickscore():
 
 
 VARIANTS["sd35_pickscore"] = sd35_pickscore
+
+
+# ---- issue 37: SDXL and the image-editing families (FLUX.1 Kontext, Qwen-Image-Edit) ----
+def sdxl():
+    """SDXL 1.0 base (hub id stabilityai/stable-diffusion-xl-base-1.0) with LoRA: SD 1.5's GRPO + KL recipe (sd15:
+    DDIM with eta 1.0 as ddpo-pytorch, group 8, reference KL 0.004) at SDXL's own settings: 1024 px, CFG 5.0 and 25
+    steps (the SDXL GRPO / DPO research scripts' validation sampling in huggingface/diffusers
+    examples/research_projects/diffusion_grpo/train_diffusion_grpo_sdxl.py), LoRA rank 8 and learning rate 1e-5
+    (that script's README command, fp16). fp16 keeps SDXL's VAE in float32 (its force_upcast); the fixed VAE
+    madebyollin/sdxl-vae-fp16-fix is the usual swap. Not yet run here (no GPU, no hub); its UNet is 2.6B parameters."""
+    config = sd15()
+    config.pretrained.model = "stabilityai/stable-diffusion-xl-base-1.0"
+    config.lora_rank = 8
+    config.sample.resolution = 1024
+    config.sample.num_steps = 25
+    config.sample.guidance_scale = 5.0
+    config.sample.batch_size = 8
+    config.train.batch_size = 2
+    config.train.gradient_accumulation_steps = 8  # two optimizer steps per epoch of 32 trajectories, as sd15
+    config.train.learning_rate = 1e-5
+    return config
+
+
+def tiny_sdxl():
+    """A random-weight tiny SDXL pipeline (two tiny CLIP encoders, one with projection; pooled embeddings and time
+    ids), DDIM, seconds: tests and smoke runs."""
+    config = test()
+    config.pretrained.model = "tiny-sdxl"
+    config.reward_fn = "jpeg_compressibility"  # random weights: any reward that varies between images
+    config.sample.guidance_scale = 5.0
+    return config
+
+
+def _flow_factory_edit(config):
+    """X-GenGroup/Flow-Factory's GRPO LoRA edit recipes (examples/grpo/lora/flux1_kontext/default.yaml and
+    qwen_image_edit_plus/default.yaml), scaled to one GPU: LoRA r64 / alpha 128, bf16, 384 px targets and sources,
+    10 steps, 16 images per prompt, clip range 1e-4, no KL, lr 3e-4, weight decay 1e-4, two optimizer steps per
+    epoch. Both train the SDE at one random step of 1-3 only: not expressible with sample.sde_window's modes, so
+    every step is stochastic here. The prompt file's records carry their source image (docs/editing.md); the reward
+    is PickScore there (optional extra here), aesthetic as the installed default."""
+    config.lora_rank = 64
+    config.lora_alpha = 128
+    config.prompt_fn = "shapes_edits.jsonl"  # replace with your edit prompts: {"prompt", "source_image"} records
+    config.sample.num_steps = 10
+    config.sample.resolution = 384
+    config.sample.group_size = 16
+    config.sample.batch_size = 16
+    config.sample.num_batches_per_epoch = 2
+    config.train.batch_size = 2
+    config.train.gradient_accumulation_steps = 8
+    config.train.learning_rate = 3e-4
+    config.train.adam_weight_decay = 1e-4
+    config.train.clip_range = 1e-4
+    config.train.use_reference_model = False
+    config.train.use_kl_loss = False
+    config.train.beta = 0.0
+    return config
+
+
+def flux_kontext():
+    """FLUX.1 Kontext [dev] (hub id black-forest-labs/FLUX.1-Kontext-dev): image editing with Flow-Factory's recipe
+    (``_flow_factory_edit``): its guidance embedding 2.5, Flow-SDE noise level 0.9. Not yet run (no GPU, no hub);
+    the shipped shapes_edits.jsonl sources are 32 px: give 384 px sources (sample.resolution) of your own."""
+    config = _flow_factory_edit(flux())
+    config.pretrained.model = "black-forest-labs/FLUX.1-Kontext-dev"
+    config.sample.guidance_scale = 2.5  # Flow-Factory / the pipeline's default: the guidance embedding, not CFG
+    config.sample.eta = 0.9  # Flow-Factory: Flow-SDE noise_level 0.9
+    return config
+
+
+def tiny_flux_kontext():
+    """A random-weight tiny FLUX.1 Kontext pipeline (the tiny FLUX's parts) editing the shipped 32 px shapes-world
+    sources of shapes_edits.jsonl, seconds: tests and smoke runs."""
+    config = tiny_flux()
+    config.pretrained.model = "tiny-flux-kontext"
+    config.prompt_fn = "shapes_edits.jsonl"
+    config.sample.resolution = 32
+    config.sample.guidance_scale = 2.5
+    return config
+
+
+def qwen_image_edit():
+    """Qwen-Image-Edit (hub id Qwen/Qwen-Image-Edit; QwenImageEditPipeline, true CFG with the negative prompt " ")
+    with Flow-Factory's recipe (``_flow_factory_edit``; its example trains Qwen-Image-Edit-2509 with the same
+    settings): true CFG 4, Flow-SDE noise level 1.0. max_sequence_length 512 holds the source's vision tokens
+    (a 384 px source: 196) and the prompt. Not yet run (no GPU, no hub); the 20B transformer in bf16 with LoRA
+    needs an 80 GB GPU."""
+    config = _flow_factory_edit(qwen_image())
+    config.pretrained.model = "Qwen/Qwen-Image-Edit"
+    config.sample.guidance_scale = 4.0  # Flow-Factory: guidance_scale 4 (true CFG)
+    config.sample.eta = 1.0  # Flow-Factory: noise_level 1.0
+    config.sample.max_sequence_length = 512
+    return config
+
+
+def tiny_qwen_image_edit():
+    """A random-weight tiny Qwen-Image-Edit pipeline (its Qwen2.5-VL vision tower reads the source) editing the
+    shipped 32 px shapes-world sources of shapes_edits.jsonl, seconds: tests and smoke runs."""
+    config = tiny_qwen_image()
+    config.pretrained.model = "tiny-qwen-image-edit"
+    config.prompt_fn = "shapes_edits.jsonl"
+    config.sample.resolution = 32
+    return config
+
+
+VARIANTS.update({
+    "sdxl": sdxl,
+    "tiny_sdxl": tiny_sdxl,
+    "flux_kontext": flux_kontext,
+    "tiny_flux_kontext": tiny_flux_kontext,
+    "qwen_image_edit": qwen_image_edit,
+    "tiny_qwen_image_edit": tiny_qwen_image_edit,
+})
+# ---- end of issue 37's SDXL and editing block ----
 
 
 def get_config(name="sd15"):

@@ -227,6 +227,10 @@ class DiffusionPolicy:
     sample(prompts, ..., keep_steps=True) -> Trajectories
                                           trajectories with float32 latents and log-probs, no graph
                                           (keep_steps=False: the clean latents only, no log-prob computed)
+    conditions_on_images                  class attribute, True for an image-editing family: its `sample` takes
+                                          source_images (B, 3, H, W) float in [0, 1], one per prompt, and keeps
+                                          their encoding in Trajectories.extra_cond (re-scored exactly); the
+                                          callers pass source_images only to such a family (edit_sources.py)
     step_log_prob(model, batch, rows, step_index, guidance_scale, eta) -> (log_prob, mean, std)
                                           one stored step re-scored with `model`, with autograd
     forward_noise(x0, noise, timesteps) -> (x_t, target, x0_scale)
@@ -248,6 +252,8 @@ class DiffusionPolicy:
     supports_flow_grpo_kl = False
     # whether samples are videos (B, F, 3, H, W) with latents (B, C, f, h, w); images (B, 3, H, W) otherwise
     video = False
+    # whether `sample` edits a source image per prompt (sample(..., source_images=...)): the editing families
+    conditions_on_images = False
 
     def __init__(self, pipeline):
         if not self.supports(pipeline):

@@ -80,7 +80,10 @@ class FlowMatchingPolicy(DiffusionPolicy):
     ``_initial_latents(batch_size, device, generator)`` (B, C, h, w) float32,
     ``_timesteps(num_steps, device)`` (sets the scheduler's grid) and
     ``_velocity(model, latents, timesteps, cond, guidance_scale)`` float32; ``_decode`` when its VAE
-    is not diffusers' AutoencoderKL with scaling and shift factors.
+    is not diffusers' AutoencoderKL with scaling and shift factors. An image-editing family also sets
+    ``conditions_on_images = True`` and provides ``_encode_source(images) -> cond dict`` of its source images
+    (or ``_encode_edit`` when its text encoder reads the image too); ``sample(..., source_images=...)`` calls it
+    (docs/editing.md).
     """
 
     pipeline_class = None
@@ -175,10 +178,12 @@ class FlowMatchingPolicy(DiffusionPolicy):
 
     @torch.no_grad()
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
-               model=None, show_progress=False, keep_steps=True):
+               model=None, show_progress=False, keep_steps=True, source_images=None):
         """B trajectories of `num_steps` SDE steps; eta: the noise level a, or one per step (0: an ODE step).
 
-        keep_steps=False: only the clean latents are kept and no log-prob is computed (``Trajectories``)."""
+        keep_steps=False: only the clean latents are kept and no log-prob is computed (``Trajectories``).
+        source_images: (B, 3, H, W) float in [0, 1], an editing family's source image per prompt (``_encode_edit``
+        puts its encoding into the conditioning, kept in ``Trajectories.extra_cond``)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -189,7 +194,11 @@ class FlowMatchingPolicy(DiffusionPolicy):
         device = self.pipeline._execution_device
         batch_size = len(prompts)
         levels = noise_levels(eta, num_steps)
-        cond = self._encode(prompts, negative_prompt, guidance_scale, device)
+        if self.conditions_on_images or source_images is not None:
+            sources = self._check_source_images(source_images, batch_size).to(device)
+            cond = self._encode_edit(prompts, negative_prompt, guidance_scale, device, sources)
+        else:
+            cond = self._encode(prompts, negative_prompt, guidance_scale, device)
         latents = self._initial_latents(batch_size, device, generator)
         timesteps, sigmas = self._set_timesteps(num_steps, device)
         check_sigma_grid(sigmas.unsqueeze(0))  # once: the steps below then do not read their sigmas back from the device
@@ -224,6 +233,27 @@ class FlowMatchingPolicy(DiffusionPolicy):
             sigmas=grid,
             extra_cond={name: value for name, value in cond.items() if name not in COND_FIELDS} or None,
         )
+
+    def _encode_edit(self, prompts, negative_prompt, guidance_scale, device, source_images):
+        """An editing family's conditioning: the text's (``_encode``) and its source images' (``_encode_source``:
+        name -> (B, ...), kept in extra_cond); a family whose text encoder reads the image too overrides this."""
+        return {**self._encode(prompts, negative_prompt, guidance_scale, device), **self._encode_source(source_images)}
+
+    def _encode_source(self, source_images):
+        raise NotImplementedError
+
+    def _check_source_images(self, source_images, batch_size):
+        """(B, 3, resolution, resolution) float32 source images, or a ValueError naming the field."""
+        if not self.conditions_on_images:
+            raise ValueError(f"{type(self.pipeline).__name__} does not edit images: sample it without source_images")
+        if source_images is None:
+            raise ValueError(f"{type(self.pipeline).__name__} edits an image: every prompt needs a source image "
+                             "(the prompt record's field 'source_image'; docs/editing.md)")
+        side = self.resolution
+        if tuple(source_images.shape) != (batch_size, 3, side, side):
+            raise ValueError(f"source_images must be (B, 3, H, W) = ({batch_size}, 3, {side}, {side}) (the field "
+                             f"'source_image' at config.sample.resolution), got {tuple(source_images.shape)}")
+        return source_images.float()
 
     @staticmethod
     def _rows_cond(batch, rows):

@@ -1,10 +1,12 @@
 """FLUX.1 (``FluxPipeline``) as a flow-matching family: CLIP (pooled) and T5 text encoders, packed 2x2
 latents with position ids, a guidance embedding instead of CFG (FLUX.1-dev), dynamic timestep shifting.
+FLUX.1 Kontext (``FluxKontextPipeline``, family "flux_kontext") edits a source image with the same transformer:
+the source's VAE latents are appended to the image tokens (``FluxKontextPolicy``).
 The step, the sampling loop, LoRA and checkpoints are the flow-matching base's (``flow_policy.py``)."""
 
 import numpy as np
 import torch
-from diffusers import FluxPipeline
+from diffusers import FluxKontextPipeline, FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
@@ -150,3 +152,79 @@ def register_random_flux(num_layers, num_single_layers):
         OFFLINE_BUILDERS[name] = build
         FluxPolicy.offline_models = FluxPolicy.offline_models + (name,)
     return name
+
+
+@register_family("flux_kontext")
+class FluxKontextPolicy(FluxPolicy):
+    """FLUX.1 Kontext (``FluxKontextPipeline``): FLUX.1-dev's transformer, text encoders, guidance embedding and grid,
+    conditioned on a source image as diffusers' pipeline does (pipelines/flux/pipeline_flux_kontext.py, 0.42):
+
+    - the source (B, 3, H, W) in [0, 1] is encoded once per batch: VAE encoder mode (``sample_mode="argmax"``) of
+      2 x - 1, then (z - shift_factor) * scaling_factor: image_latents (B, C, h, w) float32, kept in
+      ``Trajectories.extra_cond["image_latents"]`` so that re-scoring reads the sampled condition back;
+    - at every step the packed target tokens and the packed source tokens are concatenated along the sequence
+      ([x_t ; z_src], N + N_src tokens) with position ids (0, i, j) for the target and (1, i, j) for the source,
+      and the velocity is the output's first N tokens;
+    - the grid's shift is the target's token count (the source's tokens do not enter it), as in the pipeline.
+
+    The source image must have the sampled resolution (the pipeline resizes to Kontext's preferred sizes and
+    allows another size; here the edit and its source are compared pixel for pixel, so it is refused instead).
+    Guidance is FLUX.1-dev's embedding (Kontext-dev: 2.5 by default); the pipeline's true CFG with a negative
+    prompt is not used."""
+
+    pipeline_class = FluxKontextPipeline
+    pipeline_class_names = ("FluxKontextPipeline",)
+    offline_models = ("tiny-flux-kontext",)
+    conditions_on_images = True
+
+    @classmethod
+    def load(cls, model, revision=None, torch_dtype=torch.float32):
+        return load_pretrained(FluxKontextPipeline, model, revision, torch_dtype,
+                               {"tiny-flux-kontext": build_tiny_flux_kontext_pipeline})
+
+    def _initial_latents(self, batch_size, device, generator):
+        pipe = self.pipeline  # Kontext's prepare_latents takes the source first: None draws the noise alone
+        packed, _, _, _ = pipe.prepare_latents(
+            None, batch_size, self.latent_channels, self.resolution, self.resolution, torch.float32, device, generator
+        )
+        return pipe._unpack_latents(packed, self.resolution, self.resolution, pipe.vae_scale_factor)
+
+    def _encode_source(self, source_images):
+        vae = self.pipeline.vae
+        latents = vae.encode((2 * source_images - 1).to(vae.dtype)).latent_dist.mode()
+        latents = (latents.float() - vae.config.shift_factor) * vae.config.scaling_factor
+        return {"image_latents": latents}
+
+    def _velocity(self, model, latents, timesteps, cond, guidance_scale):
+        pipe = self.pipeline
+        dtype = model_dtype(model)
+        b, c, h, w = latents.shape
+        source = cond["image_latents"]
+        sh, sw = source.shape[2:]
+        tokens = torch.cat([pipe._pack_latents(latents, b, c, h, w), pipe._pack_latents(source, b, c, sh, sw)], dim=1)
+        target_ids = pipe._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, dtype)
+        source_ids = pipe._prepare_latent_image_ids(b, sh // 2, sw // 2, latents.device, dtype)
+        source_ids[..., 0] = 1  # the source's tokens sit in another "frame" of the RoPE positions
+        embeds = cond["prompt_embeds"]
+        text_ids = torch.zeros(embeds.shape[1], 3, device=latents.device, dtype=dtype)
+        config = getattr(model, "config", None) or pipe.transformer.config
+        guidance = torch.full([b], guidance_scale, device=latents.device, dtype=torch.float32) if config.guidance_embeds else None
+        velocity = model(
+            hidden_states=tokens.to(dtype), timestep=timesteps.to(torch.float32) / 1000, guidance=guidance,
+            pooled_projections=cond["pooled_prompt_embeds"].to(dtype), encoder_hidden_states=embeds.to(dtype),
+            txt_ids=text_ids, img_ids=torch.cat([target_ids, source_ids]), return_dict=False,
+        )[0][:, : (h // 2) * (w // 2)]
+        return pipe._unpack_latents(velocity.float(), self.resolution, self.resolution, pipe.vae_scale_factor)
+
+
+def build_tiny_flux_kontext_pipeline(seed=0):
+    """A FluxKontextPipeline of the tiny FLUX pipeline's parts (``build_tiny_flux_pipeline(seed)``: 32 px images,
+    4x8x8 latents, 1 double + 1 single block, guidance embedding; CLIP and T5 built in memory), CPU, float32."""
+    flux = build_tiny_flux_pipeline(seed)
+    pipeline = FluxKontextPipeline(
+        scheduler=flux.scheduler, vae=flux.vae, text_encoder=flux.text_encoder, tokenizer=flux.tokenizer,
+        text_encoder_2=flux.text_encoder_2, tokenizer_2=flux.tokenizer_2, transformer=flux.transformer,
+    )
+    pipeline.default_sample_size = flux.default_sample_size
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline

@@ -1,4 +1,5 @@
-"""Qwen-Image (``QwenImagePipeline``) as a flow-matching family, and its offline tiny pipeline.
+"""Qwen-Image (``QwenImagePipeline``) as a flow-matching family, and its offline tiny pipeline; Qwen-Image-Edit
+(``QwenImageEditPipeline``, family "qwen_image_edit", at the end: the same model conditioned on a source image).
 
 What follows diffusers' ``pipelines/qwenimage/pipeline_qwenimage.py`` (0.42) exactly:
 
@@ -35,6 +36,7 @@ import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
+    QwenImageEditPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
@@ -99,13 +101,17 @@ class QwenImagePolicy(FlowMatchingPolicy):
     def latent_channels(self):
         return self.pipeline.transformer.config.in_channels // 4
 
-    def _encode_fixed(self, prompts, device):
-        """The pipeline's prompt embeddings (B, l, D) and mask, zero-padded to max_sequence_length tokens."""
+    def _encode_fixed(self, prompts, device, **image):
+        """The pipeline's prompt embeddings (B, l, D) and mask, zero-padded to max_sequence_length tokens (`image`:
+        Qwen-Image-Edit's source images, which its text encoder reads too)."""
         length = self.max_sequence_length
-        embeds, mask = self.pipeline.encode_prompt(prompt=list(prompts), device=device, max_sequence_length=length)
+        embeds, mask = self.pipeline.encode_prompt(prompt=list(prompts), device=device, max_sequence_length=length, **image)
         if mask is None:  # encode_prompt returns None when every token is valid
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         pad = length - embeds.shape[1]
+        if pad < 0:  # Qwen-Image-Edit's image and text tokens are not truncated
+            raise ValueError(f"config.sample.max_sequence_length={length} is shorter than a prompt's {embeds.shape[1]} "
+                             "image and text tokens: raise it")
         embeds = torch.cat([embeds, embeds.new_zeros(embeds.shape[0], pad, embeds.shape[2])], dim=1)
         mask = torch.cat([mask.long(), mask.new_zeros(mask.shape[0], pad, dtype=torch.long)], dim=1)
         return embeds, mask
@@ -137,14 +143,20 @@ class QwenImagePolicy(FlowMatchingPolicy):
         dtype = model_dtype(model)
         b, c, h, w = latents.shape
         packed = pipe._pack_latents(latents, b, c, h, w).to(dtype)
-        img_shapes = [[(1, h // 2, w // 2)]] * b
+        shapes = [(1, h // 2, w // 2)]
+        source = cond.get("image_latents")  # Qwen-Image-Edit: the source's tokens follow the target's
+        if source is not None:
+            sh, sw = source.shape[2:]
+            packed = torch.cat([packed, pipe._pack_latents(source, b, c, sh, sw).to(dtype)], dim=1)
+            shapes.append((1, sh // 2, sw // 2))
+        img_shapes = [shapes] * b
         timestep = timesteps.to(dtype) / 1000
 
         def call(embeds, mask):
             return model(
                 hidden_states=packed, timestep=timestep, guidance=None, encoder_hidden_states_mask=mask,
                 encoder_hidden_states=embeds.to(dtype), img_shapes=img_shapes, return_dict=False,
-            )[0].float()
+            )[0][:, : (h // 2) * (w // 2)].float()
 
         velocity = call(cond["prompt_embeds"], cond["prompt_embeds_mask"])
         if guidance_scale > 1.0 and cond.get("negative_prompt_embeds") is not None:
@@ -276,6 +288,160 @@ def build_tiny_qwen_image_pipeline(seed=0):
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae.eval(),
         text_encoder=text_encoder.eval(), tokenizer=tokenizer, transformer=transformer.eval(),
     )
+    pipeline.default_sample_size = IMAGE_SIZE // pipeline.vae_scale_factor
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+# ---------------------------------------------------------------------------------------------------
+# Qwen-Image-Edit: the source image conditions twice, through the text encoder's vision tower and as latent tokens
+
+
+@register_family("qwen_image_edit")
+class QwenImageEditPolicy(QwenImagePolicy):
+    """Qwen-Image-Edit (``QwenImageEditPipeline``): Qwen-Image's transformer, VAE, grid and true CFG, conditioned on
+    a source image as diffusers' pipeline does (pipelines/qwenimage/pipeline_qwenimage_edit.py, 0.42):
+
+    - text: the edit chat template with ``<|vision_start|><|image_pad|><|vision_end|>`` before the prompt, run
+      through the pipeline's ``processor`` with the source image, so the Qwen2.5-VL encoder reads the image's
+      vision tokens and the text; its first ``prompt_template_encode_start_idx`` (64) tokens are dropped; the
+      embeddings (image tokens and text) and their mask are zero-padded to ``sample.max_sequence_length`` as
+      Qwen-Image's are. The negative prompt (" " when empty) is encoded with each row's own source;
+    - latents: the source's VAE encoder mode of 2 x - 1, normalised per channel ((z - mean) / std), kept in
+      ``Trajectories.extra_cond["image_latents"]`` (B, C, h, w) float32; packed and appended to the target's
+      tokens with ``img_shapes = [[(1, h/2, w/2), (1, h/2, w/2)]]``; the velocity is the first N tokens' output.
+
+    The pipeline resizes the source to about 1024 x 1024 pixels for both paths; here the source must have the
+    sampled resolution (``sample.resolution``) and is used at that size (so an edit is compared with its source
+    pixel for pixel)."""
+
+    pipeline_class = QwenImageEditPipeline
+    pipeline_class_names = ("QwenImageEditPipeline",)
+    offline_models = ("tiny-qwen-image-edit",)
+    conditions_on_images = True
+
+    @classmethod
+    def load(cls, model, revision=None, torch_dtype=torch.float32):
+        return load_pretrained(QwenImageEditPipeline, model, revision, torch_dtype,
+                               {"tiny-qwen-image-edit": build_tiny_qwen_image_edit_pipeline})
+
+    def _initial_latents(self, batch_size, device, generator):
+        pipe = self.pipeline  # the edit pipeline's prepare_latents takes the source first: None draws the noise alone
+        packed, _ = pipe.prepare_latents(
+            None, batch_size, self.latent_channels, self.resolution, self.resolution, torch.float32, device, generator
+        )
+        return pipe._unpack_latents(packed, self.resolution, self.resolution, pipe.vae_scale_factor).squeeze(2)
+
+    def _encode_edit(self, prompts, negative_prompt, guidance_scale, device, source_images):
+        from PIL import Image
+
+        # the processor reads PIL images: the sources' 8-bit pixels (a source read from a PNG is exactly these)
+        pixels = (source_images.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        pil = [Image.fromarray(p, mode="RGB") for p in pixels]
+        embeds, mask = self._encode_fixed(prompts, device, image=pil)
+        cond = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+        if guidance_scale > 1.0:
+            negative, negative_mask = self._encode_fixed([negative_prompt or EMPTY_NEGATIVE_PROMPT] * len(prompts),
+                                                         device, image=pil)
+            cond.update(negative_prompt_embeds=negative, negative_prompt_embeds_mask=negative_mask)
+        vae = self.pipeline.vae
+        images = (torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255).to(device)
+        latents = vae.encode((2 * images - 1).unsqueeze(2).to(vae.dtype)).latent_dist.mode()[:, :, 0].float()
+        shape = (1, vae.config.z_dim, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, device=device).view(shape)
+        std = torch.tensor(vae.config.latents_std, device=device).view(shape)
+        cond["image_latents"] = (latents - mean) / std
+        return cond
+
+
+EDIT_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# pieces of the edit template that Qwen2.5-VL's tokenizer keeps whole: with them the template's prefix before the
+# image is 64 tokens, the pipeline's prompt_template_encode_start_idx
+EDIT_TEMPLATE_PIECES = ("color", "'s", "),")
+
+
+def build_tiny_qwen_edit_processor():
+    """A Qwen2VLProcessor built in memory: the tiny Qwen2 tokenizer with the vision tokens and the edit template's
+    words, and a Qwen2-VL image processor (PIL backend) that resizes every image to 56 x 56 pixels: 4 x 4 patches
+    of 14, merged 2 x 2 into 4 image tokens. No video processor (it needs torchvision; text-and-image prompts
+    never use it)."""
+    import re
+
+    from transformers import Qwen2Tokenizer, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    prefix = EDIT_TEMPLATE.split("<|vision_start|>")[0]
+    words = sorted(set(re.findall(r"[A-Za-z]+", prefix)) - {"im", "start", "end", "s"}) + ["("]
+    vocab, merges = tiny_qwen_tokenizer_vocab(tuple(TOKENIZER_WORDS) + tuple(words))
+    byte_to_char, seen = bytes_to_unicode(), set(merges)
+    for piece in EDIT_TEMPLATE_PIECES:  # whole pieces, merged from the left, ranked after every word's merges
+        chars = [byte_to_char[b] for b in piece.encode("utf-8")]
+        built = chars[0]
+        for char in chars[1:]:
+            if (built, char) not in seen:
+                seen.add((built, char))
+                merges.append((built, char))
+            built += char
+            vocab.setdefault(built, len(vocab))
+    for token in EDIT_SPECIAL_TOKENS:
+        vocab.setdefault(token, len(vocab))
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *EDIT_SPECIAL_TOKENS]})
+    tokenizer.model_max_length = MAX_SEQUENCE_LENGTH + 128
+
+    class TinyQwen2VLProcessor(Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None  # transformers' video processor class needs torchvision; images never reach it
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56, patch_size=14, merge_size=2,
+                                               temporal_patch_size=2)
+    return TinyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+
+
+# QwenImageEditPipeline's prompt template (diffusers 0.42), for the tiny tokenizer's vocabulary
+EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+def build_tiny_qwen_image_edit_pipeline(seed=0):
+    """A QwenImageEditPipeline with random weights drawn from ``seed`` (CPU, float32), built offline: the tiny
+    Qwen-Image transformer and VAE (``build_tiny_qwen_image_pipeline``'s architecture), a Qwen2.5-VL text encoder of
+    the same 2 x 32 text layers whose 1-block vision tower now reads the source (its image / vision token ids are
+    the tokenizer's), the processor ``build_tiny_qwen_edit_processor``. Default image 32 x 32. The global torch RNG
+    state is left unchanged."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    processor = build_tiny_qwen_edit_processor()
+    tokenizer = processor.tokenizer
+    base = tiny_qwen_text_encoder_config(len(tokenizer)).to_dict()
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    config = Qwen2_5_VLConfig(text_config=base["text_config"], vision_config=base["vision_config"], **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+            joint_attention_dim=32, axes_dims_rope=(2, 2, 4),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, False],
+            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0],
+        )
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    pipeline = QwenImageEditPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae.eval(),
+        text_encoder=text_encoder.eval(), tokenizer=tokenizer, processor=processor, transformer=transformer.eval(),
+    )
+    if pipeline.prompt_template_encode != EDIT_TEMPLATE:
+        raise RuntimeError("QwenImageEditPipeline's prompt template changed: update EDIT_TEMPLATE")
     pipeline.default_sample_size = IMAGE_SIZE // pipeline.vae_scale_factor
     pipeline.set_progress_bar_config(disable=True)
     return pipeline

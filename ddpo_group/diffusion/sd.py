@@ -1,4 +1,6 @@
-"""The Stable Diffusion 1.x / 2.x family (UNet, CLIP text encoder, VAE, DDIM) as a DiffusionPolicy.
+"""The Stable Diffusion family (UNet, CLIP text encoders, VAE, DDIM) as DiffusionPolicies: SD 1.x / 2.x
+(``StableDiffusionPolicy``) and SDXL (``StableDiffusionXLPolicy``, family "sdxl": a second text encoder, pooled
+embeddings and the added time ids, through the same step function).
 
 A trajectory of T DDIM steps is T tokens; token t is x_t -> x_{t+1} with the log-probability of
 ``ddim_step_with_logprob`` (eta > 0). Sampling (``sample_ddim``) and re-scoring (``step_log_prob``)
@@ -17,9 +19,10 @@ UNet and the hidden size of the text encoder.
 """
 
 import os
+from functools import partial
 
 import torch
-from diffusers import StableDiffusionPipeline
+from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 from tqdm.auto import tqdm
 
 from ddpo_group.diffusion.base import (
@@ -32,33 +35,47 @@ from ddpo_group.diffusion.base import (
     register_family,
 )
 from ddpo_group.diffusion.ddim import ddim_step_with_logprob
+from ddpo_group.diffusion.flow_policy import load_pretrained
 from ddpo_group.diffusion.loading import load_pipeline
 from ddpo_group.diffusion.lora import add_lora
+from ddpo_group.diffusion.tiny import build_random_sdxl_pipeline, build_tiny_sdxl_pipeline
 
 LORA_TARGET_MODULES = ("to_k", "to_q", "to_v", "to_out.0")
 
 
-def _predict_noise(unet, latents, timesteps, prompt_embeds, negative_prompt_embeds, guidance_scale):
+def _added_cond_kwargs(added_cond, dtype):
+    """The UNet's ``added_cond_kwargs`` in its dtype (SDXL's pooled text embeddings and time ids), or None."""
+    return None if added_cond is None else {key: value.to(dtype) for key, value in added_cond.items()}
+
+
+def _predict_noise(unet, latents, timesteps, prompt_embeds, negative_prompt_embeds, guidance_scale, added_cond=None,
+                   negative_added_cond=None):
     """UNet prediction with classifier-free guidance: (B, C, h, w) float32.
 
     When guidance_scale > 1: one call on cat([x, x]) with cat([uncond, cond]) embeddings,
     then eps_uncond + guidance_scale * (eps_cond - eps_uncond) (the pipeline's expression),
-    computed in float32. The UNet's inputs are cast to its dtype.
+    computed in float32. The UNet's inputs are cast to its dtype. added_cond / negative_added_cond:
+    SDXL's added conditioning {"text_embeds": (B, D'), "time_ids": (B, 6)} of the conditional and the
+    unconditional half (concatenated as the embeddings are); None for SD 1.x / 2.x.
     """
     dtype = model_dtype(unet)
     if guidance_scale > 1.0:
         if negative_prompt_embeds is None:
             raise ValueError("guidance_scale > 1 needs negative_prompt_embeds (the unconditional embeddings)")
         model_input = torch.cat([latents, latents]).to(dtype)
+        if added_cond is not None:
+            added_cond = {key: torch.cat([negative_added_cond[key], value]) for key, value in added_cond.items()}
         noise_pred = unet(
             model_input,
             torch.cat([timesteps, timesteps]),
             encoder_hidden_states=torch.cat([negative_prompt_embeds, prompt_embeds]).to(dtype),
+            added_cond_kwargs=_added_cond_kwargs(added_cond, dtype),
             return_dict=False,
         )[0]
         noise_pred_uncond, noise_pred_text = noise_pred.float().chunk(2)
         return noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
-    return unet(latents.to(dtype), timesteps, encoder_hidden_states=prompt_embeds.to(dtype), return_dict=False)[0].float()
+    return unet(latents.to(dtype), timesteps, encoder_hidden_states=prompt_embeds.to(dtype),
+                added_cond_kwargs=_added_cond_kwargs(added_cond, dtype), return_dict=False)[0].float()
 
 
 def _denoise_step(
@@ -73,13 +90,16 @@ def _denoise_step(
     latents_next=None,
     generator=None,
     with_log_prob=True,
+    added_cond=None,
+    negative_added_cond=None,
 ):
     """The one step function shared by sampling and re-scoring: returns ddim_step_with_logprob's 4-tuple."""
     timesteps_t = torch.as_tensor(timesteps_t, device=latents_t.device)
     if timesteps_t.ndim == 0:
         timesteps_t = timesteps_t.expand(latents_t.shape[0])
     model_input = scheduler.scale_model_input(latents_t, timesteps_t)
-    noise_pred = _predict_noise(unet, model_input, timesteps_t, prompt_embeds, negative_prompt_embeds, guidance_scale)
+    noise_pred = _predict_noise(unet, model_input, timesteps_t, prompt_embeds, negative_prompt_embeds, guidance_scale,
+                                added_cond, negative_added_cond)
     return ddim_step_with_logprob(
         scheduler, noise_pred, timesteps_t, latents_t, eta=eta, prev_sample=latents_next, generator=generator,
         with_log_prob=with_log_prob,
@@ -97,12 +117,14 @@ def step_log_prob(
     guidance_scale,
     eta,
     num_inference_steps=None,
+    added_cond=None,
+    negative_added_cond=None,
 ):
     """Log-probability of the stored step x_t -> x_{t+1} under the current UNet, with autograd.
 
     Args: latents_t, latents_next (B, C, h, w); timesteps_t (B,) (or a scalar);
     prompt_embeds, negative_prompt_embeds (B, L, D) (negative ones unused when
-    guidance_scale <= 1). The DDIM step size is 1000 // T with T the scheduler's
+    guidance_scale <= 1); added_cond, negative_added_cond: SDXL's added conditioning (``_predict_noise``). The DDIM step size is 1000 // T with T the scheduler's
     ``num_inference_steps``: pass ``num_inference_steps`` = T of the sampling run (the
     scheduler is reset to it when it differs), or keep the scheduler as sampling left it.
 
@@ -113,12 +135,13 @@ def step_log_prob(
         scheduler.set_timesteps(num_inference_steps, device=latents_t.device)
     _, log_prob, prev_sample_mean, std_dev_t = _denoise_step(
         unet, scheduler, latents_t, timesteps_t, prompt_embeds, negative_prompt_embeds, guidance_scale, eta,
-        latents_next=latents_next,
+        latents_next=latents_next, added_cond=added_cond, negative_added_cond=negative_added_cond,
     )
     return log_prob, prev_sample_mean, std_dev_t
 
 
-def _encode_prompts(pipeline, prompts, negative_prompt, do_cfg, device):
+def _encode_prompts(pipeline, prompts, negative_prompt, do_cfg, device, height):
+    """The conditioning of SD 1.x / 2.x: {"prompt_embeds", "negative_prompt_embeds" (None without CFG)}."""
     prompt_embeds, negative_prompt_embeds = pipeline.encode_prompt(
         prompts,
         device,
@@ -126,7 +149,33 @@ def _encode_prompts(pipeline, prompts, negative_prompt, do_cfg, device):
         do_cfg,
         negative_prompt=[negative_prompt] * len(prompts) if do_cfg else None,
     )
-    return prompt_embeds, (negative_prompt_embeds if do_cfg else None)
+    return {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds if do_cfg else None}
+
+
+def _added_conds(cond):
+    """(added_cond, negative_added_cond) of a conditioning dict: SDXL's pooled embeddings with the time ids
+    (``cond["add_time_ids"]``, shared by both halves as the pipeline does), (None, None) without pooled embeddings."""
+    pooled = cond.get("pooled_prompt_embeds")
+    if pooled is None:
+        return None, None
+    time_ids = cond["add_time_ids"]
+    negative = cond.get("negative_pooled_prompt_embeds")
+    return {"text_embeds": pooled, "time_ids": time_ids}, (
+        None if negative is None else {"text_embeds": negative, "time_ids": time_ids})
+
+
+def _decode(vae, latents):
+    """Images (B, 3, H, W) in [0, 1] of clean latents: x / scaling_factor (de-normalised with the VAE config's
+    latents_mean / latents_std where it has them, as SDXL's pipeline does), decoded in the VAE's dtype."""
+    mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+    if mean is not None and std is not None:
+        shape = (1, len(mean), 1, 1)
+        latents = (latents * torch.tensor(std, device=latents.device).view(shape) / vae.config.scaling_factor
+                   + torch.tensor(mean, device=latents.device).view(shape))
+    else:
+        latents = latents / vae.config.scaling_factor
+    images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
+    return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
 @torch.no_grad()
@@ -143,6 +192,7 @@ def sample_ddim(
     show_progress=False,
     height=None,
     keep_steps=True,
+    encode=None,
 ):
     """Sample B = len(prompts) trajectories x_0 -> x_T with their per-step log-probabilities.
 
@@ -166,6 +216,8 @@ def sample_ddim(
         height: image side in pixels (None: the UNet's sample size x the VAE scale factor).
         keep_steps: False keeps only the clean latents x_T and computes no log-probability (the
             forward-process objectives read nothing else; ``Trajectories``' docstring).
+        encode: (prompts, negative_prompt, do_cfg, device, height) -> conditioning dict (default
+            ``_encode_prompts``; SDXL's adds pooled embeddings and ``add_time_ids``, kept in ``extra_cond``).
 
     Returns: Trajectories (see its docstring), no autograd graph.
     """
@@ -185,11 +237,13 @@ def sample_ddim(
     batch_size = len(prompts)
     do_cfg = guidance_scale > 1.0
 
-    prompt_embeds, negative_prompt_embeds = _encode_prompts(pipeline, prompts, negative_prompt, do_cfg, device)
+    height = height or pipeline.unet.config.sample_size * pipeline.vae_scale_factor
+    cond = (encode or partial(_encode_prompts, pipeline))(prompts, negative_prompt, do_cfg, device, height)
+    prompt_embeds, negative_prompt_embeds = cond["prompt_embeds"], cond["negative_prompt_embeds"]
+    added_cond, negative_added_cond = _added_conds(cond)
 
     scheduler.set_timesteps(num_inference_steps, device=device)
     timesteps = scheduler.timesteps
-    height = height or pipeline.unet.config.sample_size * pipeline.vae_scale_factor
     width = height
     levels = noise_levels(eta, len(timesteps))
     # float32 latents whatever the model dtype: the trajectory is the policy's data (module docstring)
@@ -212,15 +266,15 @@ def sample_ddim(
             levels[i],
             generator=generator,
             with_log_prob=keep_steps,
+            added_cond=added_cond,
+            negative_added_cond=negative_added_cond,
         )
         if keep_steps:
             all_latents.append(latents)
             all_log_probs.append(log_prob)
             all_stds.append(std_dev_t.reshape(batch_size))
 
-    vae = pipeline.vae
-    images = vae.decode((latents / vae.config.scaling_factor).to(vae.dtype), return_dict=False)[0]
-    images = (images.float() / 2 + 0.5).clamp(0, 1)
+    images = _decode(pipeline.vae, latents)
 
     steps = final_latents_only(latents) if not keep_steps else {
         "latents": torch.stack(all_latents, dim=1),
@@ -234,6 +288,9 @@ def sample_ddim(
         negative_prompt_embeds=negative_prompt_embeds,
         prompts=prompts,
         prompt_ids=prompt_ids,
+        pooled_prompt_embeds=cond.get("pooled_prompt_embeds"),
+        negative_pooled_prompt_embeds=cond.get("negative_pooled_prompt_embeds"),
+        extra_cond={"add_time_ids": cond["add_time_ids"]} if "add_time_ids" in cond else None,
         **steps,
     )
 
@@ -285,9 +342,10 @@ class StableDiffusionPolicy(DiffusionPolicy):
         """VAE and text encoder frozen in `dtype`; LoRA on a frozen `dtype` UNet (adapters float32), or the whole
         UNet trained in float32 (autocast runs it in `dtype`). Returns the UNet."""
         pipe = self.pipeline
-        for frozen in (pipe.vae, pipe.text_encoder):
-            frozen.requires_grad_(False)
-            frozen.to(device, dtype=dtype)
+        for frozen in (pipe.vae, pipe.text_encoder, getattr(pipe, "text_encoder_2", None)):
+            if frozen is not None:
+                frozen.requires_grad_(False)
+                frozen.to(device, dtype=self._frozen_dtype(frozen, dtype))
         unet = pipe.unet
         if use_lora:
             unet.to(device, dtype=dtype)
@@ -297,6 +355,27 @@ class StableDiffusionPolicy(DiffusionPolicy):
             unet.requires_grad_(True)
             unet.to(device, dtype=torch.float32)
         return unet
+
+    def _frozen_dtype(self, module, dtype):
+        """The dtype a frozen part is kept in: `dtype`, except a VAE that asks for float32 decoding in float16
+        (SDXL's ``force_upcast``: its fp16 decode overflows; the pipeline upcasts it the same way)."""
+        if module is self.pipeline.vae and dtype == torch.float16 and getattr(module.config, "force_upcast", False):
+            return torch.float32
+        return dtype
+
+    def _encode(self, prompts, negative_prompt, do_cfg, device, height):
+        """The conditioning dict of `prompts` (``sample_ddim``'s ``encode``)."""
+        return _encode_prompts(self.pipeline, prompts, negative_prompt, do_cfg, device, height)
+
+    @staticmethod
+    def _rows_added_conds(batch, rows, cfg):
+        """(added_cond, negative_added_cond) of trajectories `rows` (SDXL's; (None, None) for SD 1.x / 2.x)."""
+        if batch.pooled_prompt_embeds is None:
+            return None, None
+        cond = {"pooled_prompt_embeds": batch.pooled_prompt_embeds[rows],
+                "negative_pooled_prompt_embeds": batch.negative_pooled_prompt_embeds[rows] if cfg else None,
+                "add_time_ids": batch.extra_cond["add_time_ids"][rows]}
+        return _added_conds(cond)
 
     @property
     def trainable_module(self):
@@ -317,7 +396,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
         return sample_ddim(
             self.pipeline, prompts, num_inference_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
             generator=generator, prompt_ids=prompt_ids, negative_prompt=negative_prompt, unet=model,
-            show_progress=show_progress, height=self.resolution, keep_steps=keep_steps,
+            show_progress=show_progress, height=self.resolution, keep_steps=keep_steps, encode=self._encode,
         )
 
     def forward_noise(self, x0, noise, timesteps):
@@ -349,6 +428,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
         return _predict_noise(
             model, model_input, timesteps, batch.prompt_embeds[rows],
             batch.negative_prompt_embeds[rows] if cfg else None, guidance_scale if cfg else 1.0,
+            *self._rows_added_conds(batch, rows, cfg),
         )
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
@@ -359,6 +439,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
         latents = batch.latents[rows]
         ar = torch.arange(len(rows), device=latents.device)
         cfg = guidance_scale > 1.0
+        added_cond, negative_added_cond = self._rows_added_conds(batch, rows, cfg)
         return step_log_prob(
             model,
             self.pipeline.scheduler,
@@ -370,6 +451,8 @@ class StableDiffusionPolicy(DiffusionPolicy):
             guidance_scale if cfg else 1.0,
             eta,
             num_inference_steps=batch.timesteps.shape[1],
+            added_cond=added_cond,
+            negative_added_cond=negative_added_cond,
         )
 
     def save_trainable(self, module, output_dir, use_lora):
@@ -378,7 +461,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
             from diffusers.utils import convert_state_dict_to_diffusers
             from peft import get_peft_model_state_dict
 
-            StableDiffusionPipeline.save_lora_weights(
+            type(self.pipeline).save_lora_weights(
                 os.path.join(output_dir, "lora"),
                 unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(module)),
                 safe_serialization=True,
@@ -392,7 +475,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
             from diffusers.utils import convert_unet_state_dict_to_peft
             from peft import set_peft_model_state_dict
 
-            state, _ = StableDiffusionPipeline.lora_state_dict(os.path.join(input_dir, "lora"))
+            state, _ = type(self.pipeline).lora_state_dict(os.path.join(input_dir, "lora"))
             unet_state = {k.removeprefix("unet."): v for k, v in state.items() if k.startswith("unet.")}
             result = set_peft_model_state_dict(module, convert_unet_state_dict_to_peft(unet_state), adapter_name="default")
             if getattr(result, "unexpected_keys", None):
@@ -401,3 +484,56 @@ class StableDiffusionPolicy(DiffusionPolicy):
             from safetensors.torch import load_file
 
             module.load_state_dict(load_file(os.path.join(input_dir, "unet", "diffusion_pytorch_model.safetensors")))
+
+
+@register_family("sdxl")
+class StableDiffusionXLPolicy(StableDiffusionPolicy):
+    """SDXL (``StableDiffusionXLPipeline``) with a DDIM scheduler: SD's DDIM steps, log-probs, CFG and LoRA, with
+    SDXL's conditioning. Two CLIP text encoders whose penultimate hidden states are concatenated per token
+    (prompt_embeds (B, 77, 768 + 1280)), the second one's projected pooled output (pooled_prompt_embeds (B, 1280))
+    and the six "added time ids" (original size, crop top-left, target size: (H, W, 0, 0, H, W) at the sampled
+    resolution, as the pipeline's defaults) enter the UNet as ``added_cond_kwargs``; the time ids ride in
+    ``Trajectories.extra_cond["add_time_ids"]`` (B, 6) float32 and the pooled embeddings in the pooled fields, so
+    re-scoring feeds the UNet exactly what sampling fed it. CFG follows the pipeline: an empty negative prompt is
+    the zero embedding (pooled too) when the pipeline's ``force_zeros_for_empty_prompt`` is set (SDXL base's
+    config), the unconditional half shares the time ids. The VAE stays float32 under fp16 when its config says
+    ``force_upcast`` (SDXL's VAE overflows in fp16; madebyollin/sdxl-vae-fp16-fix does not, and says so)."""
+
+    offline_models = ("tiny-sdxl", "random-sdxl")
+    pipeline_class_names = ("StableDiffusionXLPipeline",)
+
+    @classmethod
+    def supports(cls, pipeline):
+        return isinstance(pipeline, StableDiffusionXLPipeline)
+
+    @classmethod
+    def load(cls, model, revision=None, torch_dtype=None):
+        """"tiny-sdxl", "random-sdxl", a directory written by save_pretrained or a hub id
+        (e.g. "stabilityai/stable-diffusion-xl-base-1.0"), in `torch_dtype`; the scheduler becomes DDIM."""
+        builders = {"tiny-sdxl": build_tiny_sdxl_pipeline, "random-sdxl": build_random_sdxl_pipeline}
+        pipeline = load_pretrained(StableDiffusionXLPipeline, model, revision, torch_dtype, builders)
+        pipeline.scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)
+        pipeline.set_progress_bar_config(disable=True)
+        return pipeline
+
+    def critic_sizes(self):
+        return {"latent_channels": self.pipeline.unet.config.in_channels,
+                "prompt_dim": self.pipeline.unet.config.cross_attention_dim}
+
+    def _encode(self, prompts, negative_prompt, do_cfg, device, height):
+        """prompt_embeds (B, L, D1 + D2), pooled_prompt_embeds (B, D2) (and the negative ones with CFG) from
+        ``pipeline.encode_prompt``; add_time_ids (B, 6) float32 from ``pipeline._get_add_time_ids``."""
+        pipe = self.pipeline
+        embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+            prompt=prompts, device=device, num_images_per_prompt=1, do_classifier_free_guidance=do_cfg,
+            negative_prompt=[negative_prompt] * len(prompts) if negative_prompt else None,
+        )
+        projection_dim = (pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None
+                          else int(pooled.shape[-1]))
+        time_ids = pipe._get_add_time_ids((height, height), (0, 0), (height, height), dtype=torch.float32,
+                                          text_encoder_projection_dim=projection_dim)
+        return {
+            "prompt_embeds": embeds, "negative_prompt_embeds": negative if do_cfg else None,
+            "pooled_prompt_embeds": pooled, "negative_pooled_prompt_embeds": negative_pooled if do_cfg else None,
+            "add_time_ids": time_ids.to(device).repeat(len(prompts), 1),
+        }

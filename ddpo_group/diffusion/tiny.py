@@ -378,3 +378,93 @@ def build_tiny_flux_pipeline(seed=0):
     pipeline.default_sample_size = IMAGE_SIZE // pipeline.vae_scale_factor
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
+
+
+# SDXL 1.0 base's published UNet config (stabilityai/stable-diffusion-xl-base-1.0, unet/config.json): 3 levels of
+# 320 / 640 / 1280 channels, transformer depths 1 / 2 / 10 with 5 / 10 / 20 heads, cross-attention width 2048 (the
+# two text encoders' hidden states side by side: 768 + 1280), the "text_time" added embedding: six size / crop ids of
+# 256 Fourier features each plus the 1280-wide pooled projection = 2816 inputs; 2.57B parameters
+SDXL_UNET = dict(
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(5, 10, 20),
+    transformer_layers_per_block=(1, 2, 10), cross_attention_dim=2048, use_linear_projection=True,
+    addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
+)
+# its VAE (vae/config.json): SD's 4-channel VAE with scaling 0.13025, decoded in float32 when the weights are fp16
+SDXL_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, norm_num_groups=32,
+    sample_size=1024, scaling_factor=0.13025, force_upcast=True,
+)
+
+
+def _sdxl_pipeline(unet, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler_config):
+    from diffusers import StableDiffusionXLPipeline
+
+    pipeline = StableDiffusionXLPipeline(
+        vae=vae.eval(), text_encoder=text_encoder.eval(), text_encoder_2=text_encoder_2.eval(), tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2, unet=unet.eval(), scheduler=DDIMScheduler(**scheduler_config),
+        force_zeros_for_empty_prompt=True, add_watermarker=False,
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def build_tiny_sdxl_pipeline(seed=0):
+    """A StableDiffusionXLPipeline with random weights drawn from ``seed`` (CPU, float32), built offline.
+
+    unet        UNet2DConditionModel with SDXL's structure at toy size: levels (32, 64), the second with
+                cross-attention (transformer depth 2, linear projections), cross_attention_dim 64 (the two text
+                encoders' widths 32 + 32), the "text_time" added embedding: 6 time ids x 8 Fourier features + the
+                32-wide pooled projection = 80 inputs
+    text        CLIPTextModel (hidden 32) and CLIPTextModelWithProjection (hidden 32, projection 32: the pooled
+                embedding), 2 layers each, with the tiny in-memory CLIP tokenizer (16 tokens) for both
+    vae         the tiny VAE (32x32 images, 4x8x8 latents) with SDXL's scaling 0.13025 and force_upcast
+    scheduler   DDIMScheduler with SD's (and SDXL's) schedule, steps_offset 1
+    Default image: 32x32. The global torch RNG state is left unchanged. Same seed -> same weights.
+    """
+    tokenizer = build_tiny_tokenizer()
+    configs = tiny_component_configs(vocab_size=len(tokenizer))
+    with seeded(seed):
+        unet = UNet2DConditionModel(
+            sample_size=IMAGE_SIZE // 4, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2), cross_attention_dim=64,
+            use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+            projection_class_embeddings_input_dim=6 * 8 + 32, norm_num_groups=8,
+        )
+        vae = AutoencoderKL(**dict(configs["vae"], scaling_factor=0.13025, force_upcast=True))
+        text_encoder = _tiny_clip(False, len(tokenizer), MODEL_MAX_LENGTH)
+        text_encoder_2 = _tiny_clip(True, len(tokenizer), MODEL_MAX_LENGTH)
+    return _sdxl_pipeline(unet, vae, text_encoder, text_encoder_2, tokenizer, build_tiny_tokenizer(), configs["scheduler"])
+
+
+def build_random_sdxl_pipeline(seed=0, torch_dtype=torch.float32):
+    """SDXL 1.0 base's architecture with random weights, built offline (the model name "random-sdxl"): for speed,
+    memory and exactness checks on a GPU (benchmarks/gpu_check.py); its images mean nothing.
+
+    unet        ``SDXL_UNET`` (the published config, 2.57B parameters); vae ``SDXL_VAE``; DDIM with SD's schedule
+    text        small: a 2-layer CLIPTextModel of CLIP-L's width 768 and a 2-layer CLIPTextModelWithProjection of
+                OpenCLIP-bigG's width 1280 (projection 1280), the tiny CLIP tokenizer with 77 tokens: the UNet sees
+                the real widths (2048 per token, 1280 pooled) and 77 text tokens
+    Weights in ``torch_dtype`` on the CPU; the global torch RNG state is left unchanged.
+    """
+    from transformers import CLIPTextModelWithProjection
+
+    tokenizer = build_tiny_tokenizer(model_max_length=77)
+
+    def clip(cls, width, heads):
+        return cls(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=width, intermediate_size=4 * width, num_hidden_layers=2,
+            num_attention_heads=heads, max_position_embeddings=77, projection_dim=width, hidden_act="gelu",
+            bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        ))
+
+    with seeded(seed), created_in(torch_dtype):  # no float32 copy of 2.6B weights first
+        unet = UNet2DConditionModel(**SDXL_UNET)
+        vae = AutoencoderKL(**SDXL_VAE)
+        text_encoder, text_encoder_2 = clip(CLIPTextModel, 768, 12), clip(CLIPTextModelWithProjection, 1280, 20)
+    scheduler = tiny_component_configs(len(tokenizer))["scheduler"]
+    return _sdxl_pipeline(unet, vae, text_encoder, text_encoder_2, tokenizer, build_tiny_tokenizer(model_max_length=77),
+                          scheduler)

@@ -36,6 +36,13 @@ called directly, a CombinedReward groups by the `groups` keys it is given (defau
 `reward_batch_size` never splits a group. docs/group_rewards.md says how the rollout
 forms groups across processes.
 
+
+Image editing (FLUX.1 Kontext, Qwen-Image-Edit; docs/editing.md): a prompt record's ``source_image`` reaches the
+reward as the image itself, so an edit reward compares before and after: ``metadata[i]["source_image"]`` is the
+source the sample edited, a float32 CPU tensor (3, H, W) in [0, 1] of the images' size (the reward's own copy),
+and ``metadata[i]["source_image_path"]`` the file it was read from (a remote reward receives the image as nested
+lists, ``remote.py``). Text-to-image prompts carry neither.
+
 Built-in, optional and shapes-world rewards register here when their modules are imported;
 ``registry.py`` imports them all and resolves a spec string to a reward.
 """
