@@ -24,7 +24,6 @@ for PickScore and OCR. A reward that scores whole clips (motion, temporal consis
 `@register_reward("name", video=True)` (or a `video = True` attribute), and receives the (B, F, 3, H, W)
 videos; it cannot score an image model's samples (a config error naming the reward field).
 
-
 A group-wise reward sees a whole prompt group and returns one value per member (a rank, a pairwise
 preference): `@register_reward("name", group_wise=True)` (or a `group_wise = True` attribute). Its
 signature is the same, but every call holds exactly one group: all the samples of the group and no
@@ -35,7 +34,6 @@ from every process first; in the evaluation it is the images_per_prompt images o
 called directly, a CombinedReward groups by the `groups` keys it is given (default: equal prompts).
 `reward_batch_size` never splits a group. docs/group_rewards.md says how the rollout
 forms groups across processes.
-
 
 Image editing (FLUX.1 Kontext, Qwen-Image-Edit; docs/editing.md): a prompt record's ``source_image`` reaches the
 reward as the image itself, so an edit reward compares before and after: ``metadata[i]["source_image"]`` is the
