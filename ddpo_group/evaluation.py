@@ -68,11 +68,14 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
     pairs = [(i, j) for i in range(len(records)) for j in range(images_per_prompt)]
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     mine = pairs[rank::world]
+    # Every process makes the same number of model calls of the same size (a sharded model all-gathers its
+    # weights in each call): a shorter slice is padded with its last pair again, whose result is dropped.
+    padded = mine + [mine[-1] if mine else pairs[0]] * (-(-len(pairs) // world) - len(mine))
     results = []
-    for start in range(0, len(mine), batch_size):
+    for start in range(0, len(padded), batch_size):
         if should_stop is not None and world == 1 and start > 0 and should_stop():
             return None  # several processes finish the evaluation: each must reach the gather below
-        chunk = mine[start : start + batch_size]
+        chunk = padded[start : start + batch_size]
         prompts = [records[i].prompt for i, _ in chunk]
         generators = [sample_generator(seed, i, j) for i, j in chunk]
         context = accelerator.autocast() if accelerator is not None else torch.autocast("cpu", enabled=False)
@@ -83,6 +86,8 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         total, components, _ = reward_fn(images, prompts, metadata)
         gold = gold_fn(images, prompts, metadata)[1] if gold_fn is not None else {}
         for n, (i, j) in enumerate(chunk):
+            if start + n >= len(mine):
+                break  # padding
             keep = images[n].clone() if i < grid_prompts else None  # a view would carry the whole batch in a gather
             results.append((i, j, float(total[n]), {k: float(v[n]) for k, v in components.items()}, keep,
                             {k: float(v[n]) for k, v in gold.items()}))

@@ -215,6 +215,8 @@ class DiffusionPolicy:
                                           freeze and move the frozen parts (dtype), add LoRA or unfreeze
                                           the whole model; returns the trainable module
     trainable_module                      the module being trained (unwrapped); settable
+    shard_blocks                          class attribute: the trainable module's block attributes, each
+                                          block one FSDP2 unit (train.sharding="fsdp2")
     critic_sizes() -> dict                latent_channels and prompt_dim of a critic V(x_t, t, c)
     sample(prompts, ..., keep_steps=True) -> Trajectories
                                           trajectories with float32 latents and log-probs, no graph
@@ -238,6 +240,9 @@ class DiffusionPolicy:
     pipeline_class_names = ()
     # whether `flow_grpo_kl_std` applies (train.kl_type="flow_grpo"): flow-matching families only
     supports_flow_grpo_kl = False
+    # the trainable module's attributes whose modules (each element of a ModuleList) are FSDP2 units
+    # (train.sharding="fsdp2", ddpo_group/sharding.py); empty: no block structure known, sharding refused
+    shard_blocks = ()
 
     def __init__(self, pipeline):
         if not self.supports(pipeline):

@@ -241,6 +241,7 @@ def sample_ddim(
 @register_family("stable_diffusion")
 class StableDiffusionPolicy(DiffusionPolicy):
     """SD 1.x / 2.x, the tiny shapes-world model and any StableDiffusionPipeline with a DDIM scheduler."""
+    shard_blocks = ("down_blocks", "mid_block", "up_blocks")  # the UNet's resolution levels
 
     offline_models = ("tiny", "tiny-shapes", "random-sd15")
     pipeline_class_names = ("StableDiffusionPipeline",)
