@@ -68,15 +68,14 @@ def compute_dtype(config):
 
 
 def _device_mesh(device):
+    """A 1-D mesh over every process; one process started without a launcher gets a process group of one (an
+    in-memory store), so that the same sharded code path runs there too."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world == 1 and not dist.is_initialized():
-        raise ConfigError(
-            "config.train.sharding='fsdp2' needs torch.distributed: launch with torchrun or accelerate launch "
-            "(one process too: torchrun --nproc_per_node 1 scripts/train.py ...)"
-        )
-    return init_device_mesh(device.type, (world,))
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
 def block_units(module, block_names):
@@ -106,14 +105,16 @@ def shard_module(module, block_names, device, param_dtype=None, cpu_offload=Fals
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = _device_mesh(device)
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    # the blocks hand their outputs on in the compute dtype; only the root's output is cast to float32
+    block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
     # reshard_after_forward=True for the root too (FSDP2 otherwise keeps the root's weights gathered after a
     # forward, for the backward): after a sampling or evaluation pass under no_grad the module's parameters are
     # its shards again, so that the optimizer, the mixup and the checkpoint always see the DTensors.
     for unit in block_units(module, block_names):
-        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=True)
-    fully_shard(module, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=True)
+        fully_shard(unit, mesh=mesh, mp_policy=block_policy, offload_policy=offload, reshard_after_forward=True)
+    fully_shard(module, mesh=mesh, mp_policy=root_policy, offload_policy=offload, reshard_after_forward=True)
     return module
 
 
