@@ -170,3 +170,20 @@ def test_resume_with_another_number_of_processes_loads_resharded(sharded_run, tm
                       "--config.num_epochs=1")
     output = result.stderr + result.stdout
     assert "written by 2 processes, re-sharded onto 1" in output and "nothing to do" in output
+
+
+# ---- benchmarks/gpu_check.py's FSDP2 row, its code path at tiny size on the CPU -------------------------------------
+
+
+def test_gpu_check_fsdp2_row_runs_on_the_cpu(tmp_path):
+    output = tmp_path / "gpu_check.json"
+    command = [PYTHON, "benchmarks/gpu_check.py", "--device", "cpu", "--arch", "tiny-sd3", "--dtypes", "bf16",
+               "--variants", "none", "--fsdp2", "1", "--steps", "2", "--sample-steps", "2", "--sample-batch", "4",
+               "--batches", "1", "--train-batch", "2", "--repeats", "1", "--sample-repeats", "1", "--epochs", "1",
+               "--output", str(output)]
+    result = launch(command, {"CUDA_VISIBLE_DEVICES": ""})
+    (row,) = json.loads(output.read_text())["archs"]["tiny-sd3"]["dtypes"]["bf16"]["fsdp2"]
+    assert row["processes"] == 1 and row["epochs"] == 1 and row["peak_memory"] == "peak_rss_mb"
+    assert row["peak_mb_per_process"] > 0 and row["s_per_epoch"] > 0
+    assert row["approx_kl"] == 0.0 and row["clipfrac"] == 0.0 and row["skipped_steps"] == 0
+    assert "| tiny-sd3 | bf16 | 1 |" in result.stdout and "result: PASS" in result.stdout
