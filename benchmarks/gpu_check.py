@@ -286,13 +286,11 @@ def run_fsdp2(arch, spec, args, dtype_name, logdir, num_processes):
     the run's metrics.jsonl."""
     import subprocess
 
-    from ddpo_group.diffusion.base import DiffusionPolicy  # noqa: F401  (the package is importable: fail early)
-
     name = f"{arch}_fsdp2_{dtype_name}_{num_processes}"
-    with socket_port() as port:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
-                   "--master_port", str(port), os.path.abspath(__file__), *(sys.argv[1:] if args.argv is None else args.argv),
-                   "--fsdp2-worker", f"{arch},{dtype_name},{logdir},{name}"]
+    argv = sys.argv[1:] if args.argv is None else args.argv
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
+               "--master_port", str(free_port()), os.path.abspath(__file__), *argv,
+               "--fsdp2-worker", f"{arch},{dtype_name},{logdir},{name}"]
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -310,14 +308,12 @@ def run_fsdp2(arch, spec, args, dtype_name, logdir, num_processes):
     }
 
 
-@contextlib.contextmanager
-def socket_port():
+def free_port():
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    yield port
+        return sock.getsockname()[1]
 
 
 def fsdp2_worker(args):

@@ -33,7 +33,7 @@ SHARDED_DIR = "sharded"
 SHARDED_META = "sharding.json"
 
 
-def check_sharding_config(config, family_blocks, num_processes=None):
+def check_sharding_config(config, family_blocks):
     """One-line ConfigError naming the field for a sharding setting this run cannot honour.
 
     family_blocks: the policy's ``shard_blocks`` (None or empty: the family knows no block structure)."""

@@ -19,7 +19,7 @@ from ddpo_group.config_check import ConfigError
 pytestmark = pytest.mark.slow
 
 TORCHRUN = os.path.join(os.path.dirname(PYTHON), "torchrun")
-MODELS = ("tiny", "tiny-sd3", "tiny-flux")
+MODELS = ("tiny", "tiny-sd3", "tiny-flux", "tiny-sd3:lora")  # the last: LoRA adapters on a sharded base
 
 
 def torchrun(nproc, *args):
@@ -70,12 +70,13 @@ def worker(tmp_path_factory):
 @pytest.mark.parametrize("index", range(len(MODELS)))
 def test_sharded_weights_equal_one_process_with_the_same_global_batch(worker, index):
     result = worker[0][index]
-    assert result["model"] == MODELS[index]
+    assert (result["model"], result["lora"]) == (MODELS[index].split(":")[0], MODELS[index].endswith(":lora"))
     # two AdamW steps at lr 1e-3 move the weights by about 2e-3; the two layouts differ by float32 rounding
     # (reduction order of the gradient mean and norm), which Adam's m / sqrt(v) can enlarge for gradients near
     # 0: measured up to 3.6e-6 (tiny SD), 3.5e-7 (tiny FLUX), 1.9e-7 (tiny SD3)
     assert result["max_abs_weight_change"] > 1e-3
     assert result["max_abs_weight_diff"] <= 2e-5
+    # LoRA on the sharded SD3 base: 7.5e-8
     # the global gradient norm over both processes' shards is the one-process norm (before clipping)
     for sharded_norm, full_norm in zip(result["norms"], result["full_norms"]):
         assert sharded_norm == pytest.approx(full_norm, rel=1e-5)
@@ -89,8 +90,11 @@ def test_each_process_holds_half_the_parameter_gradient_and_optimizer_bytes(work
         per_rank = [worker[rank][index]["bytes"][kind] for rank in (0, 1)]
         assert sum(per_rank) == full[kind]  # the shards partition the model: nothing held twice
         assert max(per_rank) <= 0.55 * full[kind]  # dim-0 shards of ceil(rows / 2): about half each
-    # AdamW holds exp_avg and exp_avg_sq: twice the parameter bytes, sharded the same way
-    assert worker[0][index]["bytes"]["optimizer"] == 2 * worker[0][index]["bytes"]["params"]
+    # AdamW holds exp_avg and exp_avg_sq of each trained parameter: twice its gradient bytes, sharded the same way
+    # (a full fine-tune: every parameter; LoRA: the adapters, while the frozen base is sharded too)
+    held = worker[0][index]["bytes"]
+    assert held["optimizer"] == 2 * held["grads"]
+    assert (held["grads"] == held["params"]) == (not worker[0][index]["lora"])
 
 
 @pytest.mark.parametrize("index", range(len(MODELS)))
