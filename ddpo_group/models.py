@@ -10,6 +10,7 @@ by ``ddpo_group.sharding`` instead of being wrapped in DDP by ``accelerator.prep
 """
 
 import dataclasses
+import os
 
 import torch
 
@@ -145,10 +146,15 @@ def _shard(config, policy, module, device):
 
 
 def _sharded_state(config, policy, module, optimizer, copies):
-    """The sharded checkpoint's Stateful; a full fine-tune's final checkpoint also exports the full weights into
-    the pipeline's subfolder of the trainable module (unet/ or transformer/, the unsharded checkpoint's layout).
-    With LoRA the adapters are in the sharded state only."""
-    subfolder = None
-    if not config.use_lora:
-        subfolder = next((name for name, part in policy.pipeline.components.items() if part is module), "model")
-    return sharding_lib.ShardedState(module, optimizer, copies, export_subfolder=subfolder)
+    """The sharded checkpoint's Stateful. Its final checkpoint also exports the trained weights in the unsharded
+    checkpoint's layout: a full fine-tune into the pipeline's subfolder of the trainable module (unet/ or
+    transformer/, ``from_pretrained`` loads it), LoRA adapters into lora/ (``policy.save_trainable``)."""
+    subfolder = next((name for name, part in policy.pipeline.components.items() if part is module), "model")
+
+    def exporter(state_dict, directory):
+        if config.use_lora:
+            policy.save_trainable(module, directory, True, state_dict=state_dict)
+        else:
+            sharding_lib.save_full_weights(module, state_dict, os.path.join(directory, subfolder))
+
+    return sharding_lib.ShardedState(module, optimizer, copies, exporter=exporter)

@@ -214,20 +214,18 @@ class ShardedState:
     with its optimizer state, and the sharded frozen copies ({name: module}). Every process writes and reads
     its own shards; a checkpoint written with N processes loads into M (DCP re-shards on load)."""
 
-    def __init__(self, module, optimizer, copies=None, export_subfolder=None):
+    def __init__(self, module, optimizer, copies=None, exporter=None):
         self.module, self.optimizer, self.copies = module, optimizer, dict(copies or {})
-        self.export_subfolder = export_subfolder
+        self.exporter = exporter
 
     def export(self, directory):
-        """The full weights into directory/export_subfolder (``save_full_weights``), written by the main
-        process; every process takes part in the gather. Returns the path, or None (no export_subfolder)."""
-        if self.export_subfolder is None:
-            return None
+        """The trained weights gathered in full (every process takes part) and written by the main process with
+        ``exporter(full_state_dict, directory)`` (the family's layout)."""
+        if self.exporter is None:
+            return
         state = full_state_dict(self.module)
-        path = os.path.join(directory, self.export_subfolder)
         if dist.get_rank() == 0:
-            save_full_weights(self.module, state, path)
-        return path
+            self.exporter(state, directory)
 
     def state_dict(self):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict

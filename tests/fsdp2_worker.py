@@ -12,6 +12,7 @@ Results: a JSON file per rank (argv[1] + f".{rank}.json").
 
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -69,6 +70,17 @@ def run(model, use_lora=False):
     sharded_weights = {name: p.full_tensor() for name, p in module.named_parameters() if p.requires_grad}
     sharded_reference = {name: p.full_tensor() for name, p in reference_copy.named_parameters() if name in initial}
     result = {"model": model, "lora": use_lora, "bytes": held, "norms": norms}
+    # the export of the gathered weights in the family's layout (as the final checkpoint writes it)
+    export_dir = f"{sys.argv[1]}_export_{model}_{int(use_lora)}"
+    subfolder = "unet" if model == "tiny" else "transformer"
+
+    def exporter(state_dict, directory):
+        if use_lora:
+            policy.save_trainable(module, directory, True, state_dict=state_dict)
+        else:
+            sharding.save_full_weights(module, state_dict, os.path.join(directory, subfolder))
+
+    sharding.ShardedState(module, optimizer, exporter=exporter).export(export_dir)
     if rank == 0:
         full_params = [p for p in full.parameters() if p.requires_grad]
         full_optimizer = torch.optim.AdamW(full_params, lr=LR)
@@ -80,7 +92,7 @@ def run(model, use_lora=False):
             if step == STEPS - 1:
                 result["full_bytes"] = sharding.local_bytes(full, full_optimizer)
             full_optimizer.zero_grad(set_to_none=True)
-        weights = dict(full.named_parameters())
+        weights = {name: p.detach() for name, p in full.named_parameters()}
         result["full_norms"] = full_norms
         result["max_abs_weight_diff"] = max(
             float((sharded_weights[n] - weights[n].detach()).abs().max()) for n in initial)
@@ -90,6 +102,16 @@ def run(model, use_lora=False):
             float((sharded_reference[n] - (ALPHA * weights[n].detach() + (1 - ALPHA) * initial[n])).abs().max())
             for n in initial)
         result["num_trained_tensors"] = len(initial)
+        if use_lora:  # the exported adapters, loaded by the family into a fresh LoRA model
+            torch.manual_seed(0)
+            fresh = load_policy(model, torch_dtype=torch.float32)
+            configure_from_sample(fresh, sample_settings(model))
+            loaded = fresh.prepare(torch.device("cpu"), torch.float32, True, lora_rank=4)
+            fresh.load_trainable(loaded, export_dir, True)
+        else:  # the exported full weights, loaded by diffusers' from_pretrained
+            loaded = type(full).from_pretrained(os.path.join(export_dir, subfolder))
+        exported = dict(loaded.named_parameters())
+        result["export_max_abs_diff"] = max(float((exported[n].detach() - sharded_weights[n]).abs().max()) for n in initial)
     return result
 
 

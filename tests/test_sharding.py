@@ -98,6 +98,12 @@ def test_each_process_holds_half_the_parameter_gradient_and_optimizer_bytes(work
 
 
 @pytest.mark.parametrize("index", range(len(MODELS)))
+def test_the_export_of_the_gathered_weights_loads_back_exactly(worker, index):
+    # full weights: <ModelClass>.from_pretrained(unet/ or transformer/); LoRA: the family's load_trainable(lora/)
+    assert worker[0][index]["export_max_abs_diff"] == 0.0
+
+
+@pytest.mark.parametrize("index", range(len(MODELS)))
 def test_the_sharded_reference_mixes_up_shard_by_shard(worker, index):
     # theta_ref <- 0.3 theta + 0.7 theta_0, compared with the formula on the unsharded weights
     assert worker[0][index]["max_abs_reference_diff"] <= 1e-5

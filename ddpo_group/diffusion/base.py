@@ -232,7 +232,9 @@ class DiffusionPolicy:
                                           the model's output for x_t with the conditioning of `rows`
                                           of `batch` (classifier-free guidance when guidance_scale > 1),
                                           float32, with autograd
-    save_trainable(module, dir, use_lora) / load_trainable(module, dir, use_lora)
+    save_trainable(module, dir, use_lora, state_dict=None) / load_trainable(module, dir, use_lora)
+                                          state_dict: the module's full state dict to write the LoRA weights
+                                          from (a sharded module's, gathered: train.sharding="fsdp2")
     """
 
     family = "abstract"
@@ -291,7 +293,7 @@ class DiffusionPolicy:
             "steps with DDIM: use train.kl_type='gaussian'"
         )
 
-    def save_trainable(self, module, output_dir, use_lora):
+    def save_trainable(self, module, output_dir, use_lora, state_dict=None):
         raise NotImplementedError
 
     def load_trainable(self, module, input_dir, use_lora):

@@ -373,7 +373,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
             num_inference_steps=batch.timesteps.shape[1],
         )
 
-    def save_trainable(self, module, output_dir, use_lora):
+    def save_trainable(self, module, output_dir, use_lora, state_dict=None):
         """LoRA: diffusers format (`pipe.load_lora_weights(output_dir/'lora')`); full fine-tuning: unet/."""
         if use_lora:
             from diffusers.utils import convert_state_dict_to_diffusers
@@ -381,7 +381,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
 
             StableDiffusionPipeline.save_lora_weights(
                 os.path.join(output_dir, "lora"),
-                unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(module)),
+                unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(module, state_dict=state_dict)),
                 safe_serialization=True,
             )
         else:
