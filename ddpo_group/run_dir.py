@@ -7,7 +7,7 @@
                                  reference.safetensors / old_model.safetensors, trainer_state.json;
                                  with train.sharding="fsdp2": sharded/ (torch.distributed.checkpoint's
                                  .distcp files: model, optimizer, frozen copies), sharding.json, and in
-                                 the final checkpoint the full weights (unet/ or transformer/)
+                                 the final checkpoint the gathered weights (unet/ or transformer/, or lora/)
     RUN_DIR/stopped.json         a signal stopped the run before num_epochs (removed when it resumes)
     RUN_DIR/failed.json          the run stopped on an error (moved into resumes.jsonl when it resumes)
     RUN_DIR/resumes.jsonl        one row per resume that changed settings or followed a failure

@@ -57,6 +57,19 @@ def test_a_model_without_known_blocks_is_refused(tmp_path):
     sharding.check_sharding_config(config, ("down_blocks",))  # accepted
 
 
+def test_a_checkpoint_of_the_other_sharding_is_refused_in_one_line(tmp_path):
+    from ddpo_group.run_dir import CheckpointError, check_sharded_checkpoint
+
+    (tmp_path / "sharding.json").write_text(json.dumps({"num_processes": 2, "copies": []}))
+    with pytest.raises(CheckpointError, match=r"written with train.sharding='fsdp2'; resume it with"):
+        check_sharded_checkpoint(str(tmp_path), None)
+    check_sharded_checkpoint(str(tmp_path), sharded=object())  # accepted
+    os.remove(tmp_path / "sharding.json")
+    with pytest.raises(CheckpointError, match=r"written with train.sharding='none'"):
+        check_sharded_checkpoint(str(tmp_path), sharded=object())
+    check_sharded_checkpoint(str(tmp_path), None)
+
+
 # ---- the two-process worker: equality with one process, bytes per process, the sharded reference -----------------
 
 
