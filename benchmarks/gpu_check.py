@@ -51,6 +51,13 @@ recompute pass): the baseline of the recompute pass's memory. On a GPU the targe
 exit code): sampling within 1.05x of pipeline(...), LoRA SD-1.5 peak memory within 10 GiB for GRPO, DDPO and
 Group-PPO, the recompute pass within +10 % peak memory (docs/memory.md).
 
+`--fsdp2 1,N` adds the FSDP2 row (docs/sharding.md): a full fine-tune (no LoRA, train.sharding="fsdp2", bf16
+compute) of each architecture with GRPO, launched with torchrun on 1 and N processes (N GPUs; on a CPU, gloo
+processes); per process count the peak memory of a process (GPU MB, or resident MB on a CPU) and the seconds per
+epoch, with approx_kl / clipfrac checked as above.
+
+    python benchmarks/gpu_check.py --arch sd35,flux --flux-depth 8,16 --dtypes bf16 --variants none --fsdp2 1,8
+
 It prints a table, writes benchmarks/results/gpu_check.json (or --output), and exits 1 if any on-policy ratio
 is not exactly 1, any approx_kl or clipfrac is not exactly 0, any optimizer step was skipped or a sampled step
 lost its density. Not part of CI (CI has no GPU).
@@ -294,6 +301,50 @@ def run_config(arch, spec, algorithm, args, dtype_name, logdir, run_name):
     return config
 
 
+def run_fsdp2(arch, spec, args, dtype_name, logdir, num_processes):
+    """The FSDP2 row for one process count: this script again under torchrun (``fsdp2_worker``), read back from
+    the run's metrics.jsonl."""
+    import subprocess
+
+    name = f"{arch}_fsdp2_{dtype_name}_{num_processes}"
+    argv = sys.argv[1:] if args.argv is None else args.argv
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes),
+               "--master_port", str(free_port()), os.path.abspath(__file__), *argv,
+               "--fsdp2-worker", f"{arch},{dtype_name},{logdir},{name}"]
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"gpu_check: the FSDP2 run on {num_processes} processes failed:\n{result.stderr[-3000:]}")
+    with open(os.path.join(logdir, name, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    peak_key = "peak_gpu_mb" if rows[-1].get("peak_gpu_mb") is not None else "peak_rss_mb"
+    epoch_s = [sum(value for key, value in row.items() if key.startswith("time/")) for row in rows]
+    return {
+        "processes": num_processes, "epochs": len(rows), "peak_mb_per_process": max(row[peak_key] for row in rows),
+        "peak_memory": peak_key, "s_per_epoch": sum(epoch_s) / len(rows), "launch_to_end_s": time.perf_counter() - start,
+        "approx_kl": max(abs(row.get("approx_kl", 0.0)) for row in rows),
+        "clipfrac": max(row.get("clipfrac", 0.0) for row in rows),
+        "skipped_steps": sum(row["train/skipped_steps"] for row in rows),
+    }
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def fsdp2_worker(args):
+    """One process of the FSDP2 row (under torchrun): GRPO's config on the arch, fully fine-tuned and sharded."""
+    arch, dtype_name, logdir, name = args.fsdp2_worker.split(",")
+    config = run_config(arch, arch_settings(arch, args), "grpo", args, dtype_name, logdir, name)
+    config.use_lora = False
+    config.train.sharding = "fsdp2"
+    train(config)
+
+
 def run_algorithm(arch, spec, algorithm, args, dtype_name, logdir, suffix=""):
     config = run_config(arch, spec, algorithm, args, dtype_name, logdir, f"{arch}_{algorithm}_{dtype_name}{suffix}")
     run_dir = train(config)
@@ -393,6 +444,16 @@ def render(results):
                     f"{'-' if noise is None else f'{noise:.3g}'} | {v['train_s_per_trajectory_step']:.4f} | "
                     f"{'-' if peak is None else f'{peak:.0f}'} | {v['skipped_steps']} |"
                 )
+    fsdp2 = [(arch, dtype, row) for arch, a in results["archs"].items() for dtype, d in a["dtypes"].items()
+             for row in d.get("fsdp2", [])]
+    if fsdp2:
+        lines += ["", "FSDP2, full fine-tune (train.sharding='fsdp2'), GRPO:", "",
+                  "| arch | dtype | processes | peak MB per process | s / epoch | approx_kl | clipfrac |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for arch, dtype, row in fsdp2:
+            kind = "GPU" if row["peak_memory"] == "peak_gpu_mb" else "RSS"
+            lines.append(f"| {arch} | {dtype} | {row['processes']} | {row['peak_mb_per_process']:.0f} ({kind}) | "
+                         f"{row['s_per_epoch']:.2f} | {row['approx_kl']:.3g} | {row['clipfrac']:.3g} |")
     if results.get("targets"):
         lines += ["", "| target | arch | dtype | measured | limit | met |", "|---|---|---|---:|---:|---|"]
         for t in results["targets"]:
@@ -426,12 +487,15 @@ def parse_args(argv=None):
                         help="timed calls of each sampler (after one untimed call of each)")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="train.gradient_checkpointing in the training runs and the fwd+bwd check (docs/memory.md)")
+    parser.add_argument("--fsdp2", default="", help="process counts of the FSDP2 full fine-tune row, e.g. 1,8 "
+                        "(empty: no row; docs/sharding.md)")
+    parser.add_argument("--fsdp2-worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--output", default=os.path.join(REPO_ROOT, "benchmarks", "results", "gpu_check.json"))
     args = parser.parse_args(argv)
     for arch in args.arch.split(","):
         if arch not in ARCHS:
             parser.error(f"--arch {arch!r} is not one of {list(ARCHS)}")
-    for name in args.variants.split(","):
+    for name in args.variants.split(",") if args.variants != "none" else []:
         if ALIASES.get(name, name) not in ALGORITHMS:
             parser.error(f"--variants {name!r} is not one of {list(ALGORITHMS)}")
     if args.sample_batch * args.batches % args.train_batch:
@@ -441,6 +505,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    args.argv = argv
+    if args.fsdp2_worker:
+        return fsdp2_worker(args) or 0
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device is visible to torch; on a CPU use --device cpu --arch tiny --dtypes bf16")
     if args.device == "cpu":
@@ -478,7 +545,7 @@ def main(argv=None):
                 if not d["sampling_mask_all_ones"]:
                     failures.append(f"{arch} {dtype_name}: a sampled step lost its density (mask 0)")
                 d["variants"] = {}
-                for name in args.variants.split(","):
+                for name in (args.variants.split(",") if args.variants != "none" else []):
                     if args.device == "cuda":
                         torch.cuda.reset_peak_memory_stats()
                     v = d["variants"][name] = run_algorithm(arch, spec, ALIASES.get(name, name), args, dtype_name, logdir)
@@ -495,6 +562,13 @@ def main(argv=None):
                         torch.cuda.reset_peak_memory_stats()
                     one = argparse.Namespace(**dict(vars(args), optimizer_steps=1))
                     d["grpo_one_optimizer_step"] = run_algorithm(arch, spec, "grpo", one, dtype_name, logdir, "_one")
+                if args.fsdp2:
+                    d["fsdp2"] = [run_fsdp2(arch, spec, args, dtype_name, logdir, int(n)) for n in args.fsdp2.split(",")]
+                    for row in d["fsdp2"]:
+                        print(f"{arch} {dtype_name} fsdp2: {json.dumps(row)}", flush=True)
+                        if row["approx_kl"] != 0.0 or row["clipfrac"] != 0.0 or row["skipped_steps"]:
+                            failures.append(f"{arch} {dtype_name} fsdp2 x{row['processes']}: approx_kl / clipfrac not "
+                                            f"exactly 0 at lr {args.lr:g}, or a skipped step")
                 entry["dtypes"][dtype_name] = d
     finally:
         shutil.rmtree(logdir, ignore_errors=True)

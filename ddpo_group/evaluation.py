@@ -72,13 +72,21 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
     group_wise = any(getattr(fn, "group_wise_names", None) for fn in scorers)
     # a group-wise reward sees a prompt's images_per_prompt images in one call: all of a prompt's images are
     # sampled on one process then (the same images: their noise depends on (seed, i, j) only)
-    mine = [pair for pair in pairs if pair[0] % world == rank] if group_wise else pairs[rank::world]
+    if group_wise:
+        mine = [pair for pair in pairs if pair[0] % world == rank]
+        longest = images_per_prompt * -(-len(records) // world)
+    else:
+        mine = pairs[rank::world]
+        longest = -(-len(pairs) // world)
     only = {"only": "per_image"} if group_wise else {}
+    # Every process makes the same number of model calls of the same size (a sharded model all-gathers its
+    # weights in each call): a shorter slice is padded with its last pair again, whose result is dropped.
+    padded = mine + [mine[-1] if mine else pairs[0]] * (longest - len(mine))
     results, waiting = [], {}  # waiting: prompt index -> [(result row, image)] of a group not yet complete
-    for start in range(0, len(mine), batch_size):
+    for start in range(0, len(padded), batch_size):
         if should_stop is not None and world == 1 and start > 0 and should_stop():
             return None  # several processes finish the evaluation: each must reach the gather below
-        chunk = mine[start : start + batch_size]
+        chunk = padded[start : start + batch_size]
         prompts = [records[i].prompt for i, _ in chunk]
         generators = [sample_generator(seed, i, j) for i, j in chunk]
         context = accelerator.autocast() if accelerator is not None else torch.autocast("cpu", enabled=False)
@@ -91,6 +99,8 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         total, components, _ = reward_fn(images, prompts, metadata, **only)
         gold = gold_fn(images, prompts, metadata, **only)[1] if gold_fn is not None else {}
         for n, (i, j) in enumerate(chunk):
+            if start + n >= len(mine):
+                break  # padding
             keep = images[n].clone() if i < grid_prompts else None  # a view would carry the whole batch in a gather
             row = [i, j, float(total[n]), {k: float(v[n]) for k, v in components.items()}, keep,
                    {k: float(v[n]) for k, v in gold.items()}]

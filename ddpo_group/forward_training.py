@@ -36,7 +36,8 @@ class ForwardUpdate:
         self.trainer = trainer
         self.objective = config.train.objective
         # the sampling (old) model: a copy of the trainable weights (LoRA: the adapters), swapped in per call
-        self.old = ReferencePolicy(trainer.trainable_module, config.use_lora, copy=True)
+        self.old = ReferencePolicy(trainer.trainable_module, config.use_lora, copy=True,
+                                   sharded_copy=getattr(trainer, "sharded_copies", {}).get("old_model"))
 
     @property
     def sampling_model(self):

@@ -4,18 +4,23 @@ the critic, the reference policy and the policy loss (docs/architecture.md).
 The model family (SD, SD3, FLUX, ...) is behind the policy (``ddpo_group.diffusion.policy.load_policy``):
 nothing here names a UNet, a VAE or a scheduler. The frozen parts run in the mixed-precision dtype;
 LoRA adapters (or a fully trained model) keep float32 master weights (docs/design.md §10).
+
+With ``train.sharding="fsdp2"`` the trainable module and its frozen copies (reference, old model) are sharded
+by ``ddpo_group.sharding`` instead of being wrapped in DDP by ``accelerator.prepare`` (docs/sharding.md).
 """
 
 import dataclasses
+import os
 
 import torch
 
+from ddpo_group import sharding as sharding_lib
 from ddpo_group.algos import advantages as adv_lib
 from ddpo_group.algos.losses import get_policy_loss
 from ddpo_group.config_check import ConfigError
 from ddpo_group.critic import ValueNetwork
 from ddpo_group.diffusion.base import configure_from_sample
-from ddpo_group.diffusion.policy import load_policy
+from ddpo_group.diffusion.policy import family_for_model, load_policy
 from ddpo_group.reference import ReferencePolicy
 
 
@@ -36,6 +41,11 @@ class TrainingModels:
     critic_optimizer: torch.optim.Optimizer | None
     reference: ReferencePolicy | None
     policy_loss: object
+    # train.sharding="fsdp2": the sharded frozen copies {"reference" / "old_model": module}, the Stateful of the
+    # sharded checkpoint (None unsharded); clip_grad_norm(params, max_norm) -> the global norm before clipping
+    sharded_copies: dict = dataclasses.field(default_factory=dict)
+    sharded_state: object = None
+    clip_grad_norm: object = None
 
 
 def inference_dtype(config):
@@ -62,6 +72,8 @@ def build_models(config, accelerator):
     the same pi_ref). ConfigError naming the field for a setting the model's family cannot honour."""
     acc, t, s = accelerator, config.train, config.sample
     dtype = inference_dtype(config)
+    sharded = t.get("sharding", "none") == "fsdp2"
+    sharding_lib.check_sharding_config(config, family_for_model(config.pretrained.model).shard_blocks if sharded else ())
     policy = load_policy(config.pretrained.model, revision=config.pretrained.revision or None, torch_dtype=dtype)
     try:
         configure_from_sample(policy, s)
@@ -87,24 +99,62 @@ def build_models(config, accelerator):
                 "set train.gradient_checkpointing=False"
             )
         module.enable_gradient_checkpointing()  # only under autograd: sampling and no_grad passes are unchanged
+    copies = _shard(config, policy, module, acc.device) if sharded else {}
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = _optimizer_class(t)(
         params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,
         eps=t.adam_epsilon,
     )
     critic_module = critic = critic_optimizer = None
+    # FSDP2 takes DDP's place: the sharded module and its optimizer are not prepared (the critic, small, is)
+    prepared = [] if sharded else [module, optimizer]
     if adv_lib.get_adv_estimator(config.algorithm.adv_estimator).needs_values:
         critic_module = ValueNetwork(**policy.critic_sizes(), hidden=config.critic.hidden).to(acc.device)
         critic_optimizer = torch.optim.AdamW(critic_module.parameters(), lr=config.critic.learning_rate)
-        model, optimizer, critic, critic_optimizer = acc.prepare(module, optimizer, critic_module, critic_optimizer)
-    else:
-        model, optimizer = acc.prepare(module, optimizer)
+        *prepared, critic, critic_optimizer = acc.prepare(*prepared, critic_module, critic_optimizer)
+    elif prepared:
+        prepared = acc.prepare(*prepared)
+    model, optimizer = prepared if not sharded else (module, optimizer)
     policy.trainable_module = module  # sampling runs the unwrapped module
     reference = None
     if t.use_reference_model:
-        reference = ReferencePolicy(module, config.use_lora, t.reference_model_mixup_alpha, t.reference_update_freq)
+        reference = ReferencePolicy(module, config.use_lora, t.reference_model_mixup_alpha, t.reference_update_freq,
+                                    sharded_copy=copies.get("reference"))
     return TrainingModels(
         policy=policy, trainable_module=module, model=model, trainable_params=params, optimizer=optimizer,
         critic_module=critic_module, critic=critic, critic_optimizer=critic_optimizer, reference=reference,
-        policy_loss=get_policy_loss(t.policy_loss),
+        policy_loss=get_policy_loss(t.policy_loss), sharded_copies=copies,
+        sharded_state=_sharded_state(config, policy, module, optimizer, copies) if sharded else None,
+        clip_grad_norm=sharding_lib.clip_grad_norm if sharded else acc.clip_grad_norm_,
     )
+
+
+def _shard(config, policy, module, device):
+    """train.sharding="fsdp2": frozen unsharded copies first (the reference unless it is the adapter-free base,
+    the forward objectives' old model), then each of them and the module sharded block by block
+    (ddpo_group/sharding.py). Returns the copies {name: sharded module}."""
+    t = config.train
+    copies = {}
+    if t.use_reference_model and not (config.use_lora and t.reference_update_freq == 0):
+        copies["reference"] = sharding_lib.frozen_copy(module)
+    if t.objective != "stepwise":
+        copies["old_model"] = sharding_lib.frozen_copy(module)
+    for target in [*copies.values(), module]:
+        sharding_lib.shard_module(target, policy.shard_blocks, device, sharding_lib.compute_dtype(config),
+                                  t.sharding_cpu_offload)
+    return copies
+
+
+def _sharded_state(config, policy, module, optimizer, copies):
+    """The sharded checkpoint's Stateful. Its final checkpoint also exports the trained weights in the unsharded
+    checkpoint's layout: a full fine-tune into the pipeline's subfolder of the trainable module (unet/ or
+    transformer/, ``from_pretrained`` loads it), LoRA adapters into lora/ (``policy.save_trainable``)."""
+    subfolder = next((name for name, part in policy.pipeline.components.items() if part is module), "model")
+
+    def exporter(state_dict, directory):
+        if config.use_lora:
+            policy.save_trainable(module, directory, True, state_dict=state_dict)
+        else:
+            sharding_lib.save_full_weights(module, state_dict, os.path.join(directory, subfolder))
+
+    return sharding_lib.ShardedState(module, optimizer, copies, exporter=exporter)

@@ -13,6 +13,11 @@ B; the low-rank update B A of the reference is then not exactly the mix of the t
 The same class holds the lagged sampling ("old") model of the forward-process objectives
 (docs/forward.md): always a copy of the trainable parameters (``copy=True``; with LoRA the
 adapter weights only), moved towards the policy by ``mixup(alpha)`` with the method's schedule.
+
+Under ``train.sharding="fsdp2"`` the copy is a frozen module of its own (``sharded_copy``), sharded exactly as
+the policy (ddpo_group/sharding.py): its parameters and the policy's are DTensors with the same placements,
+so the mixup runs shard by shard on each process with no communication, and the copy is written with the
+sharded checkpoint, not as a safetensors file.
 """
 
 import torch
@@ -23,7 +28,7 @@ from ddpo_group.diffusion.lora import disabled_adapters
 class ReferencePolicy:
     """Callable like the UNet: `ref(sample, t, encoder_hidden_states=...)` runs pi_ref without gradients."""
 
-    def __init__(self, unet, use_lora, mixup_alpha=1.0, update_freq=0, copy=False):
+    def __init__(self, unet, use_lora, mixup_alpha=1.0, update_freq=0, copy=False, sharded_copy=None):
         if not 0.0 < mixup_alpha <= 1.0:
             raise ValueError(f"train.reference_model_mixup_alpha must be in (0, 1], got {mixup_alpha}")
         if update_freq < 0:
@@ -31,9 +36,13 @@ class ReferencePolicy:
         self.unet = unet
         self.mixup_alpha = float(mixup_alpha)
         self.update_freq = int(update_freq)
-        self.uses_disabled_adapters = bool(use_lora) and self.update_freq == 0 and not copy
+        self.uses_disabled_adapters = bool(use_lora) and self.update_freq == 0 and not copy and sharded_copy is None
         self.params = {}
-        if not self.uses_disabled_adapters:
+        self.sharded_copy = sharded_copy
+        if sharded_copy is not None:  # the copy's parameters of the trainable names (its DTensor shards)
+            trainable = {name for name, param in unet.named_parameters() if param.requires_grad}
+            self.params = {name: param for name, param in sharded_copy.named_parameters() if name in trainable}
+        elif not self.uses_disabled_adapters:
             self.params = {
                 name: param.detach().clone() for name, param in unet.named_parameters() if param.requires_grad
             }
@@ -45,6 +54,8 @@ class ReferencePolicy:
         if self.uses_disabled_adapters:
             with disabled_adapters(self.unet):
                 return self.unet(*args, **kwargs)
+        if self.sharded_copy is not None:
+            return self.sharded_copy(*args, **kwargs)
         return torch.func.functional_call(self.unet, self.params, args, kwargs, strict=False)
 
     @torch.no_grad()
@@ -71,17 +82,26 @@ class ReferencePolicy:
         return {"ref/num_syncs": self.num_syncs, "ref/steps_since_sync": self.steps_since_sync}
 
     def state_dict(self):
-        """Counters and the reference parameters (empty when the reference is the adapter-free base)."""
+        """Counters and the reference parameters (empty when the reference is the adapter-free base, or
+        sharded: the sharded checkpoint holds it)."""
+        params = {} if self.sharded_copy is not None else self.params
         return {
             "num_syncs": self.num_syncs,
             "steps_since_sync": self.steps_since_sync,
-            "params": {name: p.detach().cpu().contiguous() for name, p in self.params.items()},
+            "params": {name: p.detach().cpu().contiguous() for name, p in params.items()},
         }
 
     def load_state_dict(self, state):
         self.num_syncs = int(state["num_syncs"])
         self.steps_since_sync = int(state["steps_since_sync"])
         params = state.get("params", {})
+        if self.sharded_copy is not None:
+            if params:
+                raise ValueError(
+                    "the checkpoint's reference model was written unsharded (train.sharding='none'); this run "
+                    "shards it: resume with train.sharding='none'"
+                )
+            return
         if bool(params) != bool(self.params):
             raise ValueError(
                 "the checkpoint's reference model does not match the config: it was written with "

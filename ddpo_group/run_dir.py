@@ -4,7 +4,10 @@
     RUN_DIR/metrics.jsonl        one JSON row per epoch (and one per final evaluation), flushed row by row
     RUN_DIR/checkpoints/checkpoint_N/   accelerator state (optimizer, RNG), the trainable weights in the
                                  family's format (lora/ or unet/ / transformer/), critic.safetensors,
-                                 reference.safetensors / old_model.safetensors, trainer_state.json
+                                 reference.safetensors / old_model.safetensors, trainer_state.json;
+                                 with train.sharding="fsdp2": sharded/ (torch.distributed.checkpoint's
+                                 .distcp files: model, optimizer, frozen copies), sharding.json, and in
+                                 the final checkpoint the gathered weights (unet/ or transformer/, or lora/)
     RUN_DIR/stopped.json         a signal stopped the run before num_epochs (removed when it resumes)
     RUN_DIR/failed.json          the run stopped on an error (moved into resumes.jsonl when it resumes)
     RUN_DIR/resumes.jsonl        one row per resume that changed settings or followed a failure
@@ -142,11 +145,12 @@ class RunDir:
     def debug_path(self, epoch, rank):
         return os.path.join(self.path, "debug", f"epoch_{epoch:04d}_rank{rank}.json")
 
-    def save_checkpoint(self, acc, epoch, state, weight_copies, limit=0):
+    def save_checkpoint(self, acc, epoch, state, weight_copies, limit=0, sharded=None, export=False):
         """checkpoints/checkpoint_{epoch}: accelerator.save_state (every process) into a temporary directory,
         then (main process) the weight copies (`weight_copies`: {file stem: holder with state_dict()}) and
         trainer_state.json = `state` + the copies' non-tensor state, an atomic rename, and pruning to the
-        `limit` newest checkpoints (0: all kept). Returns the checkpoint's path."""
+        `limit` newest checkpoints (0: all kept). `sharded`: the ShardedState of train.sharding="fsdp2"
+        (``save_sharded``; `export`: also the full weights). Returns the checkpoint's path."""
         root = os.path.join(self.path, "checkpoints")
         final = os.path.join(root, f"checkpoint_{epoch}")
         tmp = os.path.join(root, f".tmp_checkpoint_{epoch}")
@@ -156,6 +160,8 @@ class RunDir:
         acc.wait_for_everyone()
         try:
             acc.save_state(tmp)
+            if sharded is not None:
+                save_sharded(tmp, sharded, export)
         except (OSError, RuntimeError) as err:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
@@ -184,12 +190,15 @@ class RunDir:
         acc.wait_for_everyone()
         return final
 
-    def load_checkpoint(self, acc, weight_copies):
+    def load_checkpoint(self, acc, weight_copies, sharded=None):
         """Load the resumed checkpoint: accelerator state, then each weight copy; on the main process drop the
         metrics rows of the epochs the run will redo. Returns the checkpoint's trainer_state.json."""
         checkpoint, state = self.resume_checkpoint, self.resume_state
+        check_sharded_checkpoint(checkpoint, sharded)
         try:
             acc.load_state(checkpoint)
+            if sharded is not None:
+                load_sharded(checkpoint, sharded)
         except Exception as err:
             broken = _unreadable_checkpoint_file(checkpoint)
             if broken:
@@ -245,6 +254,49 @@ class RunDir:
 
         acc.register_save_state_pre_hook(save_hook)
         acc.register_load_state_pre_hook(load_hook)
+
+
+# ---- sharded checkpoints (train.sharding="fsdp2", ddpo_group/sharding.py) ---------------------------------------
+# Kept in this block of its own: the sharded state is written and read by every process through
+# torch.distributed.checkpoint (ShardedState.save / load), beside Accelerate's state of the same checkpoint.
+
+
+def save_sharded(directory, sharded, export=False):
+    """Every process writes its shards into directory/sharded/ (and rank 0 sharding.json); `export`: the full
+    weights too (``ShardedState.export``: gathered onto rank 0 and written in the family's layout)."""
+    sharded.save(directory)
+    if export:
+        sharded.export(directory)
+
+
+def check_sharded_checkpoint(checkpoint, sharded):
+    """CheckpointError in one line when the checkpoint's sharding and the run's differ."""
+    from ddpo_group.sharding import SHARDED_META
+
+    written_sharded = os.path.exists(os.path.join(checkpoint, SHARDED_META))
+    if written_sharded and sharded is None:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was written with train.sharding='fsdp2'; resume it with "
+            "--config.train.sharding=fsdp2 (its full weights, in the final checkpoint, load unsharded)"
+        )
+    if sharded is not None and not written_sharded:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was written with train.sharding='none'; resume it with train.sharding='none'"
+        )
+
+
+def load_sharded(checkpoint, sharded):
+    """Every process reads its shards of checkpoint/sharded/ (DCP re-shards a checkpoint of another
+    number of processes); logs when the number differs."""
+    meta = sharded.load(checkpoint)
+    import torch.distributed as dist
+
+    if meta["num_processes"] != dist.get_world_size():
+        logger.warning("checkpoint %s was written by %d processes, re-sharded onto %d", checkpoint,
+                       meta["num_processes"], dist.get_world_size())
+
+
+# ---- end of the sharded-checkpoint block -------------------------------------------------------------------------
 
 
 def _prune_checkpoints(root, limit):

@@ -108,7 +108,7 @@ class Trainer:
 
         models = build_models(config, acc)
         for name in ("policy", "trainable_module", "model", "trainable_params", "optimizer", "critic_module", "critic",
-                     "critic_optimizer", "reference", "policy_loss"):
+                     "critic_optimizer", "reference", "policy_loss", "sharded_copies", "sharded_state", "clip_grad_norm"):
             setattr(self, name, getattr(models, name))
         self.loss_config = LossConfig.from_config(config.train)
         # the registry says whether one step's loss reads the other steps' log-probs (gspo, geo_mean)
@@ -125,7 +125,7 @@ class Trainer:
         self._saved_at = None  # (epoch, global_step) of the checkpoint on disk that holds the current state
         self._checkpoint = self.files.resume_checkpoint
         if self.files.resume_checkpoint:
-            state = self.files.load_checkpoint(acc, self._weight_copies())
+            state = self.files.load_checkpoint(acc, self._weight_copies(), sharded=self.sharded_state)
             self.first_epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
             self.skipped_steps = int(state.get("skipped_steps", 0))
             self.advantages.load_state_dict(state)
@@ -245,7 +245,7 @@ class Trainer:
         Returns {"skipped": bool, "grad_norm": the clipped-before norm of a step taken, else None}.
         """
         acc = self.accelerator
-        grad_norm = acc.clip_grad_norm_(self.trainable_params, self.config.train.max_grad_norm)
+        grad_norm = self.clip_grad_norm(self.trainable_params, self.config.train.max_grad_norm)  # sharded or not
         flags = acc.gather(torch.tensor([float(bad)], device=acc.device))
         skip = bool(flags.sum() > 0) or (grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)))
         if acc.scaler is not None:
@@ -269,7 +269,8 @@ class Trainer:
         state = {"epoch": epoch, "global_step": self.global_step, "skipped_steps": self.skipped_steps,
                  **self.advantages.state_dict()}
         final = self.files.save_checkpoint(self.accelerator, epoch, state, self._weight_copies(),
-                                           self.config.num_checkpoint_limit)
+                                           self.config.num_checkpoint_limit, sharded=self.sharded_state,
+                                           export=epoch >= self.config.num_epochs)
         self._saved_at, self._checkpoint = (epoch, self.global_step), final
         return final
 

@@ -152,6 +152,12 @@ def get_config():
     # less memory (docs/memory.md) at the cost of about one more forward per trained step. Values and
     # the exact on-policy ratio are unchanged.
     train.gradient_checkpointing = False
+    # Sharding of a full fine-tune over the processes (docs/sharding.md): "none" (DDP: every process holds the
+    # whole model, its reference copy and its optimizer state) or "fsdp2" (torch's fully_shard: each block of
+    # the model its own unit, parameters / gradients / optimizer state 1/N per process, computed in bf16 under
+    # mixed_precision="bf16"). sharding_cpu_offload keeps the shards and the optimizer state in CPU memory.
+    train.sharding = "none"
+    train.sharding_cpu_offload = False
     # Use bitsandbytes' 8-bit Adam (GPU only; needs `pip install bitsandbytes`).
     train.use_8bit_adam = False
     # AdamW hyper-parameters.

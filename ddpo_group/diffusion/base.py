@@ -223,6 +223,8 @@ class DiffusionPolicy:
                                           freeze and move the frozen parts (dtype), add LoRA or unfreeze
                                           the whole model; returns the trainable module
     trainable_module                      the module being trained (unwrapped); settable
+    shard_blocks                          class attribute: the trainable module's block attributes, each
+                                          block one FSDP2 unit (train.sharding="fsdp2")
     critic_sizes() -> dict                latent_channels and prompt_dim of a critic V(x_t, t, c)
     sample(prompts, ..., keep_steps=True) -> Trajectories
                                           trajectories with float32 latents and log-probs, no graph
@@ -242,7 +244,9 @@ class DiffusionPolicy:
                                           the model's output for x_t with the conditioning of `rows`
                                           of `batch` (classifier-free guidance when guidance_scale > 1),
                                           float32, with autograd
-    save_trainable(module, dir, use_lora) / load_trainable(module, dir, use_lora)
+    save_trainable(module, dir, use_lora, state_dict=None) / load_trainable(module, dir, use_lora)
+                                          state_dict: the module's full state dict to write the LoRA weights
+                                          from (a sharded module's, gathered: train.sharding="fsdp2")
     """
 
     family = "abstract"
@@ -254,6 +258,9 @@ class DiffusionPolicy:
     video = False
     # whether `sample` edits a source image per prompt (sample(..., source_images=...)): the editing families
     conditions_on_images = False
+    # the trainable module's attributes whose modules (each element of a ModuleList) are FSDP2 units
+    # (train.sharding="fsdp2", ddpo_group/sharding.py); empty: no block structure known, sharding refused
+    shard_blocks = ()
 
     def __init__(self, pipeline):
         if not self.supports(pipeline):
@@ -310,7 +317,7 @@ class DiffusionPolicy:
             "steps with DDIM: use train.kl_type='gaussian'"
         )
 
-    def save_trainable(self, module, output_dir, use_lora):
+    def save_trainable(self, module, output_dir, use_lora, state_dict=None):
         raise NotImplementedError
 
     def load_trainable(self, module, input_dir, use_lora):

@@ -314,13 +314,14 @@ class FlowMatchingPolicy(DiffusionPolicy):
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
-    def save_trainable(self, module, output_dir, use_lora):
+    def save_trainable(self, module, output_dir, use_lora, state_dict=None):
         """LoRA in diffusers' format (`pipe.load_lora_weights(output_dir/'lora')`); full fine-tuning: transformer/."""
         if use_lora:
             from peft import get_peft_model_state_dict
 
             type(self.pipeline).save_lora_weights(
-                os.path.join(output_dir, "lora"), transformer_lora_layers=get_peft_model_state_dict(module),
+                os.path.join(output_dir, "lora"),
+                transformer_lora_layers=get_peft_model_state_dict(module, state_dict=state_dict),
                 safe_serialization=True,
             )
         else:

@@ -43,6 +43,7 @@ OFFLINE_BUILDERS = {"tiny-flux": build_tiny_flux_pipeline}
 class FluxPolicy(FlowMatchingPolicy):
     """FLUX.1 (``FluxPipeline``): CLIP (pooled) and T5 text encoders, packed 2x2 latents with position
     ids, a guidance embedding instead of CFG (FLUX.1-dev), dynamic timestep shifting."""
+    shard_blocks = ("transformer_blocks", "single_transformer_blocks")  # dual-stream, then single-stream blocks
 
     pipeline_class = FluxPipeline
     pipeline_class_names = ("FluxPipeline",)

@@ -76,6 +76,7 @@ class QwenImagePolicy(FlowMatchingPolicy):
     packed 2x2 latents of a 3-D VAE with per-channel mean / std, true CFG with norm rescaling, the
     scheduler's dynamically shifted grid. The step, the sampling loop, LoRA and checkpoints are the
     flow-matching base's (``flow_policy.py``)."""
+    shard_blocks = ("transformer_blocks",)  # the MMDiT's dual-stream blocks
 
     pipeline_class = QwenImagePipeline
     pipeline_class_names = ("QwenImagePipeline",)

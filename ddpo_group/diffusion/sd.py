@@ -298,6 +298,7 @@ def sample_ddim(
 @register_family("stable_diffusion")
 class StableDiffusionPolicy(DiffusionPolicy):
     """SD 1.x / 2.x, the tiny shapes-world model and any StableDiffusionPipeline with a DDIM scheduler."""
+    shard_blocks = ("down_blocks", "mid_block", "up_blocks")  # the UNet's resolution levels
 
     offline_models = ("tiny", "tiny-shapes", "random-sd15")
     pipeline_class_names = ("StableDiffusionPipeline",)
@@ -455,7 +456,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
             negative_added_cond=negative_added_cond,
         )
 
-    def save_trainable(self, module, output_dir, use_lora):
+    def save_trainable(self, module, output_dir, use_lora, state_dict=None):
         """LoRA: diffusers format (`pipe.load_lora_weights(output_dir/'lora')`); full fine-tuning: unet/."""
         if use_lora:
             from diffusers.utils import convert_state_dict_to_diffusers
@@ -463,7 +464,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
 
             type(self.pipeline).save_lora_weights(
                 os.path.join(output_dir, "lora"),
-                unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(module)),
+                unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(module, state_dict=state_dict)),
                 safe_serialization=True,
             )
         else:

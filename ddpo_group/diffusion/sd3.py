@@ -30,6 +30,7 @@ SD3_VAE = dict(
 class StableDiffusion3Policy(FlowMatchingPolicy):
     """SD3 / SD3.5 (``StableDiffusion3Pipeline``): CLIP-L, CLIP-G (pooled) and T5 (optional) text
     encoders, classifier-free guidance, VAE with shift_factor."""
+    shard_blocks = ("transformer_blocks",)  # the MM-DiT's joint blocks
 
     pipeline_class = StableDiffusion3Pipeline
     pipeline_class_names = ("StableDiffusion3Pipeline",)
