@@ -86,6 +86,7 @@ class WanPolicy(FlowMatchingPolicy):
     default_max_sequence_length = 512  # WanPipeline.__call__'s default
     patch_multiple = 2
     video = True
+    shard_blocks = ("blocks",)  # the transformer's blocks (train.sharding="fsdp2")
 
     def __init__(self, pipeline):
         # FlowMatchingPolicy.__init__ reads an image pipeline's default_sample_size; Wan's is a (H, W) video
