@@ -11,6 +11,7 @@ of those). This module only provides `total` and the per-component rewards.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import math
 import queue
 import threading
@@ -219,7 +220,9 @@ class CombinedReward:
         ]
 
         # every reward gets its own copy (registry docstring): moved to the CPU once (float32, or float64 when
-        # given float64), cloned per call; a reward that asked for device tensors gets a clone of the original
+        # given float64), cloned per call; a reward that asked for device tensors gets a clone of the original.
+        # Prompts and metadata too: a reward that edits them in place changes nothing another call, a later
+        # epoch or the evaluation sees (the metadata dicts are the prompt records' own).
         on_host = images.detach().to("cpu", torch.promote_types(images.dtype, torch.float32))
 
         def run(call):
@@ -227,7 +230,8 @@ class CombinedReward:
             stop = start + step
             fn = self.components[name]
             source = images.detach() if wants_device_tensors(fn) else on_host
-            return self._call(name, fn, source[start:stop].clone(), prompts[start:stop], metadata[start:stop], start)
+            return self._call(name, fn, source[start:stop].clone(), list(prompts[start:stop]),
+                              copy.deepcopy(metadata[start:stop]), start)
 
         if self.workers > 1 and len(calls) > 1:
             with self._executor_lock:
