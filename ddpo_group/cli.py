@@ -144,7 +144,8 @@ def one_line(err: BaseException) -> str:
     from ddpo_group.config_check import ConfigError
 
     text = " ".join(str(err).split()) or type(err).__name__
-    own = isinstance(err, ConfigError) or type(err).__name__ in ("CheckpointError", "RewardError", "RewardNotReadyError")
+    own = isinstance(err, ConfigError) or type(err).__name__ in (
+        "CheckpointError", "RewardError", "RewardNotReadyError", "SamplesNotFiniteError")
     return text if own else f"{type(err).__name__}: {text} (DDPO_GROUP_DEBUG=1 shows the traceback)"
 
 
