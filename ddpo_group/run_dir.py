@@ -32,7 +32,7 @@ import shutil
 import zipfile
 
 import ml_collections
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ddpo_group.config_check import FREE_FORM_FIELDS, ConfigError, load_base_config
@@ -53,6 +53,9 @@ RESUMES_FILE = "resumes.jsonl"
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 CRITIC_FILE = "critic.safetensors"
+# What writing a checkpoint raises when the disk or the file system fails: safetensors' own error (a full disk
+# while it serializes, "No space left on device") besides OSError and torch's RuntimeError.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 class CheckpointError(ValueError):
@@ -170,7 +173,7 @@ class RunDir:
         acc.wait_for_everyone()
         try:
             acc.save_state(tmp)
-        except (OSError, RuntimeError) as err:
+        except WRITE_ERRORS as err:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
         acc.wait_for_everyone()  # every rank's files are in tmp before it is renamed
@@ -181,13 +184,13 @@ class RunDir:
                 if copy_state["params"]:
                     try:
                         save_file(copy_state["params"], os.path.join(tmp, f"{name}.safetensors"))
-                    except (OSError, RuntimeError) as err:
+                    except WRITE_ERRORS as err:
                         shutil.rmtree(tmp, ignore_errors=True)
                         raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
                 state[name] = {k: v for k, v in copy_state.items() if k != "params"}
             try:
                 write_json_atomic(os.path.join(tmp, TRAINER_STATE), state)
-            except OSError as err:
+            except WRITE_ERRORS as err:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
             if os.path.exists(final):
@@ -574,7 +577,8 @@ def _checkpoint_write_error(root, final, err):
         free_mb = shutil.disk_usage(root).free / 2**20
     except OSError:
         free_mb = float("nan")
-    full = getattr(err, "errno", None) == errno.ENOSPC or "iostream error" in str(err) or free_mb < 64
+    full = (getattr(err, "errno", None) == errno.ENOSPC or "iostream error" in str(err) or free_mb < 64
+            or "No space left on device" in str(err) or "StorageFull" in str(err))  # safetensors' message
     kept = [n for n in os.listdir(root) if CHECKPOINT_RE.match(n)] if os.path.isdir(root) else []
     latest = max(kept, key=lambda n: int(CHECKPOINT_RE.match(n)[1])) if kept else None
     cause = f"the disk holding {root} is full ({free_mb:.0f} MB free)" if full else f"{type(err).__name__}: {err}"

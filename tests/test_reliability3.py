@@ -98,3 +98,83 @@ def test_non_finite_samples_stop_the_run_naming_the_epoch(tmp_path):
     failed = json.loads((tmp_path / "r" / "failed.json").read_text())
     assert failed["epoch"] == 1 and "not finite" in failed["error"]
     assert not (tmp_path / "r" / "finished.json").exists()
+
+
+# 4. the evaluation honours reward_timeout, and a stop signal while its reward hangs
+SLOW_REWARDS = '''
+import os, signal, threading
+from ddpo_group.rewards.registry import register_reward
+
+@register_reward("fine")
+def fine(images, prompts, metadata):
+    return [0.5] * len(prompts), {{}}
+
+CALLS = []
+
+
+@register_reward("stuck")
+def stuck(images, prompts, metadata):  # its first call as good as never returns: 20 s (a test that fails must end)
+    CALLS.append(1)
+    if len(CALLS) == 1:
+        {before}
+        threading.Event().wait(20)
+        open({returned!r}, "w").close()
+    return [0.5] * len(prompts), {{}}
+'''
+
+
+@pytest.mark.parametrize("where", ["reward_fn", "eval_rewards"])
+def test_a_reward_that_hangs_in_the_evaluation_is_stopped_at_reward_timeout(tmp_path, where):
+    from ddpo_group.rewards.registry import RewardError
+    from ddpo_group.trainer import train
+    from helpers import cheap, make_config
+
+    plugin = tmp_path / "slow.py"
+    plugin.write_text(SLOW_REWARDS.format(before="", returned=str(tmp_path / "returned")))
+    rewards = {"reward_fn": "stuck"} if where == "reward_fn" else {"reward_fn": "fine", "eval_rewards": "stuck"}
+    config = make_config(tmp_path, **cheap(plugins=str(plugin), eval_freq=1, reward_timeout=1.0, **rewards))
+    with pytest.raises(RewardError) as info:
+        train(config)
+    assert "'stuck' did not return within reward_timeout=1 s" in str(info.value)
+    assert not (tmp_path / "returned").exists()  # given up on, not waited for
+    assert json.loads((tmp_path / "r" / "failed.json").read_text())["epoch"] == 0
+
+
+def test_a_stop_signal_while_an_evaluation_reward_hangs_stops_the_run(tmp_path):
+    from ddpo_group.trainer import train
+    from helpers import cheap, make_config
+
+    plugin = tmp_path / "slow.py"
+    plugin.write_text(SLOW_REWARDS.format(before="os.kill(os.getpid(), signal.SIGTERM)",
+                                          returned=str(tmp_path / "returned")))
+    config = make_config(tmp_path, **cheap(plugins=str(plugin), eval_freq=1, reward_timeout=0.0,
+                                           reward_fn="fine", eval_rewards="stuck"))
+    run_dir = train(config)
+    assert not (tmp_path / "returned").exists()  # the run stopped while the reward still hung
+    stopped = json.loads((tmp_path / "r" / "stopped.json").read_text())
+    assert stopped["epoch"] == 0 and stopped["signal"] == 15 and run_dir == str(tmp_path / "r")
+
+
+# 14. a config file that raises at import, has no get_config, returns a dict or lacks the fields: one line naming it
+@pytest.mark.parametrize("source,says", [
+    ('raise RuntimeError("boom at import")\n', "could not be loaded (RuntimeError: boom at import)"),
+    ("x = 1\n", "could not be loaded (AttributeError:"),
+    ('def get_config():\n    return {"logdir": "logs"}\n', "get_config returned a dict, not a ConfigDict"),
+    ('import ml_collections\ndef get_config():\n    return ml_collections.ConfigDict({"num_epochs": 1})\n',
+     "get_config returned a ConfigDict without the fields"),
+])
+def test_a_config_file_that_is_not_a_config_is_one_line_naming_it(tmp_path, source, says):
+    import subprocess
+    import sys
+
+    from helpers import ROOT, subprocess_env
+
+    config_file = tmp_path / "my_config.py"
+    config_file.write_text(source)
+    result = subprocess.run([sys.executable, "scripts/train.py", "--config", str(config_file)], cwd=ROOT,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
+    assert f"config file {str(config_file)!r}" in lines[0] and says in lines[0]
+    assert "get_config() (or get_config(ARG) for FILE.py:ARG) returning an ml_collections.ConfigDict" in lines[0]
+    assert not (tmp_path / "logs").exists()

@@ -195,3 +195,33 @@ def test_a_second_overwrite_while_the_first_removes_the_run_is_refused(tmp_path,
     loser.release()
     assert len(outcome) == 1 and "in use by a live run" in outcome[0]
     assert read_json(winner.file(CONFIG_FILE))["run_name"] == "r"
+
+
+# Issue 34, item 13: safetensors' own error for a full disk is the one-line checkpoint error, and leaves no temporary
+@pytest.mark.parametrize("where", ["accelerator state", "weight copy"])
+def test_safetensors_failing_on_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch, where):
+    import ddpo_group.run_dir as run_dir_module
+    from safetensors import SafetensorError
+
+    run_dir, config = RunDir.resolve(make_config(tmp_path))
+    run_dir.start(config, first_epoch=0)
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=True)
+    acc.prepare(torch.nn.Linear(3, 2))
+    run_dir.save_checkpoint(acc, 1, {"epoch": 1, "global_step": 1}, {"reference": Holder(1)})
+
+    def no_space(*args, **kwargs):  # what safetensors raises when the disk fills while it writes
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    if where == "accelerator state":
+        monkeypatch.setattr(acc, "save_state", no_space)
+    else:
+        monkeypatch.setattr(run_dir_module, "save_file", no_space)
+    with pytest.raises(CheckpointError) as info:
+        run_dir.save_checkpoint(acc, 2, {"epoch": 2, "global_step": 2}, {"reference": Holder(2)})
+    run_dir.release()
+    message = str(info.value)
+    assert "checkpoint_2" in message and "is full" in message and "checkpoint_1 is kept" in message
+    assert "\n" not in message
+    assert os.listdir(tmp_path / "r" / "checkpoints") == ["checkpoint_1"]

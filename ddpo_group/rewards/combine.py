@@ -15,6 +15,7 @@ import copy
 import math
 import queue
 import threading
+import time
 import urllib.parse
 from typing import Callable
 
@@ -391,12 +392,30 @@ class AsyncRewardRunner:
         try:
             return future.result(timeout=timeout or None)
         except concurrent.futures.TimeoutError as exc:
-            names = getattr(self.reward_fn, "names", None) or [getattr(self.reward_fn, "__name__", "reward")]
-            raise RewardError(
-                f"reward {'+'.join(names)!r} did not return within reward_timeout={timeout:g} s; fix the reward, or "
-                "raise config.reward_timeout (0: no limit)",
-                reward=names[0],
-            ) from exc
+            raise self.timeout_error(timeout) from exc
+
+    def result_or_stop(self, future: concurrent.futures.Future, timeout: float | None, should_stop: Callable):
+        """`result`, asking `should_stop()` every 0.2 s while it waits: None when it says True (a stop signal
+        need not wait for a reward that may never return; the worker thread is a daemon)."""
+        deadline = time.monotonic() + timeout if timeout else None
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise self.timeout_error(timeout)
+            done, _ = concurrent.futures.wait([future], timeout=0.2 if left is None else min(left, 0.2))
+            if done:
+                return future.result()
+            if should_stop():
+                return None
+
+    def timeout_error(self, timeout: float) -> RewardError:
+        """The RewardError of a reward that did not return within `timeout` s, naming it and the field."""
+        names = getattr(self.reward_fn, "names", None) or [getattr(self.reward_fn, "__name__", "reward")]
+        return RewardError(
+            f"reward {'+'.join(names)!r} did not return within reward_timeout={timeout:g} s; fix the reward, or "
+            "raise config.reward_timeout (0: no limit)",
+            reward=names[0],
+        )
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the workers; with wait, after the batches already submitted (a hung reward is not waited for
