@@ -117,8 +117,9 @@ class RunDir:
         if not os.path.exists(self.file(RUN_MARK)):
             write_json_atomic(self.file(RUN_MARK), {"created_by": "ddpo_group", "time": datetime.datetime.now().isoformat()})
         write_json_atomic(self.file(CONFIG_FILE), config.to_dict())
-        with contextlib.suppress(FileNotFoundError):  # a stopped run that goes on is no longer stopped
-            os.remove(self.file(STOPPED_FILE))
+        for name in (STOPPED_FILE, FINISHED_FILE):  # a run that goes on is no longer stopped, nor finished
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.file(name))
         previous_failure = None
         if self.resume_checkpoint and os.path.exists(self.file(FAILED_FILE)):
             # the run goes on: its earlier failure moves into resumes.jsonl, failed.json marks this attempt only
@@ -148,6 +149,14 @@ class RunDir:
             write_json_atomic(self.file(FAILED_FILE), {
                 "epoch": epoch, "error": f"{type(err).__name__}: {err}", "time": datetime.datetime.now().isoformat(),
             })
+
+    def mark_finished(self, epoch, checkpoint):
+        """finished.json: the run reached num_epochs and wrote its final checkpoint; the last file a run writes, so
+        a run directory without it (and without failed.json / stopped.json) belongs to a process that is still
+        running or was ended from outside (killed, os._exit in a reward)."""
+        write_json_atomic(self.file(FINISHED_FILE), {
+            "epoch": epoch, "checkpoint": checkpoint, "time": datetime.datetime.now().isoformat(),
+        })
 
     def mark_stopped(self, epoch, signum):
         """stopped.json: a signal stopped the run before num_epochs, and how to resume it."""

@@ -153,6 +153,7 @@ def test_a_stop_signal_while_an_evaluation_reward_hangs_stops_the_run(tmp_path):
     assert not (tmp_path / "returned").exists()  # the run stopped while the reward still hung
     stopped = json.loads((tmp_path / "r" / "stopped.json").read_text())
     assert stopped["epoch"] == 0 and stopped["signal"] == 15 and run_dir == str(tmp_path / "r")
+    assert not (tmp_path / "r" / "finished.json").exists()
 
 
 # 14. a config file that raises at import, has no get_config, returns a dict or lacks the fields: one line naming it
@@ -178,3 +179,36 @@ def test_a_config_file_that_is_not_a_config_is_one_line_naming_it(tmp_path, sour
     assert f"config file {str(config_file)!r}" in lines[0] and says in lines[0]
     assert "get_config() (or get_config(ARG) for FILE.py:ARG) returning an ml_collections.ConfigDict" in lines[0]
     assert not (tmp_path / "logs").exists()
+
+
+# 6. a run directory says whether the run finished: finished.json, written last; a reward that calls os._exit(0)
+# ends the process with exit code 0 (nothing in the process can stop that), and its run has no finished.json
+def test_a_finished_run_says_so_and_a_run_ended_by_os_exit_does_not(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    from ddpo_group.trainer import train
+    from helpers import ROOT, cheap, make_config, subprocess_env
+
+    run_dir = train(make_config(tmp_path, run_name="done", **cheap()))
+    finished = json.loads((tmp_path / "done" / "finished.json").read_text())
+    assert finished["epoch"] == 1 and finished["checkpoint"] == os.path.join(run_dir, "checkpoints", "checkpoint_1")
+
+    plugin = tmp_path / "exits.py"
+    plugin.write_text(textwrap.dedent('''
+        import os
+        from ddpo_group.rewards.registry import register_reward
+
+        @register_reward("hard_exit")
+        def hard_exit(images, prompts, metadata):
+            os._exit(0)
+    '''))
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--config", "config/grpo.py:test", f"--config.logdir={tmp_path}",
+         "--config.run_name=exited", f"--config.plugins={plugin}", "--config.reward_fn=hard_exit",
+         "--config.sample.num_steps=2", "--config.num_epochs=1"],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0  # what os._exit(0) gives: the run directory is the record
+    names = set(os.listdir(tmp_path / "exited"))
+    assert "config.json" in names and not names & {"finished.json", "failed.json", "stopped.json"}
