@@ -146,7 +146,7 @@ def one_line(err: BaseException) -> str:
 
     text = " ".join(str(err).split()) or type(err).__name__
     own = isinstance(err, ConfigError) or type(err).__name__ in (
-        "CheckpointError", "RewardError", "RewardNotReadyError", "SamplesNotFiniteError")
+        "CheckpointError", "RewardError", "RewardNotReadyError", "SamplesNotFiniteError", "HubUnreachableError")
     return text if own else f"{type(err).__name__}: {text} (DDPO_GROUP_DEBUG=1 shows the traceback)"
 
 

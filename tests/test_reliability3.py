@@ -212,3 +212,43 @@ def test_a_finished_run_says_so_and_a_run_ended_by_os_exit_does_not(tmp_path):
     assert result.returncode == 0  # what os._exit(0) gives: the run directory is the record
     names = set(os.listdir(tmp_path / "exited"))
     assert "config.json" in names and not names & {"finished.json", "failed.json", "stopped.json"}
+
+
+# 5. a hub that accepts connections and never answers: a bounded wait and one line saying what to set
+def test_a_hub_that_never_answers_is_one_line_within_the_deadline(tmp_path, monkeypatch):
+    import socket
+    import threading
+
+    from huggingface_hub import constants
+
+    from ddpo_group.cli import one_line
+    from ddpo_group.diffusion.policy import load_policy
+    from ddpo_group.rewards.clip_models import load_clip_model
+
+    black_hole = socket.socket()
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen(16)  # the kernel completes the connections; nothing ever reads or answers them
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{black_hole.getsockname()[1]}")
+    monkeypatch.setenv("HF_ENDPOINT", constants.ENDPOINT)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("DDPO_GROUP_HUB_TIMEOUT", "1")
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    outcome = {}
+
+    def load():
+        for what, call in (("model", lambda: load_policy("some-org/some-model")),
+                           ("clip", lambda: load_clip_model("some-org/some-clip", "aesthetic"))):
+            try:
+                call()
+            except Exception as err:  # what the run would print
+                outcome[what] = one_line(err)
+
+    worker = threading.Thread(target=load, daemon=True)  # a wait of minutes must not hold the test
+    worker.start()
+    worker.join(timeout=60)
+    black_hole.close()
+    assert not worker.is_alive(), "still waiting on the hub after 60 s"
+    assert outcome["model"].startswith("config.pretrained.model='some-org/some-model': the model hub")
+    assert "did not answer within 1 s" in outcome["model"] and "set HF_HUB_OFFLINE=1" in outcome["model"]
+    assert outcome["clip"].startswith("reward_kwargs.aesthetic.clip_model='some-org/some-clip': the model hub")
