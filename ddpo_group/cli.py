@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -144,7 +145,8 @@ def one_line(err: BaseException) -> str:
     from ddpo_group.config_check import ConfigError
 
     text = " ".join(str(err).split()) or type(err).__name__
-    own = isinstance(err, ConfigError) or type(err).__name__ in ("CheckpointError", "RewardError", "RewardNotReadyError")
+    own = isinstance(err, ConfigError) or type(err).__name__ in (
+        "CheckpointError", "RewardError", "RewardNotReadyError", "SamplesNotFiniteError", "HubUnreachableError")
     return text if own else f"{type(err).__name__}: {text} (DDPO_GROUP_DEBUG=1 shows the traceback)"
 
 
@@ -190,6 +192,24 @@ def _allow_dotted_keys_on_the_command_line() -> None:
     config_flags.register_flag_parser_for_type(ml_collections.ConfigDict, DottedKeysParser())
 
 
+GET_CONFIG_CONTRACT = (
+    "a config file defines get_config() (or get_config(ARG) for FILE.py:ARG) returning an ml_collections.ConfigDict "
+    "with every field of ddpo_group/config/base.py: start from ddpo_group.config.base.get_config() (or a variant, "
+    "ddpo_group.config.grpo.get_config('tiny')) and change its fields"
+)
+
+
+def _user_config_file(argv: Sequence[str]) -> str | None:
+    """The FILE.py of --config FILE.py[:ARG] when it is the user's own file (not a built-in variant), else None."""
+    import os
+
+    value = _config_value(argv)
+    if value is None:
+        return None
+    file = value.rpartition(":")[0] if ".py:" in value else value
+    return file if file.endswith(".py") and os.path.basename(file) != "grpo.py" else None
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing with its errors (a value that does not parse, a config file that cannot be read) as one line."""
     from absl import flags
@@ -198,6 +218,29 @@ def _parse_flags(argv: list[str]) -> list[str]:
         return flags.FLAGS(argv)
     except flags.Error as err:
         sys.exit(f"ddpo-group-train: error: {_without_traceback(str(err))} (ddpo-group-train --help)")
+    except Exception as err:  # the user's config file raised while it was imported, or has no get_config
+        file = _user_config_file(argv[1:])
+        if file is None or os.environ.get("DDPO_GROUP_DEBUG", "").lower() in ("1", "true", "yes"):
+            raise
+        text = " ".join(str(err).split()) or type(err).__name__
+        sys.exit(f"ddpo-group-train: error: config file {file!r} could not be loaded ({type(err).__name__}: {text}); "
+                 f"{GET_CONFIG_CONTRACT}")
+
+
+def _config_file_problem(config, file: str) -> str | None:
+    """A one-line error for what the user's config file `file` returned, when it is not a ConfigDict holding every
+    top-level field of the base config; None when it is."""
+    import ml_collections
+
+    from ddpo_group.config_check import load_base_config
+
+    if not isinstance(config, ml_collections.ConfigDict):
+        return f"config file {file!r}: get_config returned a {type(config).__name__}, not a ConfigDict; {GET_CONFIG_CONTRACT}"
+    missing = [field for field in load_base_config() if field not in config]
+    if missing:
+        return (f"config file {file!r}: get_config returned a ConfigDict without the fields {', '.join(missing[:6])}"
+                f"{', ...' if len(missing) > 6 else ''}; {GET_CONFIG_CONTRACT}")
+    return None
 
 
 def _without_traceback(message: str) -> str:
@@ -250,6 +293,10 @@ def train_main(argv: Sequence[str] | None = None) -> None:
 
         from ddpo_group.trainer import STOPPED_FILE, train
 
+        file = _user_config_file(argv[1:])
+        problem = _config_file_problem(flags.FLAGS.config, file) if file else None
+        if problem:
+            sys.exit(f"ddpo-group-train: error: {problem}")
         try:
             run_dir = train(flags.FLAGS.config, overrides=overrides)
         except Exception as err:

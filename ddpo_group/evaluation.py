@@ -34,7 +34,7 @@ from ddpo_group.edit_sources import reward_metadata, source_images
 from ddpo_group.grids import save_epoch_samples
 from ddpo_group.hacking import PROXY_KEY, describe, gold_key, gold_names, gold_specs
 from ddpo_group.inspect import read_metrics
-from ddpo_group.rewards import build_reward_fn
+from ddpo_group.rewards import AsyncRewardRunner, build_reward_fn
 from ddpo_group.run_dir import METRICS_FILE
 
 logger = logging.getLogger("ddpo_group")
@@ -50,17 +50,20 @@ def sample_generator(seed, prompt_index, image_index):
 
 @torch.no_grad()
 def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, guidance_scale, eta, seed=1234,
-             batch_size=32, accelerator=None, grid_prompts=0, should_stop=None, gold_fn=None):
+             batch_size=32, accelerator=None, grid_prompts=0, should_stop=None, gold_fn=None, reward_timeout=None):
     """Rewards of `images_per_prompt` fixed-noise images of every prompt record.
 
     Args:
         policy: a DiffusionPolicy; model: the module to sample with (None: the policy's).
         records: PromptRecords; reward_fn: a CombinedReward (``build_reward_fn``).
         grid_prompts: keep the images of the first this many prompts (for a grid), on the main process.
-        should_stop: a callable asked before each batch of a one-process evaluation; when it says True the
-            evaluation ends there and returns None (a stop signal need not wait for the whole evaluation).
+        should_stop: a callable asked before each batch of a one-process evaluation, and while it waits for a
+            batch's rewards; when it says True the evaluation ends there and returns None (a stop signal need
+            not wait for the whole evaluation, nor for a reward that never returns).
         gold_fn: a CombinedReward of evaluation-only rewards (``gold_reward_fn``) that scores the same images;
             each of its components is one gold reward.
+        reward_timeout: seconds a batch's reward (and gold reward) may take, else RewardError naming it and
+            config.reward_timeout (None or 0: no limit); the rewards run in a daemon worker thread.
 
     Returns: {"reward_mean", "reward_std", "components": {name: mean}, "per_prompt": (P,) means,
     "rewards": (P, J) array, "images": (k*J, 3, H, W) CPU tensor or None, "grid_prompts": their prompts,
@@ -96,8 +99,14 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
             batch = policy.sample(prompts, num_steps, guidance_scale, eta, generator=generators, model=model, **extra)
         images = batch.images.float().cpu()
         metadata = reward_metadata([records[i].metadata for i, _ in chunk], sources)
-        total, components, _ = reward_fn(images, prompts, metadata, **only)
-        gold = gold_fn(images, prompts, metadata, **only)[1] if gold_fn is not None else {}
+        stop = should_stop if world == 1 else None  # several processes must all reach the gather
+        scored = _scored(reward_fn, images, prompts, metadata, reward_timeout, stop, **only)
+        gold = (_scored(gold_fn, images, prompts, metadata, reward_timeout, stop, **only) if gold_fn is not None
+                else ({}, {}))
+        if scored is None or gold is None:
+            return None
+        total, components, _ = scored
+        gold = gold[1]
         for n, (i, j) in enumerate(chunk):
             if start + n >= len(mine):
                 break  # padding
@@ -157,6 +166,21 @@ def _score_group(record, members, reward_fn, gold_fn):
                     row[2] += fn.weights[name] * float(value)
 
 
+def _scored(reward_fn, images, prompts, metadata, timeout, should_stop, **kwargs):
+    """reward_fn(images, prompts, metadata, **kwargs) in a worker thread, waited for at most `timeout` s
+    (RewardError past it) and until `should_stop()` says True (then None); called directly when neither applies."""
+    if not timeout and should_stop is None:
+        return reward_fn(images, prompts, metadata, **kwargs)
+    runner = AsyncRewardRunner(reward_fn, 1)
+    try:
+        future = runner.submit(images, prompts, metadata, **kwargs)
+        if should_stop is None:
+            return runner.result(future, timeout)
+        return runner.result_or_stop(future, timeout, should_stop)
+    finally:
+        runner.shutdown(wait=False)  # a reward that never returns is left in its daemon thread
+
+
 def gold_reward_fn(eval_rewards, device=None, reward_frames=4):
     """The CombinedReward of the evaluation-only rewards of config.eval_rewards (None when it names none): one
     component per spec, named as training reward components are (the short name, the spec when two collide);
@@ -195,7 +219,7 @@ class Evaluator:
             config.sample.guidance_scale, config.sample.eta, seed=config.eval_seed,
             batch_size=config.eval_batch_size or config.sample.batch_size, accelerator=acc,
             grid_prompts=max(config.eval_grid_prompts, FINAL_IMAGE_PROMPTS) if final else config.eval_grid_prompts,
-            should_stop=should_stop, gold_fn=self.gold_fn,
+            should_stop=should_stop, gold_fn=self.gold_fn, reward_timeout=config.reward_timeout,
         )
         if result is None:  # stopped by a signal between evaluation batches: no partial numbers are logged
             logger.warning("evaluation of epoch %d interrupted by a stop signal", epoch)

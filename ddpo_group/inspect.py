@@ -186,7 +186,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     root = path.resolve()
     if samples_dir.is_dir():
         for entry in sorted(samples_dir.iterdir()):
-            if not entry.resolve().is_relative_to(root):
+            if not _resolves_inside(entry, root):
                 # a link out of the run directory: the report reads the run's own files only
                 run.outside.append(str(entry.relative_to(path)))
             elif match := _SAMPLE_PNG.match(entry.name):
@@ -198,7 +198,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
             elif match := _EVAL_JSON.match(entry.name):
                 run.eval_files[int(match.group(1))] = entry
     for evaluation in sorted(path.glob("checkpoints/checkpoint_*/evaluation.json")):
-        if not evaluation.resolve().is_relative_to(root):
+        if not _resolves_inside(evaluation, root):
             run.outside.append(str(evaluation.relative_to(path)))
             continue
         document = _read_json(evaluation)
@@ -227,12 +227,12 @@ def _read_records(run: RunData, path: Path, evaluation: bool = False) -> tuple[d
         image = record.get("image")
         record["image_path"] = None
         if image:
-            image_path = (path.parent / str(image)).resolve()
-            if not image_path.is_relative_to(root):
+            image_path = path.parent / str(image)
+            if not _resolves_inside(image_path, root):
                 # a samples file names images of its run only: nothing outside the run directory is embedded
                 record["outside"] = str(image)
             else:
-                record["image_path"] = image_path
+                record["image_path"] = image_path.resolve()
         out.append(record)
     return document, out
 
@@ -308,7 +308,18 @@ def sample_source(run: RunData) -> SampleSource | None:
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        return float(value) if math.isfinite(value) else None
+    except OverflowError:  # an integer beyond float's range (a 400-digit number in metrics.jsonl): not drawn
+        return None
+
+
+def _resolves_inside(entry: Path, root: Path) -> bool:
+    """Whether `entry` resolves to a path under `root`; a symlink loop (or an unreadable link) does not."""
+    try:
+        return entry.resolve().is_relative_to(root)
+    except (OSError, RuntimeError):  # RuntimeError: Python < 3.13's "Symlink loop from ..."
+        return False
 
 
 def metric_series(metrics: Sequence[dict], key: str) -> tuple[list[float], list[float]]:

@@ -79,7 +79,12 @@ def build_models(config, accelerator):
         configure_from_sample(policy, s)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    module = policy.prepare(acc.device, dtype, config.use_lora, config.lora_rank, config.lora_alpha or None)
+    try:
+        module = policy.prepare(acc.device, dtype, config.use_lora, config.lora_rank, config.lora_alpha or None)
+    except ValueError as err:
+        if "config." not in str(err):  # a setting this model cannot honour names its field (lora_rank's bound)
+            raise
+        raise ConfigError(str(err)) from err
     if s.negative_prompt and policy.family == "flux":
         raise ConfigError(
             f"config.sample.negative_prompt={s.negative_prompt!r}: FLUX.1 has no classifier-free "

@@ -31,6 +31,10 @@ def source_kwargs(policy, sources):
     return {"source_images": sources} if getattr(policy, "conditions_on_images", False) else {}
 
 
+class SamplesNotFiniteError(RuntimeError):
+    """The policy sampled non-finite images: its weights diverged; the message names the epoch and the fix."""
+
+
 def draw_prompt_indices(num_prompts, total, group_size, seed, epoch, batch_index):
     """The K-repeat sampler: total // group_size distinct prompts, each repeated group_size times, shuffled.
 
@@ -134,6 +138,7 @@ def sample_epoch(policy, prompts, reward_runner, config, accelerator, epoch, met
     drawn = [draw_prompt_indices(len(prompts), total, s.group_size, config.seed, epoch, batch_index)
              for batch_index in range(s.num_batches_per_epoch)]
     collector = GroupCollector(drawn, prompts, reward_runner, acc) if group_wise else None
+    not_finite = 0  # images of this process holding NaN or inf
     for batch_index in tqdm(range(s.num_batches_per_epoch), desc="sampling", leave=False, disable=not acc.is_main_process):
         indices = drawn[batch_index]
         local = indices[acc.process_index * s.batch_size : (acc.process_index + 1) * s.batch_size]
@@ -158,7 +163,9 @@ def sample_epoch(policy, prompts, reward_runner, config, accelerator, epoch, met
         if collector is not None:
             collector.add(batch_index, trajectories.images)
         batches.append(trajectories)
+        not_finite += int((~torch.isfinite(trajectories.images.flatten(1))).any(dim=1).sum())
     metrics["time/sample"] = time.perf_counter() - start
+    _stop_on_non_finite(acc, not_finite, total * s.num_batches_per_epoch, epoch, config)
     start = time.perf_counter()
     results = [reward_runner.result(future, config.reward_timeout) for future in futures]
     samples = EpochBatch.cat(batches)
@@ -184,3 +191,15 @@ def sample_epoch(policy, prompts, reward_runner, config, accelerator, epoch, met
     samples.rewards = torch.as_tensor(rewards, dtype=torch.float32, device=acc.device)
     samples.components = {k: torch.as_tensor(v, dtype=torch.float32, device=acc.device) for k, v in components.items()}
     return samples
+
+
+def _stop_on_non_finite(acc, not_finite, total, epoch, config):
+    """SamplesNotFiniteError on every process when any process sampled a non-finite image (one collective: every
+    process stops at the same point). Training on such samples skips every step and the run would end 'done'."""
+    count = int(acc.gather(torch.tensor([not_finite], device=acc.device)).sum())
+    if count:
+        raise SamplesNotFiniteError(
+            f"epoch {epoch}: {count} of {total} sampled images are not finite (NaN or inf): the policy's weights "
+            f"diverged in an earlier update (train.learning_rate={config.train.learning_rate:g}); resume from a "
+            "checkpoint before it with a lower train.learning_rate (or a tighter train.max_grad_norm), or start again"
+        )

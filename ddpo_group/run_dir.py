@@ -12,10 +12,16 @@
     RUN_DIR/failed.json          the run stopped on an error (moved into resumes.jsonl when it resumes)
     RUN_DIR/resumes.jsonl        one row per resume that changed settings or followed a failure
     RUN_DIR/.lock                held (fcntl) by the live run
+    RUN_DIR/.ddpo_group_run      this library's mark, written when it creates the run directory: overwrite removes
+                                 only a marked directory, and in it only the entries listed in RUN_ENTRIES
+    RUN_DIR/finished.json        the run reached its end (num_epochs, final checkpoint); absent while it runs, and
+                                 after a stop, a failure or a process that was killed or exited mid-run
     RUN_DIR/samples/, RUN_DIR/debug/, RUN_DIR/tensorboard/   sample grids, debug dumps, tracker files
 
 A checkpoint is written into a temporary directory and renamed (atomic); a new run refuses a directory
-that holds another run unless config.overwrite; a resumed run keeps its stored config except the fields
+that holds another run unless config.overwrite, which removes the earlier run's own files (never a directory
+without the mark, never a file it did not write) while it holds the run's lock; config.run_name is one directory
+name under config.logdir; a resumed run keeps its stored config except the fields
 the user set and SAFE_RESUME_FIELDS allows (`resumed_config`).
 """
 
@@ -29,7 +35,7 @@ import shutil
 import zipfile
 
 import ml_collections
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ddpo_group.config_check import FREE_FORM_FIELDS, ConfigError, load_base_config
@@ -43,11 +49,16 @@ CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 # Written into the run directory when a signal stopped the run before num_epochs; removed when it resumes.
 STOPPED_FILE = "stopped.json"
+FINISHED_FILE = "finished.json"
+RUN_MARK = ".ddpo_group_run"
 FAILED_FILE = "failed.json"
 RESUMES_FILE = "resumes.jsonl"
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 CRITIC_FILE = "critic.safetensors"
+# What writing a checkpoint raises when the disk or the file system fails: safetensors' own error (a full disk
+# while it serializes, "No space left on device") besides OSError and torch's RuntimeError.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 class CheckpointError(ValueError):
@@ -75,6 +86,7 @@ class RunDir:
             checkpoint, state, path = find_checkpoint(config.resume_from)
             config, changes = resumed_config(config, path, overrides)
             return cls(path, checkpoint, state, changes), config
+        _check_run_name(config.run_name)
         run_name = config.run_name or datetime.datetime.now().strftime("%Y.%m.%d_%H.%M.%S")
         path = os.path.abspath(os.path.join(config.logdir, run_name))
         _refuse_an_earlier_run(path, config.overwrite)
@@ -94,17 +106,23 @@ class RunDir:
             self._lock = None
 
     def start(self, config, first_epoch):
-        """Main process, once the run is accepted: (overwrite: delete the earlier run), create the directory,
-        hold its lock, write config.json; a resumed run is no longer stopped, and its earlier failure and
+        """Main process, once the run is accepted: create the directory with its mark (RUN_MARK), hold its lock
+        (overwrite: then remove the earlier run's files, the lock held throughout so that a second overwrite is
+        refused, not raced), write config.json; a resumed run is no longer stopped, and its earlier failure and
         changed settings go into resumes.jsonl."""
-        if config.overwrite and not config.resume_from and _holds_a_run(self.path):
-            _lock_run_dir(self.path).close()  # not while the earlier run is live
-            shutil.rmtree(self.path)
+        overwrite = config.overwrite and not config.resume_from and _holds_a_run(self.path)
+        if overwrite:
+            _refuse_an_earlier_run(self.path, True)  # only a directory this library marked as a run
         os.makedirs(self.path, exist_ok=True)
-        self.lock()
+        self.lock()  # not while the earlier run is live; held from here to the run's end
+        if overwrite:
+            _remove_run_entries(self.path)
+        if not os.path.exists(self.file(RUN_MARK)):
+            write_json_atomic(self.file(RUN_MARK), {"created_by": "ddpo_group", "time": datetime.datetime.now().isoformat()})
         write_json_atomic(self.file(CONFIG_FILE), config.to_dict())
-        with contextlib.suppress(FileNotFoundError):  # a stopped run that goes on is no longer stopped
-            os.remove(self.file(STOPPED_FILE))
+        for name in (STOPPED_FILE, FINISHED_FILE):  # a run that goes on is no longer stopped, nor finished
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.file(name))
         previous_failure = None
         if self.resume_checkpoint and os.path.exists(self.file(FAILED_FILE)):
             # the run goes on: its earlier failure moves into resumes.jsonl, failed.json marks this attempt only
@@ -135,6 +153,14 @@ class RunDir:
                 "epoch": epoch, "error": f"{type(err).__name__}: {err}", "time": datetime.datetime.now().isoformat(),
             })
 
+    def mark_finished(self, epoch, checkpoint):
+        """finished.json: the run reached num_epochs and wrote its final checkpoint; the last file a run writes, so
+        a run directory without it (and without failed.json / stopped.json) belongs to a process that is still
+        running or was ended from outside (killed, os._exit in a reward)."""
+        write_json_atomic(self.file(FINISHED_FILE), {
+            "epoch": epoch, "checkpoint": checkpoint, "time": datetime.datetime.now().isoformat(),
+        })
+
     def mark_stopped(self, epoch, signum):
         """stopped.json: a signal stopped the run before num_epochs, and how to resume it."""
         write_json_atomic(self.file(STOPPED_FILE), {
@@ -162,7 +188,7 @@ class RunDir:
             acc.save_state(tmp)
             if sharded is not None:
                 save_sharded(tmp, sharded, export)
-        except (OSError, RuntimeError) as err:
+        except WRITE_ERRORS as err:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
         acc.wait_for_everyone()  # every rank's files are in tmp before it is renamed
@@ -173,13 +199,13 @@ class RunDir:
                 if copy_state["params"]:
                     try:
                         save_file(copy_state["params"], os.path.join(tmp, f"{name}.safetensors"))
-                    except (OSError, RuntimeError) as err:
+                    except WRITE_ERRORS as err:
                         shutil.rmtree(tmp, ignore_errors=True)
                         raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
                 state[name] = {k: v for k, v in copy_state.items() if k != "params"}
             try:
                 write_json_atomic(os.path.join(tmp, TRAINER_STATE), state)
-            except OSError as err:
+            except WRITE_ERRORS as err:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise CheckpointError(_checkpoint_write_error(root, final, err)) from err
             if os.path.exists(final):
@@ -500,17 +526,63 @@ RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
 LOCK_FILE = ".lock"
 
 
+# What a run writes at the top of its directory (module docstring); overwrite removes these and nothing else.
+RUN_ENTRIES = (CONFIG_FILE, METRICS_FILE, "checkpoints", STOPPED_FILE, FAILED_FILE, FINISHED_FILE, RESUMES_FILE,
+               "samples", "debug", "tensorboard", "wandb")
+_RUN_ENTRY_RE = re.compile(  # reports; temporary files of a writer that was killed (write_json_atomic, _truncate_metrics)
+    r"^(report(_vs_.+)?\.html|(%s)\.tmp\d*)$" % "|".join(re.escape(n) for n in RUN_ENTRIES + (RUN_MARK,)))
+
+
 def _holds_a_run(run_dir):
     return any(os.path.exists(os.path.join(run_dir, name)) for name in RUN_MARKERS)
 
 
+def _check_run_name(run_name):
+    """config.run_name is one directory name under config.logdir ('' for a timestamp): never a path, '.' or '..'."""
+    if run_name and (run_name in (".", "..") or os.path.basename(run_name) != run_name or "/" in run_name
+                     or os.sep in run_name or (os.altsep and os.altsep in run_name) or "\0" in run_name):
+        raise ConfigError(
+            f"config.run_name={run_name!r} is not one directory name: the run is written to config.logdir/"
+            "config.run_name, so give a plain name such as 'my_run' (no '/', not '.' or '..') and put the "
+            "directories in config.logdir"
+        )
+
+
 def _refuse_an_earlier_run(run_dir, overwrite):
-    """A new run may not write into a directory that holds another run (it would mix or overwrite its files)."""
-    if _holds_a_run(run_dir) and not overwrite:
+    """A new run may not write into a directory that holds another run (it would mix or overwrite its files), and
+    overwrite may remove only a directory this library marked as a run (RUN_MARK)."""
+    if not _holds_a_run(run_dir):
+        return
+    if not overwrite:
         raise ConfigError(
             f"{run_dir} already holds a run: resume it with --config.resume_from={run_dir}, pick another "
             "config.run_name, or pass --config.overwrite=True to delete it and start again"
         )
+    if not os.path.isfile(os.path.join(run_dir, RUN_MARK)):
+        raise ConfigError(
+            f"config.overwrite=True refuses to delete {run_dir}: it holds "
+            f"{', '.join(n for n in RUN_MARKERS if os.path.exists(os.path.join(run_dir, n)))} but not the mark "
+            f"{RUN_MARK} that ddpo-group writes into the run directories it creates (not a run, or one written by "
+            "an older version); pick another config.run_name or config.logdir, or delete it yourself"
+        )
+
+
+def _remove_run_entries(run_dir):
+    """Remove what a run wrote into `run_dir` (RUN_ENTRIES, reports, temporary files), keeping its lock and mark and
+    every other file (logged): the caller holds the run's lock."""
+    kept = []
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name)
+        if name in (LOCK_FILE, RUN_MARK):
+            continue
+        if name not in RUN_ENTRIES and not _RUN_ENTRY_RE.match(name):
+            kept.append(name)
+        elif os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    if kept:
+        logger.warning("overwrite: %s kept %s (not written by a run)", run_dir, ", ".join(kept[:10]))
 
 
 def _lock_run_dir(run_dir):
@@ -566,7 +638,8 @@ def _checkpoint_write_error(root, final, err):
         free_mb = shutil.disk_usage(root).free / 2**20
     except OSError:
         free_mb = float("nan")
-    full = getattr(err, "errno", None) == errno.ENOSPC or "iostream error" in str(err) or free_mb < 64
+    full = (getattr(err, "errno", None) == errno.ENOSPC or "iostream error" in str(err) or free_mb < 64
+            or "No space left on device" in str(err) or "StorageFull" in str(err))  # safetensors' message
     kept = [n for n in os.listdir(root) if CHECKPOINT_RE.match(n)] if os.path.isdir(root) else []
     latest = max(kept, key=lambda n: int(CHECKPOINT_RE.match(n)[1])) if kept else None
     cause = f"the disk holding {root} is full ({free_mb:.0f} MB free)" if full else f"{type(err).__name__}: {err}"

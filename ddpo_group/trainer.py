@@ -164,6 +164,8 @@ class Trainer:
             if epoch < config.num_epochs and acc.is_main_process:
                 # stopped by a signal before num_epochs: say so in the run directory (the CLI exits non-zero)
                 self.files.mark_stopped(epoch, self.control.signal)
+            elif acc.is_main_process:  # the run's last word: whoever launched it can tell it finished
+                self.files.mark_finished(epoch, self._checkpoint)
         except BaseException as err:
             failed = True
             if acc.is_main_process:

@@ -384,9 +384,11 @@ def test_a_new_run_into_a_directory_that_holds_a_run_is_refused_and_changes_noth
 def test_overwrite_replaces_the_earlier_run(finished_run, tmp_path):
     run_copy = tmp_path / "r"
     shutil.copytree(finished_run, run_copy)
-    (run_copy / "stale.txt").write_text("from the earlier run")
+    (run_copy / "stopped.json").write_text("{}")  # from the earlier run
+    (run_copy / "notes.txt").write_text("the user's own")  # not written by a run: kept (issue 34)
     run_dir = train(make_config(tmp_path, overwrite=True, **cheap()))
-    assert run_dir == str(run_copy) and not (run_copy / "stale.txt").exists()
+    assert run_dir == str(run_copy) and not (run_copy / "stopped.json").exists()
+    assert (run_copy / "notes.txt").read_text() == "the user's own"
     assert [row["epoch"] for row in read_metrics(run_dir)] == [0]
 
 

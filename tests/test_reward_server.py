@@ -291,3 +291,65 @@ def test_a_bad_port_or_a_misspelt_reward_argument_is_one_line_before_serving(arg
                              *args], capture_output=True, text=True, env=subprocess_env(), timeout=120)
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert result.returncode != 0 and len(lines) == 1 and needle in lines[0], result.stdout + result.stderr
+
+
+# --- issue 34, items 10-11: the decoded size of a request is bounded, and its shape is checked ---------------------
+
+PEAK_SCRIPT = r'''
+import base64, io, json, resource
+import numpy as np, torch
+from PIL import Image
+from ddpo_group.rewards.server import RewardApp
+
+side, count = 1024, 8
+buffer = io.BytesIO()
+Image.fromarray(np.full((side, side, 3), 7, np.uint8)).save(buffer, format="PNG")  # a few KB, 3 MB of pixels
+png = base64.b64encode(buffer.getvalue()).decode()
+app = RewardApp(lambda images, prompts, metadata: (torch.zeros(len(prompts)), {}), "zero")
+app._score(json.dumps({"images": [png], "prompts": ["p"]}).encode())  # the allocator's first costs, not counted
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+status = app._score(json.dumps({"images": [png] * count, "prompts": ["p"] * count}).encode())[0]
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"status": status, "peak_bytes": (after - before) * 1024, "body": len(png) * count}))
+'''
+
+
+def test_decoding_a_request_holds_its_float32_tensor_and_little_more():
+    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, timeout=120,
+                            env=subprocess_env())
+    assert result.returncode == 0, result.stderr[-2000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    tensor = 8 * 3 * 1024 * 1024 * 4  # the (8, 3, 1024, 1024) float32 images the reward is given: 96 MiB
+    one_image = 3 * 1024 * 1024 * 4
+    assert measured["status"] == 200
+    assert measured["peak_bytes"] < tensor + 2 * one_image + measured["body"] * 4, measured
+
+
+def test_a_request_that_decodes_to_more_than_the_limit_is_413_before_decoding():
+    body, _ = batch_body(batch=3, size=64)  # 3 * 3 * 64 * 64 * 4 bytes = 0.14 MB of float32
+    with jpeg_server(max_decoded_mb=0.1) as url:
+        status, answer = exchange(url, request(body))
+    assert status == 413 and "--max-decoded-mb 0.1" in answer["error"] and "3 images of 64x64" in answer["error"]
+    with jpeg_server(max_decoded_mb=0.15) as url:
+        assert exchange(url, request(body))[0] == 200
+
+
+@pytest.mark.parametrize("payload,needle", [
+    ({"images": [], "prompts": "ab"}, '"prompts" must be a list of strings, got a JSON string'),
+    ({"images": [], "prompts": [1, 2]}, '"prompts" must be a list of strings; item 0 is a JSON number'),
+    ({"images": "x", "prompts": []}, '"images" must be a list of base64 PNG strings, got a JSON string'),
+    ({"images": [{"a": 1}], "prompts": ["p"]}, '"images" must be a list of base64 PNG strings; item 0 is a JSON object'),
+    ({"images": [], "prompts": [], "metadata": "m"}, '"metadata" must be a list of objects, got a JSON string'),
+    ({"images": [], "prompts": [], "metadata": [1]}, '"metadata" must be a list of objects; item 0 is a JSON number'),
+])
+def test_a_request_of_the_wrong_shape_is_400_naming_the_field(payload, needle):
+    with jpeg_server() as url:
+        status, answer = exchange(url, request(json.dumps(payload).encode()))
+    assert status == 400 and needle in answer["error"], answer
+
+
+def test_json_nested_too_deeply_is_400():
+    with jpeg_server() as url:
+        status, answer = exchange(url, request(b"[" * 100_000 + b"]" * 100_000))
+        nested_field = exchange(url, request(b'{"images": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"))
+    assert status == nested_field[0] == 400 and "nested too deeply" in answer["error"], answer

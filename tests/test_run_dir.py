@@ -124,3 +124,104 @@ def test_relative_file_specs_of_eval_rewards_are_stored_absolute(tmp_path, monke
     resolved = with_resolved_paths(config)
     assert resolved.eval_rewards == f"{tmp_path / 'gold' / 'mine.py'}:score,shapes_color"
     assert config.eval_rewards == "gold/mine.py:score, shapes_color"  # the given config is left as it is
+
+
+# Issue 34, items 1-3: overwrite removes only a run this library created, and only its files; run_name is one name;
+# the lock is held across the removal.
+def test_overwrite_refuses_a_directory_that_is_not_a_marked_run(tmp_path):
+    project = tmp_path / "project"
+    (project / "logs").mkdir(parents=True)
+    (project / "config.json").write_text("{}")  # a project's own file of that name
+    (project / "train.py").write_text("print('source')")
+    with pytest.raises(ConfigError) as info:
+        RunDir.resolve(make_config(tmp_path, run_name="project", overwrite=True))
+    message = str(info.value)
+    assert "config.overwrite=True refuses" in message and ".ddpo_group_run" in message and "\n" not in message
+    run_dir = RunDir(str(project))  # start() refuses too, whatever resolved it
+    with pytest.raises(ConfigError, match="refuses"):
+        run_dir.start(make_config(tmp_path, run_name="project", overwrite=True), first_epoch=0)
+    assert sorted(p.name for p in project.iterdir()) == ["config.json", "logs", "train.py"]
+    assert (project / "train.py").read_text() == "print('source')"
+
+
+def test_overwrite_removes_only_the_files_a_run_wrote(tmp_path):
+    run_dir, config = RunDir.resolve(make_config(tmp_path))
+    run_dir.start(config, first_epoch=0)
+    run_dir.append_metrics({"epoch": 0})
+    os.makedirs(run_dir.file("samples"))
+    open(run_dir.file("report.html"), "w").close()
+    with open(run_dir.file("notes.txt"), "w") as f:  # the user's own file beside the run's
+        f.write("mine")
+    run_dir.release()
+    again, config = RunDir.resolve(make_config(tmp_path, overwrite=True))
+    again.start(config, first_epoch=0)
+    again.release()
+    assert sorted(os.listdir(again.path)) == [".ddpo_group_run", ".lock", "config.json", "notes.txt"]
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../escaped", "a/b", "/abs/run"])
+def test_a_run_name_that_is_not_one_directory_name_is_refused(tmp_path, name):
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(ConfigError) as info:
+        RunDir.resolve(make_config(tmp_path / "logs", run_name=name))
+    assert str(info.value).startswith(f"config.run_name={name!r}") and "\n" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"] and not any((tmp_path / "logs").iterdir())
+
+
+def test_a_second_overwrite_while_the_first_removes_the_run_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    first, config = RunDir.resolve(make_config(tmp_path))
+    first.start(config, first_epoch=0)
+    os.makedirs(first.file("checkpoints/checkpoint_1"))
+    first.release()
+    winner, config = RunDir.resolve(make_config(tmp_path, overwrite=True))
+    loser, _ = RunDir.resolve(make_config(tmp_path, overwrite=True))
+    outcome, real_rmtree = [], shutil.rmtree
+
+    def rmtree_racing(path, *args, **kwargs):  # the second overwrite starts while the first removes the run
+        if not outcome:
+            outcome.append("racing")
+            try:
+                loser.start(config, first_epoch=0)
+                outcome[0] = "started"
+            except ConfigError as err:
+                outcome[0] = str(err)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_racing)
+    winner.start(config, first_epoch=0)
+    winner.release()
+    loser.release()
+    assert len(outcome) == 1 and "in use by a live run" in outcome[0]
+    assert read_json(winner.file(CONFIG_FILE))["run_name"] == "r"
+
+
+# Issue 34, item 13: safetensors' own error for a full disk is the one-line checkpoint error, and leaves no temporary
+@pytest.mark.parametrize("where", ["accelerator state", "weight copy"])
+def test_safetensors_failing_on_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch, where):
+    import ddpo_group.run_dir as run_dir_module
+    from safetensors import SafetensorError
+
+    run_dir, config = RunDir.resolve(make_config(tmp_path))
+    run_dir.start(config, first_epoch=0)
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=True)
+    acc.prepare(torch.nn.Linear(3, 2))
+    run_dir.save_checkpoint(acc, 1, {"epoch": 1, "global_step": 1}, {"reference": Holder(1)})
+
+    def no_space(*args, **kwargs):  # what safetensors raises when the disk fills while it writes
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    if where == "accelerator state":
+        monkeypatch.setattr(acc, "save_state", no_space)
+    else:
+        monkeypatch.setattr(run_dir_module, "save_file", no_space)
+    with pytest.raises(CheckpointError) as info:
+        run_dir.save_checkpoint(acc, 2, {"epoch": 2, "global_step": 2}, {"reference": Holder(2)})
+    run_dir.release()
+    message = str(info.value)
+    assert "checkpoint_2" in message and "is full" in message and "checkpoint_1 is kept" in message
+    assert "\n" not in message
+    assert os.listdir(tmp_path / "r" / "checkpoints") == ["checkpoint_1"]

@@ -6,6 +6,7 @@ so a freshly added adapter leaves the UNet's output unchanged. With adapters dis
 UNet is the base model: the reference policy of docs/design.md §6 at no extra memory.
 """
 
+import math
 from contextlib import contextmanager
 
 from peft import LoraConfig
@@ -29,6 +30,13 @@ def add_lora(unet, rank, alpha=None, target_modules=DEFAULT_TARGET_MODULES, adap
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int, got {rank!r}")
     unet = _unwrap(unet)
+    bound = max_useful_rank(unet, target_modules)
+    if bound and rank > bound:  # (no layer matched: peft names the missing targets)
+        raise ValueError(
+            f"config.lora_rank={rank} is above what the adapted layers can use: B A of a layer d_in -> d_out has rank "
+            f"at most min(d_in, d_out), at most {bound} for this model's {', '.join(target_modules)}; a larger rank "
+            f"adds memory, checkpoint size and time but nothing the update can express: set config.lora_rank <= {bound}"
+        )
     unet.requires_grad_(False)
     config = LoraConfig(
         r=rank,
@@ -38,6 +46,21 @@ def add_lora(unet, rank, alpha=None, target_modules=DEFAULT_TARGET_MODULES, adap
     )
     unet.add_adapter(config, adapter_name=adapter_name)
     return lora_parameters(unet)
+
+
+def max_useful_rank(model, target_modules=DEFAULT_TARGET_MODULES):
+    """max over the layers LoRA adapts (names equal to, or ending in ".<target>", as peft matches them) of
+    min(d_in, d_out): the rank of B A (d_out x r times r x d_in) cannot exceed it. 0 when no layer matches."""
+    bound = 0
+    for name, module in model.named_modules():
+        if not any(name == target or name.endswith("." + target) for target in target_modules):
+            continue
+        if hasattr(module, "in_features"):  # nn.Linear
+            bound = max(bound, min(module.in_features, module.out_features))
+        elif hasattr(module, "in_channels") and hasattr(module, "kernel_size"):  # a convolution: A is a conv too
+            fan_in = module.in_channels // module.groups * math.prod(module.kernel_size)
+            bound = max(bound, min(fan_in, module.out_channels))
+    return bound
 
 
 def lora_parameters(unet):

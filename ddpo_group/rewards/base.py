@@ -12,9 +12,13 @@ to log (its numbers are logged as reward_info/<reward>/<key> in metrics.jsonl).
 
 `images` is the reward's own copy, float32 on the CPU, whatever the training device and
 dtype (float64 images, from a caller of the reward's own, stay float64): converting it to
-NumPy needs no device move, and editing it in place changes nothing else. A reward that
+NumPy needs no device move, and editing it in place changes nothing else; its `prompts` list and
+`metadata` dicts are its own copies too. A reward that
 runs a model on the accelerator says so, `@register_reward("name", device_tensors=True)`
 (or a `device_tensors = True` attribute): it gets a copy on the training device instead.
+A reward returns or raises; it must not end the process: sys.exit / KeyboardInterrupt are caught and stop the
+run with an error naming it, but os._exit (or a crash of native code) ends the run at once, with no
+failed.json, no final checkpoint and whatever exit code it gave; such a run's directory has no finished.json.
 
 Videos (a video family's samples, ``DiffusionPolicy.video``) are (B, F, 3, H, W) in [0, 1]. An image reward
 never sees one: ``CombinedReward`` gives it `config.reward_frames` evenly spaced frames of every video

@@ -71,6 +71,13 @@ def load_clip_model(model, reward: str, field: str = "clip_model", model_class: 
         return model
     import transformers
 
+    from ddpo_group.hub import HubUnreachableError, check_hub
+
+    try:
+        check_hub(model, f"reward_kwargs.{reward}.{field}")  # a hub that never answers: one line, not minutes
+    except HubUnreachableError as exc:
+        raise RewardNotReadyError(str(exc), reward=reward) from None
+
     try:
         return getattr(transformers, model_class).from_pretrained(model)
     except (OSError, ValueError) as exc:

@@ -16,9 +16,11 @@ scores the per-image components batch by batch and the group-wise ones once a gr
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import math
 import queue
 import threading
+import time
 import urllib.parse
 from typing import Callable
 
@@ -287,7 +289,9 @@ class CombinedReward:
                  for rows in (whole_groups if name in self.group_wise_names else chunks)]
 
         # every reward gets its own copy (registry docstring): moved to the CPU once (float32, or float64 when
-        # given float64), cloned per call; a reward that asked for device tensors gets a clone of the original
+        # given float64), cloned per call; a reward that asked for device tensors gets a clone of the original.
+        # Prompts and metadata too: a reward that edits them in place changes nothing another call, a later
+        # epoch or the evaluation sees (the metadata dicts are the prompt records' own).
         on_host = images.detach().to("cpu", torch.promote_types(images.dtype, torch.float32))
 
         def run(call):
@@ -298,9 +302,11 @@ class CombinedReward:
                 own = source[int(rows[0]) : int(rows[-1]) + 1].clone()
             else:  # a group spread over the batch: indexing copies
                 own = source[torch.as_tensor(rows, device=source.device)]
+            own_prompts = [prompts[i] for i in rows]
+            own_metadata = copy.deepcopy([metadata[i] for i in rows])
             if video and not is_video_reward(fn):
-                return self._call_frames(name, fn, own, [prompts[i] for i in rows], [metadata[i] for i in rows], rows)
-            return self._call(name, fn, own, [prompts[i] for i in rows], [metadata[i] for i in rows], rows)
+                return self._call_frames(name, fn, own, own_prompts, own_metadata, rows)
+            return self._call(name, fn, own, own_prompts, own_metadata, rows)
 
         if self.workers > 1 and len(calls) > 1:
             with self._executor_lock:
@@ -469,12 +475,30 @@ class AsyncRewardRunner:
         try:
             return future.result(timeout=timeout or None)
         except concurrent.futures.TimeoutError as exc:
-            names = getattr(self.reward_fn, "names", None) or [getattr(self.reward_fn, "__name__", "reward")]
-            raise RewardError(
-                f"reward {'+'.join(names)!r} did not return within reward_timeout={timeout:g} s; fix the reward, or "
-                "raise config.reward_timeout (0: no limit)",
-                reward=names[0],
-            ) from exc
+            raise self.timeout_error(timeout) from exc
+
+    def result_or_stop(self, future: concurrent.futures.Future, timeout: float | None, should_stop: Callable):
+        """`result`, asking `should_stop()` every 0.2 s while it waits: None when it says True (a stop signal
+        need not wait for a reward that may never return; the worker thread is a daemon)."""
+        deadline = time.monotonic() + timeout if timeout else None
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise self.timeout_error(timeout)
+            done, _ = concurrent.futures.wait([future], timeout=0.2 if left is None else min(left, 0.2))
+            if done:
+                return future.result()
+            if should_stop():
+                return None
+
+    def timeout_error(self, timeout: float) -> RewardError:
+        """The RewardError of a reward that did not return within `timeout` s, naming it and the field."""
+        names = getattr(self.reward_fn, "names", None) or [getattr(self.reward_fn, "__name__", "reward")]
+        return RewardError(
+            f"reward {'+'.join(names)!r} did not return within reward_timeout={timeout:g} s; fix the reward, or "
+            "raise config.reward_timeout (0: no limit)",
+            reward=names[0],
+        )
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the workers; with wait, after the batches already submitted (a hung reward is not waited for

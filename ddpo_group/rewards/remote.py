@@ -70,12 +70,16 @@ class RequestTooLarge(ValueError):
     """A request over one of the server's limits (HTTP 413); the message names the limit."""
 
 
-def decode_images(encoded: list[str], max_pixels: int | None = None) -> torch.Tensor:
+def decode_images(encoded: list[str], max_pixels: int | None = None, max_decoded_mb: float | None = None) -> torch.Tensor:
     """B base64 PNG strings -> float32 tensor (B, 3, H, W) in [0, 1] (pixel / 255).
 
     max_pixels: refuse (RequestTooLarge) an image whose header declares more pixels, before decoding it.
+    max_decoded_mb: refuse a batch whose decoded tensor, B * 3 * H * W * 4 bytes (from the headers), is larger
+    than this many MB (2**20 bytes).
+    The images are decoded one at a time into that one preallocated float32 tensor, so decoding holds it and one
+    image's 8-bit pixels at most, never a float copy per image (a 12 KB PNG may decode to 50 MB of float32).
     """
-    arrays = []
+    opened = []
     for i, item in enumerate(encoded):
         image = Image.open(io.BytesIO(base64.b64decode(item)))
         width, height = image.size
@@ -84,11 +88,22 @@ def decode_images(encoded: list[str], max_pixels: int | None = None) -> torch.Te
                 f"image {i} has {width}x{height} = {width * height} pixels, over the server's limit "
                 f"--max-pixels {max_pixels}"
             )
-        arrays.append(np.asarray(image.convert("RGB")))
-    if len({array.shape for array in arrays}) > 1:
-        raise ValueError(f"images have different sizes: {sorted({a.shape for a in arrays})}")
-    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
-
+        opened.append(image)
+    if len({image.size for image in opened}) > 1:
+        raise ValueError(f"images have different sizes: {sorted({(h, w, 3) for w, h in (i.size for i in opened)})}")
+    width, height = opened[0].size if opened else (0, 0)
+    total = len(opened) * 3 * height * width * 4
+    if max_decoded_mb is not None and total > max_decoded_mb * 2**20:
+        raise RequestTooLarge(
+            f"{len(opened)} images of {width}x{height} decode to {total / 2**20:.3g} MB of float32, over the server's "
+            f"limit --max-decoded-mb {max_decoded_mb:g}; send fewer images per request"
+        )
+    out = torch.empty((len(opened), 3, height, width), dtype=torch.float32)
+    for i in range(len(opened)):
+        image, opened[i] = opened[i], None  # each decoded image is freed before the next one is decoded
+        out[i].copy_(torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1))  # a writable array
+        image.close()
+    return out.div_(255)
 
 
 class _Retry(Exception):

@@ -16,14 +16,18 @@ Limits, each answered with a JSON {"error": ...} naming the flag:
   --max-body-mb (64)        a larger body is 413, refused from its Content-Length before it is read
   --max-images (256)        more images in one request: 413
   --max-pixels (2048*2048)  an image with more pixels (read from its PNG header, before decoding): 413
+  --max-decoded-mb (1024)   a request whose images decode to more float32 bytes (B*3*H*W*4, from the PNG
+                            headers, before decoding): 413; the images are decoded one by one into that
+                            one tensor, so a request's memory is about this much plus its body
   --request-timeout (30 s)  the whole request (headers and body) must arrive within this many seconds
                             of the connection (or of the previous answer on a kept-alive connection),
                             else 408 and the connection is closed: a client sending a byte at a time
                             holds nothing for longer
   --max-connections (32)    open connections at once (uvicorn's limit_concurrency); past it 503
   --workers (1)             threads that decode and score requests (rewards block); the others wait
-a body that is not Content-Type application/json is 415, one that is not the protocol's JSON 400, a
-reward that raises 500. To serve other machines deliberately, bind an interface (--host 0.0.0.0) on a
+a body that is not Content-Type application/json is 415, one that is not the protocol's JSON 400 (an
+object whose "images" and "prompts" are lists of strings and "metadata" a list of objects or null,
+JSON nested too deeply included), a reward that raises 500. To serve other machines deliberately, bind an interface (--host 0.0.0.0) on a
 trusted network only, or keep 127.0.0.1 and reach it through an SSH tunnel
 (ssh -L 8000:127.0.0.1:8000 HOST): there is no authentication.
 """
@@ -65,9 +69,11 @@ class Limits:
     request_timeout: float = 30.0
     max_connections: int = 32
     workers: int = 1
+    max_decoded_mb: float = 1024.0
 
     def __post_init__(self):
-        for field in ("max_body_mb", "max_images", "max_pixels", "request_timeout", "max_connections", "workers"):
+        for field in ("max_body_mb", "max_images", "max_pixels", "request_timeout", "max_connections", "workers",
+                      "max_decoded_mb"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"--{field.replace('_', '-')} must be > 0, got {getattr(self, field)!r}")
 
@@ -170,15 +176,18 @@ class RewardApp:
         """Runs in a worker thread: parse, decode, score. (status, payload, number of images)."""
         limits = self.limits
         try:
-            request = json.loads(body)
-            if not isinstance(request, dict):
-                raise ValueError(f"the body is a JSON {type(request).__name__}, not an object")
+            try:
+                request = json.loads(body)
+            except RecursionError:
+                raise ValueError("the JSON is nested too deeply") from None
+            _check_request(request)
             if len(request["images"]) > limits.max_images:
                 raise RequestTooLarge(f"{len(request['images'])} images in one request, over the server's limit "
                                       f"--max-images {limits.max_images}")
-            images = decode_images(request["images"], max_pixels=limits.max_pixels)
-            prompts = list(request["prompts"])
-            metadata = list(request.get("metadata") or [{} for _ in prompts])
+            images = decode_images(request["images"], max_pixels=limits.max_pixels,
+                                   max_decoded_mb=limits.max_decoded_mb)
+            prompts = request["prompts"]
+            metadata = request.get("metadata") or [{} for _ in prompts]
             if not len(images) == len(prompts) == len(metadata):
                 raise ValueError(f"got {len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata")
         except RequestTooLarge as exc:
@@ -195,6 +204,30 @@ class RewardApp:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_request(request) -> None:
+    """ValueError naming the field unless `request` has the protocol's shape: {"images": [str], "prompts": [str],
+    "metadata": [object] or null or absent} (remote.py's module docstring)."""
+    if not isinstance(request, dict):
+        raise ValueError(f"the body is a JSON {type(request).__name__}, not an object")
+    for field, kind, name in (("images", str, "base64 PNG strings"), ("prompts", str, "strings"),
+                              ("metadata", dict, "objects")):
+        if field == "metadata" and request.get(field) is None:
+            continue
+        if field not in request:
+            raise KeyError(field)
+        value = request[field]
+        if not isinstance(value, list):
+            raise ValueError(f'"{field}" must be a list of {name}, got a JSON {_json_type(value)}')
+        wrong = next((i for i, item in enumerate(value) if not isinstance(item, kind)), None)
+        if wrong is not None:
+            raise ValueError(f'"{field}" must be a list of {name}; item {wrong} is a JSON {_json_type(value[wrong])}')
+
+
+def _json_type(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _deadline_protocol(request_timeout: float):
@@ -359,6 +392,8 @@ def main(argv=None) -> None:
                         help="open connections at once; past it requests are answered 503")
     parser.add_argument("--workers", type=int, default=defaults.workers,
                         help="threads that score requests (1: one request at a time)")
+    parser.add_argument("--max-decoded-mb", type=float, default=defaults.max_decoded_mb,
+                        help="most float32 megabytes the images of one request may decode to")
     args = parser.parse_args(argv)
     try:
         import uvicorn  # noqa: F401  checked before a reward model loads
@@ -366,7 +401,7 @@ def main(argv=None) -> None:
         sys.exit(f"reward server: error: {INSTALL_HINT}")
     try:
         limits = Limits(args.max_body_mb, args.max_images, args.max_pixels, args.request_timeout,
-                        args.max_connections, args.workers)
+                        args.max_connections, args.workers, args.max_decoded_mb)
     except ValueError as err:
         sys.exit(f"reward server: error: {err}")
     try:
