@@ -223,10 +223,19 @@ def main(argv=None):
 def evaluate_protocol(args):
     """--protocol NAME: the protocol's records, models and images, its table printed and written (module docstring).
     Every input is checked (records, reward options, paths) before any model loads."""
+    from ddpo_group.protocols import ProtocolError
+    from ddpo_group.rewards.geneval.metadata import GenEvalFormatError
+
+    try:
+        return _evaluate_protocol(args)
+    except (ProtocolError, GenEvalFormatError) as err:
+        raise EvaluateError(" ".join(str(err).split())) from None
+
+
+def _evaluate_protocol(args):
     import torch
 
     from ddpo_group.cli import cpu_threads
-    from ddpo_group.diffusion.policy import load_policy
     from ddpo_group.protocols import (
         get_protocol,
         parse_options,
@@ -272,6 +281,8 @@ def evaluate_protocol(args):
         results = score_folder(protocol, records, images, batch_size=args.batch_size)
         model, settings = args.images, {}
     else:
+        from ddpo_group.diffusion.policy import load_policy  # the diffusion models: only when images are sampled
+
         policy = load_checkpoint_policy(checkpoint, run) if checkpoint else load_policy(args.model)
         with torch.no_grad():
             results, kept = score_policy(protocol, policy, records, images_per_prompt, num_steps, guidance, eta,
