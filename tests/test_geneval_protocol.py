@@ -335,3 +335,24 @@ def test_the_report_fragment_shows_each_checkpoints_table(tmp_path):
                        "<td>0.250</td><td>12.5%</td><td>75.0%</td></tr>")
     assert rows[1].startswith("<tr><td>20</td>") and "<td>0.500</td><td>12.5%</td>" in rows[1]
     assert "<tr><td>20</td><td>0.500</td><td>0.250</td><td>8</td></tr>" in ocr
+
+
+@pytest.mark.parametrize("variant", ["tiny_geneval", "sd35_geneval", "sd35_nft_geneval"])
+def test_the_geneval_variants_pass_the_config_check(tmp_path, variant):
+    from ddpo_group.config_check import check_config
+
+    config = check_config(make_config(tmp_path, variant))
+    assert config.reward_fn == "geneval"
+
+
+def test_the_recipes_keep_their_sources_settings():
+    from ddpo_group.config import grpo
+
+    flow_grpo, nft = grpo.get_config("sd35_geneval"), grpo.get_config("sd35_nft_geneval")
+    # Flow-GRPO geneval_sd3: 10 steps, CFG 4.5, noise 0.7, 24 images per prompt, KL 0.04, eval / save every 60;
+    # its reward server receives JPEG (PIL's quality 75); DiffusionNFT scores in-process (no JPEG), CFG-free
+    assert (flow_grpo.sample.num_steps, flow_grpo.sample.guidance_scale, flow_grpo.sample.eta) == (10, 4.5, 0.7)
+    assert (flow_grpo.sample.group_size, flow_grpo.train.beta, flow_grpo.eval_freq, flow_grpo.save_freq) == (24, 0.04, 60, 60)
+    assert flow_grpo.reward_kwargs.geneval.to_dict() == {"score": "partial", "detector": "mask2former", "jpeg_quality": 75}
+    assert nft.reward_kwargs.geneval.jpeg_quality == 0 and nft.sample.guidance_scale == 1.0 and nft.train.beta == 1e-4
+    assert nft.train.objective == "nft"

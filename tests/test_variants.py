@@ -144,3 +144,20 @@ def test_readme_gives_every_algorithm_variant_a_command_that_trains_exactly_it(t
         differ = changed(flat(built), flat(grpo.get_config(variant)))
         assert differ <= BOOKKEEPING, (variant, differ - BOOKKEEPING)
         assert (built.num_epochs, built.eval_freq, built.seed) == (40, 5, 42)
+
+
+# ---- task variants: the main job's model and method on another task (issue 33). Each declares the task fields it
+# changes from tiny(); no method field may change (test_every_tiny_variant_that_changes_the_method_is_declared).
+TASK_DECLARED = {
+    # GenEval records of the 36 square prompts, the geneval reward (partial score) with the exact shapes detector,
+    # 4 evaluation images per prompt (GenEval's number)
+    "tiny_geneval": {"prompt_fn", "reward_fn", "reward_kwargs.geneval.detector", "reward_kwargs.geneval.score",
+                     "eval_images_per_prompt"},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(TASK_DECLARED))
+def test_task_variant_differs_from_tiny_only_in_its_declared_task_fields(variant):
+    differ = changed(flat(grpo.get_config(variant)), flat(grpo.tiny())) - {"variant"}
+    assert differ == TASK_DECLARED[variant]
+    assert all(TASK_FIELDS.match(field) for field in differ)
