@@ -239,8 +239,7 @@ def save_geneval_folder(path: str, records, images) -> None:
     exist or be empty."""
     from PIL import Image
 
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise ProtocolError(f"--save-images {path}: exists and is not an empty directory; give a new directory")
+    check_new_folder(path)
     for i, (record, stack) in enumerate(zip(records, images)):
         samples = os.path.join(path, f"{i:05d}", "samples")
         os.makedirs(samples, exist_ok=True)
@@ -248,6 +247,12 @@ def save_geneval_folder(path: str, records, images) -> None:
             f.write(json.dumps({**record.metadata, "prompt": record.prompt}) + "\n")
         for j, image in enumerate(stack):
             Image.fromarray(image).save(os.path.join(samples, f"{j:04d}.png"))
+
+
+def check_new_folder(path: str) -> None:
+    """ProtocolError unless `path` is new or an empty directory (images are never written over others)."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ProtocolError(f"--save-images {path}: exists and is not an empty directory; give a new directory")
 
 
 def results_path(summary_path: str) -> str:

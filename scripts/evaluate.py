@@ -237,6 +237,7 @@ def _evaluate_protocol(args):
 
     from ddpo_group.cli import cpu_threads
     from ddpo_group.protocols import (
+        check_new_folder,
         get_protocol,
         parse_options,
         read_geneval_folder,
@@ -251,6 +252,8 @@ def _evaluate_protocol(args):
         raise EvaluateError(f"--output {args.output}: its directory does not exist; create it or write elsewhere")
     if args.images and (args.checkpoint or args.save_images):
         raise EvaluateError("--images scores images already made: it takes no --checkpoint or --save-images")
+    if args.save_images:
+        check_new_folder(args.save_images)  # before hours of sampling
     run, checkpoint = {}, None
     if args.checkpoint:
         checkpoint, _, run = find_run_checkpoint(args.checkpoint)
@@ -258,7 +261,8 @@ def _evaluate_protocol(args):
     if run.get("reward_fn") == args.protocol:  # the run's own detector and models, unless an option says otherwise
         options.update((run.get("reward_kwargs") or {}).get(args.protocol) or {})
     options.update(parse_options(args.protocol_option))
-    protocol = get_protocol(args.protocol, **options)
+    # the protocol's models (a detector, a reward model) on the GPU when there is one
+    protocol = get_protocol(args.protocol, device="cuda" if torch.cuda.is_available() else None, **options)
     sample = run.get("sample", {})
     if args.images:
         records, images = read_geneval_folder(args.images)

@@ -356,3 +356,25 @@ def test_the_recipes_keep_their_sources_settings():
     assert flow_grpo.reward_kwargs.geneval.to_dict() == {"score": "partial", "detector": "mask2former", "jpeg_quality": 75}
     assert nft.reward_kwargs.geneval.jpeg_quality == 0 and nft.sample.guidance_scale == 1.0 and nft.train.beta == 1e-4
     assert nft.train.objective == "nft"
+
+
+def test_saved_geneval_images_score_the_same_when_read_back(tmp_path, evaluate_script, capsys):
+    """--save-images writes the sampled images in GenEval's layout (for its own scripts); --images scores a folder:
+    the same images give the same verdicts."""
+    prompts = tmp_path / "records.jsonl"
+    prompts.write_text("".join(json.dumps({"tag": tag, "include": [{"class": "square", "count": 1, **extra}],
+                                           "prompt": f"a {size} red square on a white background"}) + "\n"
+                               for tag, size, extra in (("single_object", "small", {}),
+                                                        ("colors", "big", {"color": "red"}))))
+    saved = tmp_path / "saved"
+    sampled = evaluate_script.main(["--protocol", "geneval", "--model", "tiny", "--prompts", str(prompts),
+                                    "--protocol-option", "detector=shapes", "--images-per-prompt", "2",
+                                    "--num-steps", "2", "--save-images", str(saved)])
+    assert sorted(os.listdir(saved / "00001" / "samples")) == ["0000.png", "0001.png"]
+    assert json.loads((saved / "00001" / "metadata.jsonl").read_text())["tag"] == "colors"
+    read_back = evaluate_script.main(["--protocol", "geneval", "--images", str(saved),
+                                      "--protocol-option", "detector=shapes"])
+    assert read_back["tags"] == sampled["tags"] and read_back["num_images"] == 4
+    with pytest.raises(SystemExit, match="not an empty directory"):
+        evaluate_script.run(["--protocol", "geneval", "--model", "tiny", "--prompts", str(prompts), "--protocol-option",
+                             "detector=shapes", "--images-per-prompt", "1", "--num-steps", "1", "--save-images", str(saved)])
