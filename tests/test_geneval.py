@@ -255,3 +255,15 @@ def test_the_shapes_detector_finds_every_object_of_a_scene_exactly():
         # the square's box: side 10 centred at (46, 16) covers x in [41, 51), y in [11, 21) exactly
         (square,) = found["square"]
         assert square.box == (41.0, 11.0, 51.0, 21.0)
+
+
+def test_generated_prompts_are_a_prompt_source_whose_metadata_is_the_record():
+    from ddpo_group.prompts import load_prompts
+
+    records = load_prompts("ddpo_group.rewards.geneval.metadata:training_prompts", n_per_tag=2, seed=3,
+                           tags="counting,position")
+    assert [r.metadata["tag"] for r in records] == ["counting", "counting", "position", "position"]
+    first = records[0]
+    n = first.metadata["include"][0]["count"]
+    assert first.metadata["exclude"] == [{"class": first.metadata["include"][0]["class"], "count": n + 1}]
+    assert "prompt" not in first.metadata and first.prompt.startswith("a photo of ")

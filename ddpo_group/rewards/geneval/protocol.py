@@ -76,7 +76,8 @@ ClassifyColors = Callable[[list, str], list]
 def keep_confident(detections: dict, tag: str, threshold: float = THRESHOLD,
                    counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS) -> dict:
     """{class: [Detection]} -> the kept ones per class, most confident first (score > threshold, or >
-    counting_threshold for the tag "counting"; at most max_objects); classes left empty are dropped."""
+    counting_threshold for the tag "counting"; at most max_objects); classes left empty are dropped. Equal scores
+    keep the detector's order (GenEval's reversed argsort leaves their order to numpy)."""
     limit = counting_threshold if tag == "counting" else threshold
     kept = {}
     for name, found in detections.items():
