@@ -4,6 +4,16 @@
     .venv/bin/python scripts/evaluate.py --checkpoint runs/NAME/checkpoints/checkpoint_60
     .venv/bin/python scripts/evaluate.py --checkpoint runs/NAME          # its latest checkpoint
 
+An evaluation protocol (ddpo_group/protocols.py) scores with a benchmark's own rules and writes its table:
+
+    .venv/bin/python scripts/evaluate.py --protocol geneval --model tiny-shapes --prompts geneval_shapes_squares.jsonl \
+        --protocol-option detector=shapes
+    .venv/bin/python scripts/evaluate.py --protocol geneval --checkpoint runs/NAME   # the run's prompts and detector
+    .venv/bin/python scripts/evaluate.py --protocol geneval --images GENEVAL_IMAGE_FOLDER --protocol-option detector=shapes
+
+It prints the table (GenEval: per tag, overall, % correct images / prompts) and writes it as JSON
+(protocol_NAME.json beside a checkpoint, or --output) with the per-image results beside it (NAME_images.jsonl).
+
 A checkpoint is read with the settings of its run (config.json beside checkpoints/): its prompts,
 reward, steps, guidance, eta and evaluation seed and images per prompt, unless a flag says otherwise.
 The evaluation is ddpo_group.evaluation's, the one the trainer logs as eval/reward_mean: image j
@@ -119,7 +129,19 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=None, help="noise seed (default: the run's eval_seed, or 1234)")
     parser.add_argument("--batch-size", type=_positive_int, default=64)
     parser.add_argument("--output", default=None, help="JSON file to write (default: beside the checkpoint, or print only)")
+    parser.add_argument("--protocol", default=None,
+                        help="an evaluation protocol (geneval, ocr): its table and per-image results instead of a mean reward")
+    parser.add_argument("--protocol-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a keyword argument of the protocol's reward, e.g. detector=shapes (repeatable)")
+    parser.add_argument("--images", default=None,
+                        help="with --protocol: score the images of this folder in GenEval's layout instead of sampling")
+    parser.add_argument("--save-images", default=None,
+                        help="with --protocol: also write the sampled images in GenEval's layout (a new directory)")
     args = parser.parse_args(argv)
+    if args.protocol:
+        return evaluate_protocol(args)
+    if args.protocol_option or args.images or args.save_images:
+        raise EvaluateError("--protocol-option, --images and --save-images go with --protocol NAME")
 
     import torch
 
@@ -197,6 +219,93 @@ def main(argv=None):
     if output:
         write_json_atomic(output, summary)
         print(f"wrote {output}")
+    return summary
+
+
+def evaluate_protocol(args):
+    """--protocol NAME: the protocol's records, models and images, its table printed and written (module docstring).
+    Every input is checked (records, reward options, paths) before any model loads."""
+    from ddpo_group.protocols import ProtocolError
+    from ddpo_group.rewards.geneval.metadata import GenEvalFormatError
+
+    try:
+        return _evaluate_protocol(args)
+    except (ProtocolError, GenEvalFormatError) as err:
+        raise EvaluateError(" ".join(str(err).split())) from None
+
+
+def _evaluate_protocol(args):
+    import torch
+
+    from ddpo_group.cli import cpu_threads
+    from ddpo_group.protocols import (
+        check_new_folder,
+        get_protocol,
+        parse_options,
+        read_geneval_folder,
+        save_geneval_folder,
+        score_folder,
+        score_policy,
+        write_protocol_results,
+    )
+
+    threads = cpu_threads()
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise EvaluateError(f"--output {args.output}: its directory does not exist; create it or write elsewhere")
+    if args.images and (args.checkpoint or args.save_images):
+        raise EvaluateError("--images scores images already made: it takes no --checkpoint or --save-images")
+    if args.save_images:
+        check_new_folder(args.save_images)  # before hours of sampling
+    run, checkpoint = {}, None
+    if args.checkpoint:
+        checkpoint, _, run = find_run_checkpoint(args.checkpoint)
+    options = {}
+    if run.get("reward_fn") == args.protocol:  # the run's own detector and models, unless an option says otherwise
+        options.update((run.get("reward_kwargs") or {}).get(args.protocol) or {})
+    options.update(parse_options(args.protocol_option))
+    # the protocol's models (a detector, a reward model) on the GPU when there is one
+    protocol = get_protocol(args.protocol, device="cuda" if torch.cuda.is_available() else None, **options)
+    sample = run.get("sample", {})
+    if args.images:
+        records, images = read_geneval_folder(args.images)
+        prompts = args.images
+    else:
+        prompts = args.prompts or run.get("eval_prompt_fn") or run.get("prompt_fn")
+        if not prompts:
+            raise EvaluateError(f"--protocol {args.protocol} needs --prompts (for geneval: GenEval's "
+                                "prompts/evaluation_metadata.jsonl) or a run's --checkpoint")
+        prompt_kwargs = (run.get("prompt_fn_kwargs") or {}) if prompts == run.get("prompt_fn") and not args.prompts else {}
+        records = protocol.load_records(prompts, prompt_kwargs)
+    protocol.check_ready()
+    images_per_prompt = args.images_per_prompt or protocol.images_per_prompt
+    num_steps = args.num_steps or sample.get("num_steps", 10)
+    guidance = args.guidance_scale if args.guidance_scale is not None else sample.get("guidance_scale", 3.0)
+    eta = args.eta if args.eta is not None else sample.get("eta", 1.0)
+    seed = args.seed if args.seed is not None else run.get("eval_seed", 1234)
+    start = time.perf_counter()
+    if args.images:
+        results = score_folder(protocol, records, images, batch_size=args.batch_size)
+        model, settings = args.images, {}
+    else:
+        from ddpo_group.diffusion.policy import load_policy  # the diffusion models: only when images are sampled
+
+        policy = load_checkpoint_policy(checkpoint, run) if checkpoint else load_policy(args.model)
+        with torch.no_grad():
+            results, kept = score_policy(protocol, policy, records, images_per_prompt, num_steps, guidance, eta,
+                                         seed=seed, batch_size=args.batch_size, keep_images=bool(args.save_images))
+        if args.save_images:
+            save_geneval_folder(args.save_images, records, kept)
+        model = checkpoint or args.model
+        settings = {"images_per_prompt": images_per_prompt, "num_steps": num_steps, "guidance_scale": guidance,
+                    "eta": eta, "seed": seed}
+    summary = {"protocol": args.protocol, "model": model, "prompts": prompts, "options": options, **settings,
+               **protocol.summarize(results), "seconds": time.perf_counter() - start, "torch_threads": threads}
+    print(f"{model}: protocol {args.protocol}, {len(records)} prompts")
+    print(protocol.format(summary))
+    output = args.output or (os.path.join(checkpoint, f"protocol_{args.protocol}.json") if checkpoint else None)
+    if output:
+        lines = write_protocol_results(output, summary, results)
+        print(f"wrote {output} and {lines}")
     return summary
 
 

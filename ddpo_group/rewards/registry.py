@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from ddpo_group.rewards import aesthetic, builtin, optional, shapes  # noqa: F401  the registration lines
 from ddpo_group.rewards import judge, ocr  # noqa: F401  the registration lines (issue 33: OCR, VLM judge)
+from ddpo_group.rewards.geneval import reward as geneval_reward  # noqa: F401  registers "geneval"
 from ddpo_group.rewards.base import (  # noqa: F401  (re-exported: the public names of the reward registry)
     REWARD_REGISTRY,
     RewardError,

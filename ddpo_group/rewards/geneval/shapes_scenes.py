@@ -1,0 +1,201 @@
+"""Shapes-world scenes for GenEval: several shapes in one image, an exact detector and colour classifier for
+them, and the GenEval records of the tiny model's task (variant ``tiny_geneval``).
+
+Vocabulary. The shapes world keeps its own words in GenEval's places: the classes are its shapes (circle,
+square, triangle) instead of the 80 COCO classes, the colours its six (red, green, blue, yellow, magenta, cyan)
+instead of GenEval's ten. The rules of ``protocol.py`` read classes and colours as plain strings, so nothing
+else changes; the tiny model's tokenizer knows only these words (``ddpo_group/shapes.py``).
+
+Scene. ``render_scene`` draws each ``SceneObject`` over a flat background with the shapes world's
+anti-aliased coverage (``ddpo_group.shapes.shape_coverage``), later objects over earlier ones.
+
+Detector (``ShapesDetector``), exact on rendered scenes whose objects do not touch one of the same colour:
+
+1. background b = the per-channel median of the 1-pixel border;
+2. a pixel p belongs to palette colour c when, with v = c - b, alpha = <p - b, v> / |v|^2 >= 0.5 (more colour
+   than background) and the residual |p - b - alpha v| / (255 sqrt 3) <= 0.15, the smallest residual winning;
+3. each 4-connected component of one colour with at least ``min_area`` pixels is an object: its box
+   (x1, y1, x2 + 1, y2 + 1) of the pixel extents, its mask, score 1;
+4. its class: the shape whose template of the same area and centroid has the highest soft IoU with the
+   object's coverage (the colour's share alpha, clipped to [0, 1], on the component grown by one pixel),
+   ``classify_shape``, as the shapes world's own ``shapes_shape`` reward compares shapes.
+
+Colour classifier (``ShapesColorClassifier``): the per-channel median of the object's mask pixels, the nearest
+palette colour (Euclidean). On a generated image both are heuristics, as any detector is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+
+from ddpo_group.rewards.geneval.protocol import Detection
+from ddpo_group.shapes import BACKGROUNDS, COLORS, SHAPES, parse_prompt, shape_coverage
+
+ALPHA_MIN = 0.5
+RESIDUAL_MAX = 0.15
+TINY_GENEVAL_PROMPTS = "geneval_shapes_squares.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class SceneObject:
+    """A shape of `color` with bounding-box centre (cx, cy) in pixels and `area` in pixels."""
+
+    shape: str
+    color: str
+    center: tuple[float, float]
+    area: float
+
+
+def render_scene(objects, background: str = "white", size: int = 64) -> np.ndarray:
+    """The scene as uint8 (size, size, 3): image = coverage * colour + (1 - coverage) * image, object by object."""
+    image = np.broadcast_to(np.asarray(BACKGROUNDS[background], dtype=np.float64), (size, size, 3)).copy()
+    for obj in objects:
+        if obj.shape not in SHAPES or obj.color not in COLORS:
+            raise ValueError(f"scene object {obj}: shape must be one of {list(SHAPES)}, colour one of {list(COLORS)}")
+        coverage = shape_coverage(obj.shape, obj.area, obj.center, size)[..., None]
+        image = coverage * np.asarray(COLORS[obj.color], dtype=np.float64) + (1.0 - coverage) * image
+    return np.clip(np.rint(image), 0, 255).astype(np.uint8)
+
+
+def _components(mask: np.ndarray) -> list[np.ndarray]:
+    """The 4-connected components of a bool (H, W) mask, each as a bool mask, in raster order of first pixel."""
+    seen = np.zeros_like(mask, dtype=bool)
+    height, width = mask.shape
+    found = []
+    for y, x in zip(*np.nonzero(mask)):
+        if seen[y, x]:
+            continue
+        component = np.zeros_like(mask, dtype=bool)
+        stack = [(y, x)]
+        seen[y, x] = True
+        while stack:
+            cy, cx = stack.pop()
+            component[cy, cx] = True
+            for ny, nx in ((cy - 1, cx), (cy + 1, cx), (cy, cx - 1), (cy, cx + 1)):
+                if 0 <= ny < height and 0 <= nx < width and mask[ny, nx] and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    stack.append((ny, nx))
+        found.append(component)
+    return found
+
+
+def palette_labels(image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(labels int (H, W): index into the palette ``list(COLORS)`` or -1 for background, alpha float (K, H, W):
+    each colour's share of each pixel, 0 where the pixel is not a mix of that colour and the background)."""
+    pixels = image.astype(np.float64)
+    border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
+    background = np.median(border, axis=0)
+    best = np.full(image.shape[:2], np.inf)
+    labels = np.full(image.shape[:2], -1)
+    alphas = np.zeros((len(COLORS),) + image.shape[:2])
+    offset = pixels - background
+    for k, name in enumerate(COLORS):
+        direction = np.asarray(COLORS[name], dtype=np.float64) - background
+        norm2 = float(direction @ direction)
+        if norm2 < 1e-6:  # the colour is the background's: nothing of it can be seen
+            continue
+        alpha = offset @ direction / norm2
+        residual = np.linalg.norm(offset - alpha[..., None] * direction, axis=-1) / (255 * math.sqrt(3))
+        alphas[k] = np.where(residual <= RESIDUAL_MAX, np.clip(alpha, 0.0, 1.0), 0.0)
+        take = (alpha >= ALPHA_MIN) & (residual <= RESIDUAL_MAX) & (residual < best)
+        best[take] = residual[take]
+        labels[take] = k
+    return labels, alphas
+
+
+def _dilate(mask: np.ndarray) -> np.ndarray:
+    grown = mask.copy()
+    grown[1:] |= mask[:-1]
+    grown[:-1] |= mask[1:]
+    grown[:, 1:] |= mask[:, :-1]
+    grown[:, :-1] |= mask[:, 1:]
+    return grown
+
+
+def classify_shape(weight: np.ndarray) -> str:
+    """The shape whose template (same area and centroid) has the highest soft IoU with `weight` (H, W):
+    IoU = sum min(w, t) / sum max(w, t); the triangle's centroid lies h / 6 below its box centre (apex up)."""
+    height, width = weight.shape
+    size = max(height, width)
+    area = float(weight.sum())
+    rows, cols = np.mgrid[0:height, 0:width] + 0.5
+    cy, cx = float((weight * rows).sum() / area), float((weight * cols).sum() / area)
+    best, best_iou = SHAPES[0], -1.0
+    for shape in SHAPES:
+        center_y = cy - math.sqrt(2 * area) / 6 if shape == "triangle" else cy
+        template = shape_coverage(shape, area, (cx, center_y), size)[:height, :width]
+        iou = float(np.minimum(weight, template).sum() / np.maximum(weight, template).sum())
+        if iou > best_iou:
+            best, best_iou = shape, iou
+    return best
+
+
+class ShapesDetector:
+    """The exact detector of shapes-world scenes (module docstring); classes = the shapes."""
+
+    classes = SHAPES
+
+    def __init__(self, min_area: int = 4):
+        self.min_area = min_area
+
+    def detect(self, images) -> list[dict]:
+        """images uint8 (B, H, W, 3) -> per image {shape: [Detection(box, score 1, mask)]}."""
+        results = []
+        for image in np.asarray(images):
+            labels, alphas = palette_labels(image)
+            found: dict[str, list] = {}
+            for k in range(len(COLORS)):
+                for mask in _components(labels == k):
+                    if int(mask.sum()) < self.min_area:
+                        continue
+                    ys, xs = np.nonzero(mask)
+                    box = (float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1))
+                    shape = classify_shape(alphas[k] * _dilate(mask))
+                    found.setdefault(shape, []).append(Detection(box, 1.0, mask))
+            results.append(found)
+        return results
+
+
+class ShapesColorClassifier:
+    """The colour of a detected shape: the median of its mask pixels, the nearest palette colour."""
+
+    colors = tuple(COLORS)
+
+    def classify(self, image, detections, classname) -> list[str]:
+        palette = np.asarray([COLORS[name] for name in self.colors], dtype=np.float64)
+        names = []
+        for detection in detections:
+            pixels = np.asarray(image, dtype=np.float64)[detection.mask] if detection.mask is not None else None
+            if pixels is None or not len(pixels):
+                x1, y1, x2, y2 = (int(round(v)) for v in detection.box[:4])
+                pixels = np.asarray(image, dtype=np.float64)[y1:y2, x1:x2].reshape(-1, 3)
+            median = np.median(pixels, axis=0)
+            names.append(self.colors[int(np.argmin(np.linalg.norm(palette - median, axis=1)))])
+        return names
+
+
+def shapes_world_records(prompts: str = "shapes_squares.txt") -> list[dict]:
+    """GenEval records of shapes-world prompts (the tags one object can show): a small shape asks for the shape
+    (single_object: include {shape, 1}), a big one for the shape in its colour (colors: include {shape, 1,
+    colour}). `prompts`: a shapes-world prompt file (ddpo_group/assets/prompts) or path."""
+    from ddpo_group.prompts import load_prompts
+
+    records = []
+    for record in load_prompts(prompts):
+        spec = parse_prompt(record.prompt)
+        clause = {"class": spec.shape, "count": 1}
+        if spec.size == "big":
+            clause["color"] = spec.color
+        records.append({"tag": "colors" if spec.size == "big" else "single_object", "include": [clause],
+                        "prompt": record.prompt})
+    return records
+
+
+def tiny_geneval_prompts_path() -> str:
+    """The shipped records of variant tiny_geneval (shapes_world_records of the 36 square prompts)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets",
+                        "prompts", TINY_GENEVAL_PROMPTS)
