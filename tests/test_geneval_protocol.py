@@ -14,7 +14,7 @@ from PIL import Image
 
 from ddpo_group.protocol_report import protocol_tables_html
 from ddpo_group.protocols import ProtocolError, get_protocol
-from ddpo_group.rewards.base import REWARD_REGISTRY, RewardError, RewardNotReadyError
+from ddpo_group.rewards.base import RewardError, RewardNotReadyError
 from ddpo_group.rewards.geneval.protocol import Detection
 from ddpo_group.rewards.geneval.shapes_scenes import SceneObject as O
 from ddpo_group.rewards.geneval.shapes_scenes import render_scene
@@ -123,11 +123,33 @@ def test_missing_detector_weights_and_unknown_names_are_one_line(tmp_path, evalu
         get_protocol("geneval", detector="yolo")
 
 
-def test_the_ocr_protocol_needs_the_ocr_reward_registered():
-    if "ocr" in REWARD_REGISTRY:
-        pytest.skip("the ocr reward is registered in this checkout")
-    with pytest.raises(ProtocolError, match="reward 'ocr', which is not registered"):
-        get_protocol("ocr")
+def test_a_reward_mean_protocol_needs_its_reward_registered():
+    from ddpo_group.protocols import RewardMeanProtocol
+
+    with pytest.raises(ProtocolError, match="reward 'no_such_reward', which is not registered"):
+        RewardMeanProtocol("no_such_reward")
+
+
+def test_the_ocr_protocol_averages_the_ocr_reward_over_images():
+    from ddpo_group.prompts import PromptRecord
+    from ddpo_group.rewards.ocr import Recogniser
+
+    class Reads(Recogniser):  # a recogniser whose answers are known: the protocol's arithmetic is what is tested
+        def load(self):
+            pass
+
+        def read(self, images):
+            return ["OPEN sesame", "clsed"][: len(images)]
+
+    protocol = get_protocol("ocr")
+    protocol.reward.recogniser = Reads()
+    records = [PromptRecord('a sign that says "open"', {}), PromptRecord('a door with "CLOSED now" on it', {})]
+    results = protocol.score(torch.zeros(2, 3, 8, 8), records)
+    # "open" is inside "opensesame": distance 0; "closednow" -> "clsed": delete o, n, o, w = 4 of 9 characters
+    assert [r["reward"] for r in results] == pytest.approx([1.0, 1 - 4 / 9])
+    summary = protocol.summarize(results)
+    assert summary["mean"] == pytest.approx((1.0 + 5 / 9) / 2)
+    assert (summary["num_images"], summary["num_prompts"]) == (2, 2)
 
 
 def test_a_reward_mean_protocol_is_the_mean_of_its_rewards_per_image():
