@@ -323,7 +323,7 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--names", nargs="+", metavar="NAME", default=None, help="with --steps-png: column titles")
     args = parser.parse_args(argv)
 
-    from ddpo_group.inspect import write_report, write_step_heatmaps
+    from ddpo_group.report.page import write_report, write_step_heatmaps
 
     try:
         if args.steps_png:

@@ -32,7 +32,7 @@ import torch
 from ddpo_group.config_check import load_config_prompts
 from ddpo_group.grids import save_epoch_samples
 from ddpo_group.hacking import PROXY_KEY, describe, gold_key, gold_names, gold_specs
-from ddpo_group.inspect import read_metrics
+from ddpo_group.report.run import read_metrics
 from ddpo_group.rewards import build_reward_fn
 from ddpo_group.run_dir import METRICS_FILE
 

@@ -1,0 +1,82 @@
+"""The compare page's own parts (`ddpo-group-inspect RUN --compare RUN2`): the fixed evaluation images of both
+runs side by side, a cell per (prompt, image) with the same prompt and the same noise in both runs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ddpo_group.report.markup import Inline, esc, sample_figure
+from ddpo_group.report.run import RunData, config_value, finite, read_eval_records
+
+COMPARE_PROMPTS = 8  # prompts in compare mode's paired evaluation table
+
+
+def _paired_table(runs: Sequence[RunData], documents: Sequence[dict], records: Sequence[list[dict]],
+                  inline: Inline) -> str:
+    """Both runs' evaluation images, a cell per (prompt, image): run A's and run B's image of the same prompt and the
+    same noise side by side (image j of prompt i starts from noise seeded by (seed, i, j) in both)."""
+    seeds = [doc.get("seed", config_value(run.config, "eval_seed")) for run, doc in zip(runs, documents)]
+    by_index = [{(r["prompt_index"], r["image_index"]): r for r in recs if "prompt_index" in r} for recs in records]
+    by_prompt = {(r["prompt"], r["image_index"]): r for r in records[1] if "image_index" in r}
+    if not by_index[0]:
+        return "<p>no per-image records in the evaluation files (samples/eval_XXXX.json)</p>"
+    prompt_indices = sorted({i for i, _ in by_index[0]})
+    images = sorted({j for _, j in by_index[0]})
+    notes = []
+    same_seed = seeds[0] is not None and seeds[0] == seeds[1]
+    if not same_seed:
+        notes.append(f"the runs' evaluation seeds differ ({seeds[0]} vs {seeds[1]}): a cell holds the same prompt, "
+                     "not the same noise")
+    if len(prompt_indices) > COMPARE_PROMPTS:
+        notes.append(f"the first {COMPARE_PROMPTS} of {len(prompt_indices)} evaluation prompts")
+    rows = []
+    other_noise = 0
+    for i in prompt_indices[:COMPARE_PROMPTS]:
+        prompt = next(r["prompt"] for (pi, _), r in by_index[0].items() if pi == i)
+        cells = []
+        for j in images:
+            first = by_index[0].get((i, j))
+            second = by_index[1].get((i, j))
+            same_noise = same_seed
+            if second is None or second["prompt"] != prompt:
+                second = by_prompt.get((prompt, j))  # the prompt sits elsewhere in run B's list: other noise
+                same_noise = False
+            other_noise += 0 if same_noise else 1
+            flag = "" if same_noise else '<span class="missing">not the same noise</span>'
+            captions = [f"{run.name}: r={r['reward']:.3f}" if r is not None and finite(r.get("reward")) is not None
+                        else f"{run.name}: none" for run, r in zip(runs, (first, second))]
+            cells.append(
+                f'<td class="cell" data-cell="{i},{j}" data-same-noise="{str(same_noise).lower()}">'
+                f'<div class="pair">{sample_figure(first, captions[0], inline, "evaluation images")}'
+                f'{sample_figure(second, captions[1], inline, "evaluation images")}</div>{flag}</td>'
+            )
+        rows.append(f'<tr><th class="prompt">{esc(prompt)}</th>{"".join(cells)}</tr>')
+    if other_noise and same_seed:
+        notes.append(f"{other_noise} cells pair a prompt that sits at another place in the second run's prompt list: "
+                     "the same prompt, other noise")
+    header = "".join(f"<th>image {j}</th>" for j in images)
+    note = f'<p class="small">{esc("; ".join(notes))}</p>' if notes else ""
+    return (f'{note}<div class="scroll"><table class="paired"><tr><th>prompt</th>{header}</tr>{"".join(rows)}'
+            "</table></div>")
+
+
+def paired_evaluation(runs: Sequence[RunData], inline: Inline) -> str:
+    """Compare mode: at the first and middle common evaluation and at each run's last, a table whose cell holds
+    both runs' image of one prompt and one noise."""
+    epochs = [sorted(run.eval_files) for run in runs]
+    common = sorted(set(epochs[0]) & set(epochs[1]))
+    pairs = [(e, e) for e in sorted({common[0], common[len(common) // 2]})] if common else []
+    pairs = list(dict.fromkeys(pairs + [(epochs[0][-1], epochs[1][-1])]))
+    parts = ["<h3>Fixed evaluation images side by side: in each cell the same prompt and the same noise, "
+             f"{esc(runs[0].name)} left, {esc(runs[1].name)} right</h3>"]
+    for epoch_a, epoch_b in pairs:
+        (doc_a, rec_a), (doc_b, rec_b) = read_eval_records(runs[0], epoch_a), read_eval_records(runs[1], epoch_b)
+        if epoch_a == epoch_b:
+            title = f"after {epoch_a} epochs"
+        else:
+            title = f"{runs[0].name} after {epoch_a} epochs, {runs[1].name} after {epoch_b} epochs"
+        if doc_a.get("final") and doc_b.get("final"):
+            title += " (the final weights)"
+        parts.append(f"<h4>{esc(title)}</h4>" + _paired_table(runs, (doc_a, doc_b), (rec_a, rec_b), inline))
+    return "\n".join(parts)
