@@ -8,6 +8,7 @@ from typing import Sequence
 
 from ddpo_group.report.markup import Inline, esc, sample_figure
 from ddpo_group.report.run import RunData, config_value, finite, read_eval_records
+from ddpo_group.report.tables import prompt_changes
 
 COMPARE_PROMPTS = 8  # prompts in compare mode's paired evaluation table
 
@@ -51,7 +52,12 @@ def _paired_table(runs: Sequence[RunData], documents: Sequence[dict], records: S
                 f'<div class="pair">{sample_figure(first, captions[0], inline, "evaluation images")}'
                 f'{sample_figure(second, captions[1], inline, "evaluation images")}</div>{flag}</td>'
             )
-        rows.append(f'<tr><th class="prompt">{esc(prompt)}</th>{"".join(cells)}</tr>')
+        mean_a, mean_b = (_prompt_means(doc).get(prompt) for doc in documents)
+        means = ""
+        if mean_a is not None and mean_b is not None:
+            means = (f'<br><span class="small">{esc(runs[0].name)}: {mean_a:.3f}<br>{esc(runs[1].name)}: {mean_b:.3f}'
+                     f"<br>B - A: {mean_b - mean_a:+.3f}</span>")
+        rows.append(f'<tr><th class="prompt">{esc(prompt)}{means}</th>{"".join(cells)}</tr>')
     if other_noise and same_seed:
         notes.append(f"{other_noise} cells pair a prompt that sits at another place in the second run's prompt list: "
                      "the same prompt, other noise")
@@ -80,3 +86,44 @@ def paired_evaluation(runs: Sequence[RunData], inline: Inline) -> str:
             title += " (the final weights)"
         parts.append(f"<h4>{esc(title)}</h4>" + _paired_table(runs, (doc_a, doc_b), (rec_a, rec_b), inline))
     return "\n".join(parts)
+
+
+def _prompt_means(document: dict) -> dict[str, float]:
+    """Mean reward per prompt (its text) from an evaluation document's "prompts" and (P, J) "rewards"."""
+    rows = document.get("rewards") if isinstance(document.get("rewards"), list) else []
+    prompts = document.get("prompts") if isinstance(document.get("prompts"), list) else []
+    means = {}
+    for prompt, row in zip(prompts, rows):
+        values = [finite(v) for v in (row if isinstance(row, list) else [])]
+        values = [v for v in values if v is not None]
+        if values:
+            means.setdefault(str(prompt), sum(values) / len(values))
+    return means
+
+
+def prompt_means_table(runs: Sequence[RunData]) -> str:
+    """Compare mode: per evaluation prompt, each run's mean reward at its last evaluation (and its change since its
+    first), and B - A; sorted by B - A. Prompts are matched by their text."""
+    found = [prompt_changes(run) for run in runs]
+    if any(f is None for f in found):
+        return "<p>per-prompt rewards are missing from the evaluation files of a run (samples/eval_XXXX.json)</p>"
+    by_prompt = [{c.prompt: c for c in f[2]} for f in found]
+    common = [p for p in by_prompt[0] if p in by_prompt[1]]
+    if not common:
+        return "<p>the two runs evaluate no prompt in common</p>"
+    rows = sorted(common, key=lambda p: by_prompt[1][p].end - by_prompt[0][p].end)
+    a, b = runs[0].name, runs[1].name
+    header = (f"<tr><th>prompt</th><th>{esc(a)} after {found[0][1]}</th><th>{esc(a)} change</th>"
+              f"<th>{esc(b)} after {found[1][1]}</th><th>{esc(b)} change</th><th>B - A</th></tr>")
+    body = []
+    for p in rows:
+        ca, cb = by_prompt[0][p], by_prompt[1][p]
+        diff = cb.end - ca.end
+        css = ' class="worse"' if diff < 0 else ' class="better"' if diff > 0 else ""
+        cells = [esc(p), f"{ca.end:.3f}", "" if ca.change is None else f"{ca.change:+.3f}", f"{cb.end:.3f}",
+                 "" if cb.change is None else f"{cb.change:+.3f}", f"{diff:+.3f}"]
+        body.append(f"<tr{css}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    mean_diff = sum(by_prompt[1][p].end - by_prompt[0][p].end for p in common) / len(common)
+    return (f"<p>Each run's mean reward per prompt at its last evaluation (change: since its first); B - A = "
+            f"{esc(b)} minus {esc(a)}, mean over the {len(common)} common prompts {mean_diff:+.3f}; sorted by "
+            f'B - A.</p><div class="scroll"><table class="prompts">{header}{"".join(body)}</table></div>')

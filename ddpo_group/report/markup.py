@@ -143,4 +143,16 @@ figure { margin: 0; font-size: 0.8em; text-align: center; width: min-content; ov
 figcaption { min-width: 6em; }
 pre { font-size: 0.8em; background: #f6f6f6; padding: 0.5em; overflow-x: auto; }
 .missing { color: #a00; font-size: 0.8em; }
+tr.worse td { background: #fbe3e3; }
+tr.better td { background: #e6f4e6; }
+/* fits a 1400-pixel window: side-by-side images wrap or scale down instead of running off the right edge */
+body { max-width: 1400px; }
+.pair { flex-wrap: wrap; }
+.pair > .col { flex: 1 1 0; min-width: 0; }
+.pair img.grid, .col img.grid { max-width: 100%; height: auto; }
+table.paired { table-layout: fixed; width: 100%; }
+table.paired th.prompt { width: 9em; }
+table.paired img.sample { max-width: 100%; height: auto; }
+table.paired td.cell .pair { flex-wrap: nowrap; }
+table.paired td.cell figure { width: auto; flex: 1 1 0; min-width: 0; }
 """

@@ -22,8 +22,18 @@ from pathlib import Path
 from typing import Sequence
 
 from ddpo_group.hacking import hacking_section
-from ddpo_group.report.compare import paired_evaluation
-from ddpo_group.report.figures import STEP_LABELS, plot_curves, plot_evaluation, plot_step_heatmaps, plot_times
+from ddpo_group.report.compare import paired_evaluation, prompt_means_table
+from ddpo_group.report.figures import (
+    STEP_LABELS,
+    constant_notes,
+    flat_over_steps,
+    plot_components,
+    plot_curves,
+    plot_evaluation,
+    plot_step_heatmaps,
+    plot_times,
+    step_keys,
+)
 from ddpo_group.report.markup import (
     CSS,
     Inline,
@@ -37,24 +47,108 @@ from ddpo_group.report.markup import (
     png_data_uri,
     sample_figure,
 )
-from ddpo_group.report.run import RunData, SampleSource, finite, load_run, sample_source
-from ddpo_group.report.tables import config_section, headline_section, rank_prompts, summary_section
+from ddpo_group.report.run import (
+    RunData,
+    SampleSource,
+    config_value,
+    finite,
+    load_run,
+    read_eval_records,
+    read_json,
+    sample_source,
+)
+from ddpo_group.report.tables import (
+    PromptChange,
+    config_section,
+    headline_section,
+    kl_note,
+    prompt_changes,
+    prompt_table,
+    rank_prompts,
+    summary_section,
+)
+
 
 def _steps_section(runs: Sequence[RunData], inline: Inline) -> str:
     png = plot_step_heatmaps(runs)
     header = "<h2>Per-step view</h2>"
     if png is None:
         return header + "<p>no per-step metrics (steps/*) in this run: it was written before they were logged</p>"
+    flat = [STEP_LABELS[k] for k in step_keys(runs) if flat_over_steps(runs, k)]
+    left = (f"<p class=\"small\">Not drawn: {esc(', '.join(flat))}: the same value at every step in every epoch, "
+            "so a panel carries no information about the steps (the run's advantage estimator gives each trajectory "
+            "one advantage, copied to every step; GRPO does). The per-epoch values are the curves above.</p>"
+            if flat else "")
     return (
         header + "<p>Each panel is epoch (x) by denoising step (y, 0 = the noisiest, on top); grey cells had "
-        "nothing to measure (no density, not trained, no critic); a column per run. What each quantity means: "
-        "docs/diagnostics.md in the ddpo-group repository.</p>" + inline.plot(png, "per-step heat maps", "wide")
+        "nothing to measure (no density, not trained, no critic); a column per run, one colour scale per row "
+        "shared by the runs and stated above each panel. approx_kl is the k1 estimate of KL(pi_old || pi_theta) "
+        "(how far an update moved the policy); KL to the reference is what the `kl` curve averages, split by step. "
+        "What each quantity means: docs/diagnostics.md in the ddpo-group repository.</p>" + left
+        + inline.plot(png, "per-step heat maps", "wide")
     )
 
 
 def _three(epochs: Sequence[int]) -> list[int]:
     """First, middle and last of sorted epochs (fewer when there are fewer)."""
     return sorted({epochs[0], epochs[len(epochs) // 2], epochs[-1]}) if epochs else []
+
+
+def _grid_share(run: RunData, epoch: int) -> str:
+    """', the first 8 of 18 prompts' of an evaluation grid (its rows: the first config.eval_grid_prompts)."""
+    if epoch not in run.eval_files:
+        return ""
+    document = read_json(run.eval_files[epoch])
+    prompts = document.get("prompts") if isinstance(document, dict) else None
+    rows = config_value(run.config, "eval_grid_prompts", 8)
+    if not isinstance(prompts, list) or not isinstance(rows, int) or rows <= 0:
+        return ""
+    return f": the first {min(rows, len(prompts))} of {len(prompts)} prompts"
+
+
+def _per_prompt_images(run: RunData, first: int, last: int, change: PromptChange, inline: Inline) -> str:
+    """The prompt's images at the first and the last evaluation (the same noise), those kept in the files."""
+    rows = []
+    for epoch in dict.fromkeys((first, last)):
+        _, records = read_eval_records(run, epoch)
+        mine = sorted((r for r in records if r.get("prompt_index") == change.index), key=lambda r: r["image_index"])
+        if mine:
+            figures = "".join(sample_figure(r, f"r={r['reward']:.3f}", inline, "per-prompt images") for r in mine)
+            rows.append(f'<div><p>after {epoch} epochs</p><div class="row">{figures}</div></div>')
+    if not rows:
+        return '<p class="small">no images of this prompt kept (the evaluation keeps those of its first prompts)</p>'
+    return f'<div class="bw">{"".join(rows)}</div>'
+
+
+def _per_prompt_section(runs: Sequence[RunData], inline: Inline, shown: int = 2) -> str:
+    """Every evaluation prompt from the first to the last evaluation, sorted by change, the most regressed first;
+    the `shown` most improved and most regressed prompts as images. Compare mode: compare.prompt_means_table."""
+    parts = ["<h2>Per-prompt evaluation</h2>"]
+    if len(runs) == 2:
+        return "\n".join(parts + [prompt_means_table(runs)])
+    run = runs[0]
+    found = prompt_changes(run)
+    if found is None:
+        return parts[0] + "<p>no per-prompt rewards in the evaluation files (samples/eval_XXXX.json)</p>"
+    first, last, changes = found
+    moved = [c for c in changes if c.change is not None]
+    worse = [c for c in moved if c.change < 0][:shown]
+    better = [c for c in reversed(moved) if c.change > 0][:shown]
+    parts.append(
+        f'<p>Each prompt\'s mean reward over its {esc(config_value(run.config, "eval_images_per_prompt", ""))} '
+        f"fixed-noise images after {first} and after {last} epochs, sorted by the change, the most regressed first "
+        f"({sum(c.change < 0 for c in moved)} of {len(changes)} prompts got worse, "
+        f"{sum(c.change > 0 for c in moved)} better). The component columns are the reward's own parts "
+        "(reward_info), start &rarr; end.</p>")
+    parts.append(prompt_table(first, last, changes))
+    for title, chosen in (("Most regressed", worse), ("Most improved", better)):
+        if not chosen:
+            parts.append(f"<h3>{title}: none</h3>")
+            continue
+        for change in chosen:
+            parts.append(f"<h3>{title}: {esc(change.prompt)}: {change.start:.3f} &rarr; {change.end:.3f} "
+                         f"({change.change:+.3f})</h3>" + _per_prompt_images(run, first, last, change, inline))
+    return "\n".join(parts)
 
 
 def _evaluation_section(runs: Sequence[RunData], inline: Inline) -> str:
@@ -72,7 +166,7 @@ def _evaluation_section(runs: Sequence[RunData], inline: Inline) -> str:
             if not shown:
                 continue
             cells = "".join(
-                f'<div class="col"><h4>{esc(run.name)}: after {epoch} epochs</h4>'
+                f'<div class="col"><h4>{esc(run.name)}: after {epoch} epochs{esc(_grid_share(run, epoch))}</h4>'
                 f'{inline.file(run.eval_grids[epoch], f"eval grid {epoch}", "grid", "evaluation grids")}</div>'
                 for epoch in shown
             )
@@ -97,6 +191,14 @@ def _curves_section(runs: Sequence[RunData], inline: Inline) -> str:
     if not panels:
         parts.append("<p>no numeric metrics logged yet</p>")
     parts.append('<div class="panels">' + "".join(inline.plot(png, key) for key, png in panels) + "</div>")
+    notes = constant_notes(runs) + [kl_note(runs)]
+    parts.append("".join(f'<p class="small">{esc(note)}.</p>' for note in notes if note))
+    components = plot_components(runs)
+    if components:
+        parts.append("<h3>Reward components</h3><p class=\"small\">The reward's own parts as it logs them "
+                     "(reward_info/&lt;reward&gt;/&lt;key&gt;: the mean over the epoch's samples; evaluation: over the "
+                     "fixed-noise images); the per-prompt table above has them per prompt.</p>"
+                     + '<div class="panels">' + "".join(inline.plot(png, key) for key, png in components) + "</div>")
     times = plot_times(runs)
     if times is not None:
         parts.append("<h3>Time per phase</h3>" + inline.plot(times, "time per phase"))
@@ -207,6 +309,16 @@ def _prompts_section(runs: Sequence[RunData], sources: Sequence[SampleSource | N
     return "\n".join(parts)
 
 
+def run_labels(runs: Sequence[RunData]) -> list[str]:
+    """Compare mode's default labels: a letter and the run's variant, 'A: tiny', 'B: tiny_group_ppo' (the folder
+    name for a run without a recorded variant)."""
+    labels = []
+    for letter, run in zip("ABCDEFGH", runs):
+        variant = config_value(run.config, "variant")
+        labels.append(f"{letter}: {variant if isinstance(variant, str) and variant else run.path.name}")
+    return labels
+
+
 def build_report(
     run_dir: str | os.PathLike,
     compare: str | os.PathLike | None = None,
@@ -215,6 +327,7 @@ def build_report(
     num_prompts: int = 3,
     max_bytes: int = MAX_REPORT_BYTES,
     link_base: str | os.PathLike | None = None,
+    names: Sequence[str] | None = None,
 ) -> str:
     """The HTML text of the report for `run_dir` (and `compare` side by side, if given).
 
@@ -222,16 +335,17 @@ def build_report(
     of the first run (of the second when the first has no sample records).
     max_bytes: the report's size cap (UTF-8 bytes); images past it are linked, the per-epoch sample grids thinned
     evenly, and the report says what it left out. link_base: the folder the report will be written to (links to
-    what is left out are relative to it); default run_dir.
+    what is left out are relative to it); default run_dir. names: the two runs' labels in compare mode (every
+    legend, header and caption); default `run_labels`.
     """
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     runs = [load_run(run_dir)] + ([load_run(compare)] if compare is not None else [])
-    if len(runs) == 2 and runs[0].name == runs[1].name:
-        # Same folder name under two logdirs: tell them apart in legends and headings.
-        for run in runs:
-            resolved = run.path.resolve()
-            run.name = f"{resolved.parent.name}/{resolved.name}"
+    if names is not None and len(names) != len(runs):
+        raise ValueError(f"names: expected {len(runs)} labels (one per run, e.g. --names A,B), got {len(names)}")
+    if len(runs) == 2:
+        for run, label in zip(runs, names or run_labels(runs)):
+            run.name = label
     sources = [sample_source(run) for run in runs]
     if prompts is None:
         chosen: list[str] = []
@@ -258,6 +372,7 @@ def build_report(
         headline_section(runs, sources),
         summary_section(runs),
         _evaluation_section(runs, inline),
+        _per_prompt_section(runs, inline),
         hacking_section(runs),
         _prompts_section(runs, sources, chosen, top_k, inline),
         _curves_section(runs, inline),
@@ -321,6 +436,7 @@ def write_report(
     prompts: Sequence[str] | None = None,
     top_k: int = 4,
     max_bytes: int = MAX_REPORT_BYTES,
+    names: Sequence[str] | None = None,
 ) -> Path:
     """Build the report and write it (atomically) to `output`; default run_dir/report.html,
     or run_dir/report_vs_<compare name>.html with `compare`. Returns the path written."""
@@ -331,7 +447,7 @@ def write_report(
         output = Path(run_dir) / name
     output = Path(output)
     text = build_report(run_dir, compare=compare, prompts=prompts, top_k=top_k, max_bytes=max_bytes,
-                        link_base=output.resolve().parent)
+                        link_base=output.resolve().parent, names=names)
 
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:

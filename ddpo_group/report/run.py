@@ -91,7 +91,7 @@ def read_metrics(path: str | os.PathLike, torn: list | None = None) -> list[dict
     return rows
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -104,7 +104,7 @@ def _read_marker(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        document = _read_json(path)
+        document = read_json(path)
     except (OSError, ValueError) as err:
         return {"error": f"{path.name} is unreadable ({err})"}
     return document if isinstance(document, dict) else {"error": f"{path.name} holds {type(document).__name__}"}
@@ -143,7 +143,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     else:
         raise ValueError(f"{metrics_path} not found; {RUN_DIR_HELP}")
     config_path = path / "config.json"
-    config = _read_json(config_path) if config_path.is_file() else None
+    config = read_json(config_path) if config_path.is_file() else None
     if config is not None and not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
     run = RunData(path=path, config=config, metrics=metrics, failed=failed, stopped=stopped,
@@ -167,7 +167,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
         if not _inside(evaluation, root):
             run.outside.append(str(evaluation.relative_to(path)))
             continue
-        document = _read_json(evaluation)
+        document = read_json(evaluation)
         if isinstance(document, dict):
             run.evaluations[evaluation.parent.name] = document
     return run
@@ -176,7 +176,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
 def _read_records(run: RunData, path: Path, evaluation: bool = False) -> tuple[dict, list[dict]]:
     """(document, records) of a samples JSON (epoch_XXXX.json or eval_XXXX.json); each record gets `image_path`
     (an absolute Path inside the run directory, or None) and, for evaluation files, prompt_index / image_index."""
-    document = _read_json(path)
+    document = read_json(path)
     records = document.get("records") if isinstance(document, dict) else document
     if not isinstance(records, list):
         raise ValueError(f"{path}: expected a list of records or an object with a 'records' list")

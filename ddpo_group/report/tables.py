@@ -6,6 +6,7 @@ prompts whose samples are shown.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ddpo_group.report.markup import LEFT_OUT, esc, fmt
@@ -15,8 +16,10 @@ from ddpo_group.report.run import (
     SampleSource,
     config_value,
     evaluation_rows,
+    finite,
     mean_reward_by_prompt,
     metric_series,
+    read_json,
     sample_source,
     trained_epochs,
     wall_time,
@@ -162,8 +165,9 @@ def headline(run: RunData, source: SampleSource | None) -> list[tuple[str, str]]
     else:
         values["best eval"] = ""
     values["samples shown"] = source.short if source is not None else "none (no sample records)"
-    order = ["variant", "algorithm", "model", "reward(s)", "prompt set", "epochs", "wall time", "seed", "final eval",
-             "best eval", "samples shown"]
+    values["cost per epoch"] = cost_text(run)
+    order = ["variant", "algorithm", "model", "reward(s)", "prompt set", "epochs", "wall time", "cost per epoch", "seed",
+             "final eval", "best eval", "samples shown"]
     return [(key, values.get(key, "")) for key in order]
 
 
@@ -191,6 +195,9 @@ def headline_section(runs: Sequence[RunData], sources: Sequence[SampleSource | N
         f"<tr><th>{esc(key)}</th>" + "".join(f"<td>{esc(f[row][1])}</td>" for f in fields) + "</tr>"
         for row, (key, _) in enumerate(fields[0])
     )
+    target = target_row(runs) if len(runs) == 2 else None
+    if target is not None:
+        rows += f"<tr><th>{esc(target[0])}</th>" + "".join(f"<td>{esc(cell)}</td>" for cell in target[1]) + "</tr>"
     note = ("<p class=\"small\">wall time: the sum of the logged phases (time/sample, time/reward, time/advantages, "
             "time/train, time/critic, time/eval) over every epoch, resumes included; model loading and checkpoints "
             "are not in it.</p>")
@@ -240,3 +247,159 @@ def _legacy_summary(runs: Sequence[RunData]) -> str:
         if any(values):
             rows.append(f"<tr><td>{esc(key)}</td>" + "".join(f"<td>{esc(v)}</td>" for v in values) + "</tr>")
     return f"<details><summary>first and last single rows</summary><table><tr><th>metric</th>{header}</tr>{''.join(rows)}</table></details>"
+
+
+@dataclass
+class PromptChange:
+    """One evaluation prompt from the run's first to its last evaluation (the same noise in both)."""
+
+    index: int  # the prompt's place in the evaluation's prompt list
+    prompt: str
+    start: float | None  # mean reward over the prompt's images at the first evaluation
+    end: float  # ... at the last
+    components: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # info key -> (start, end)
+
+    @property
+    def change(self) -> float | None:
+        return None if self.start is None else self.end - self.start
+
+
+def _row_means(rows: Any) -> list[float | None]:
+    """Mean of each row of a (P, J) list of lists over its finite numbers (None for a row without one)."""
+    means = []
+    for row in rows if isinstance(rows, list) else []:
+        values = [finite(v) for v in (row if isinstance(row, list) else [])]
+        values = [v for v in values if v is not None]
+        means.append(sum(values) / len(values) if values else None)
+    return means
+
+
+def prompt_changes(run: RunData) -> tuple[int, int, list[PromptChange]] | None:
+    """(first epoch, last epoch, one PromptChange per prompt) from samples/eval_XXXX.json's (P, J) "rewards" (and
+    "reward_info" when stored) of the first and the last evaluation, sorted by change, the most regressed first
+    (prompts without a start last). change = mean_j r[p, j] at the last - mean_j r[p, j] at the first.
+    None when the run has no evaluation file with per-prompt rewards."""
+    if not run.eval_files:
+        return None
+    first, last = min(run.eval_files), max(run.eval_files)
+    end_doc = read_json(run.eval_files[last])
+    start_doc = read_json(run.eval_files[first]) if first != last else {}
+    end_doc, start_doc = (d if isinstance(d, dict) else {} for d in (end_doc, start_doc))
+    prompts = end_doc.get("prompts")
+    end_means = _row_means(end_doc.get("rewards"))
+    if not isinstance(prompts, list) or len(prompts) != len(end_means):
+        return None
+    same_list = start_doc.get("prompts") == prompts
+    start_means = _row_means(start_doc.get("rewards")) if same_list else [None] * len(prompts)
+    info_end = end_doc.get("reward_info") if isinstance(end_doc.get("reward_info"), dict) else {}
+    info_start = start_doc.get("reward_info") if same_list and isinstance(start_doc.get("reward_info"), dict) else {}
+    components = {key: (_row_means(info_start.get(key)), _row_means(values)) for key, values in info_end.items()}
+    changes = []
+    for i, (prompt, end) in enumerate(zip(prompts, end_means)):
+        if end is None:
+            continue
+        parts = {key: (s[i] if i < len(s) else None, e[i] if i < len(e) else None) for key, (s, e) in components.items()}
+        changes.append(PromptChange(i, str(prompt), start_means[i] if i < len(start_means) else None, end, parts))
+    changes.sort(key=lambda c: (c.change is None, c.change if c.change is not None else 0.0, c.index))
+    return first, last, changes
+
+
+def _signed(value: float | None) -> str:
+    return "" if value is None else f"{value:+.3f}"
+
+
+def prompt_table(first: int, last: int, changes: Sequence[PromptChange]) -> str:
+    """The per-prompt evaluation table: prompt, start, end, change, and each reward component start -> end."""
+    keys = sorted({key for change in changes for key in change.components})
+    header = ("<tr><th>#</th><th>prompt</th><th>after " + esc(first) + "</th><th>after " + esc(last)
+              + "</th><th>change</th>" + "".join(f"<th>{esc(key)}</th>" for key in keys) + "</tr>")
+    rows = []
+    for change in changes:
+        delta = change.change
+        css = "" if delta is None else (' class="worse"' if delta < 0 else ' class="better"' if delta > 0 else "")
+        cells = [esc(change.index), esc(change.prompt), fmt(change.start), fmt(change.end), _signed(delta)]
+        for key in keys:
+            start, end = change.components.get(key, (None, None))
+            cells.append("" if end is None else (f"{start:.2f} &rarr; {end:.2f}" if start is not None else f"{end:.2f}"))
+        rows.append(f"<tr{css}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return f'<div class="scroll"><table class="prompts">{header}{"".join(rows)}</table></div>'
+
+
+TRAINING_PHASES = ("time/sample", "time/reward", "time/advantages", "time/train", "time/critic")
+
+
+def training_seconds(row: dict) -> float:
+    """Seconds of one epoch's training phases (sampling, rewards, advantages, training, critic; not evaluation)."""
+    return sum(finite(row.get(key)) or 0.0 for key in TRAINING_PHASES)
+
+
+def cost_text(run: RunData) -> str:
+    """'6.1 s of training, 96 model calls (train/unet_calls)': means over the training rows that logged them."""
+    rows = [row for row in run.metrics if not row.get("eval_only")]
+    seconds = [training_seconds(row) for row in rows if any(key in row for key in TRAINING_PHASES)]
+    calls = [finite(row.get("train/unet_calls")) for row in rows]
+    calls = [c for c in calls if c is not None]
+    parts = []
+    if seconds:
+        parts.append(f"{sum(seconds) / len(seconds):.1f} s of training (sample, reward, advantages, train, critic)")
+    if calls:
+        parts.append(f"{sum(calls) / len(calls):.0f} training calls of the denoising model (train/unet_calls)")
+    return "; ".join(parts) if parts else "not logged"
+
+
+def seconds_to(run: RunData, target: float) -> tuple[float, float] | None:
+    """(seconds, epoch) at the first evaluation with eval/reward_mean >= target: the logged training and evaluation
+    seconds of the rows up to and including it; None when no evaluation reaches it."""
+    total = 0.0
+    for i, row in enumerate(run.metrics):
+        total += training_seconds(row) + (finite(row.get("time/eval")) or 0.0)
+        value = finite(row.get("eval/reward_mean"))
+        if value is not None and value >= target:
+            epoch = finite(row.get("epoch"))
+            return total, (i if epoch is None else epoch)
+    return None
+
+
+def target_row(runs: Sequence[RunData]) -> tuple[str, list[str]] | None:
+    """Compare mode's headline row: seconds to the target evaluation, the lower of the two runs' best
+    eval/reward_mean (so that both reach it); None without evaluations in both."""
+    bests = [max((v for _, v, _ in evaluation_rows(run)), default=None) for run in runs]
+    if any(b is None for b in bests):
+        return None
+    target = min(bests)
+    cells = []
+    for run in runs:
+        reached = seconds_to(run, target)
+        cells.append("not reached" if reached is None else f"{reached[0]:.0f} s (evaluation after {reached[1]:g} epochs)")
+    return f"seconds to eval >= {target:.4f}", cells
+
+
+def kl_note(runs: Sequence[RunData]) -> str:
+    """What the `kl` curve is, from each run's config; in compare mode whether the two are like with like."""
+    described = []
+    for run in runs:
+        if not config_value(run.config, "train.use_reference_model") or not any("kl" in row for row in run.metrics):
+            continue
+        mode = config_value(run.config, "train.loss_agg_mode", "token-mean")
+        kind = config_value(run.config, "train.kl_type", "?")
+        what = {"token-mean": "the mean over the trained (trajectory, step) pairs",
+                "seq-mean-token-sum": "the sum over each trajectory's trained steps, averaged over trajectories",
+                "seq-mean-token-mean": "the mean over each trajectory's trained steps, averaged over trajectories",
+                "seq-mean-token-sum-norm": "the sum over (trajectory, step) pairs divided by the number of steps",
+                }.get(mode, f"aggregated by {mode}")
+        kinds = {"gaussian": "the exact KL of the two Gaussian steps, (mu_theta - mu_ref)^2 / (2 sigma_t^2) averaged "
+                             "over pixels"}
+        described.append((run.name, mode, f"{what} of {kinds.get(kind, f'the {kind} estimate')} to the reference model"))
+    if not described:
+        return ""
+    prefix = lambda name: f"{name}: " if len(runs) > 1 else ""  # noqa: E731
+    text = "kl: " + "; ".join(f"{prefix(name)}{what}" for name, _, what in described)
+    text += " (steps/kl in the per-step view splits it by step)"
+    if len(runs) == 2:
+        if len(described) == 2 and described[0][1] == described[1][1] == "token-mean":
+            text += "; both are per trained step, so the two kl curves compare like with like"
+        elif len(described) == 2:
+            text += "; the runs aggregate it differently, so their kl curves are not comparable: compare steps/kl"
+        else:
+            text += "; only one run has a reference model"
+    return text
