@@ -54,3 +54,28 @@ def test_two_processes_log_identical_metrics(tmp_path):
     assert any("eval/reward_mean" in row for row in rows[0][1:])
     for row_a, row_b in zip(*rows):
         assert _numbers(row_a) == _numbers(row_b), row_a.get("epoch")
+
+
+def test_the_main_job_check_reads_the_readme_and_compares_at_its_precision(tmp_path):
+    from helpers import load_script
+
+    check = load_script("benchmarks/main_job_numbers.py")
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        stated = check.readme_numbers(f.read())
+    assert sorted(stated) == [0, 10, 20, 30, 40] and all(0 < v < 1 for v in stated.values())
+    row = ("| main job: GRPO | `cmd` | 5 min | 0.554 (epoch 0, before any update) -> 0.597 (10) -> 0.7 (20): +0.1; "
+           "training `reward_mean` |")
+    assert check.readme_numbers(row) == {0: 0.554, 10: 0.597, 20: 0.7}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"epoch": 0, "eval/reward_mean": 0.55404}, {"epoch": 5, "reward_mean": 0.6},
+        {"epoch": 10, "eval/reward_mean": 0.59673}, {"epoch": 20, "eval_only": True, "eval/reward_mean": 0.7004})))
+    lines, same = check.compare({0: 0.554, 10: 0.597, 20: 0.7}, check.run_numbers(str(run)))
+    assert same and lines[1].split() == ["0", "0.554", "0.5540", "ok"]
+    lines, same = check.compare({0: 0.554, 10: 0.598}, check.run_numbers(str(run)))
+    assert not same and lines[2].split()[-1] == "DIFFERS"
+    readme = tmp_path / "README.md"
+    readme.write_text(row + "\n")
+    assert check.main([str(run), "--readme", str(readme)]) == 0
+    assert check.main([str(tmp_path / "nope"), "--readme", str(readme)]) == 2
