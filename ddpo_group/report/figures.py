@@ -105,9 +105,11 @@ def plot_curves(runs: Sequence[RunData]) -> list[tuple[str, bytes]]:
 
 # What a metric that stays constant over the run means, where its value alone reads as the opposite of the truth.
 CONSTANT_MEANINGS = {
-    "group/efficiency_gain": "1.0 means no saving: every segment is one step long (a one-step window), so Group-PPO "
-                             "scores as many steps as it trains",
-    "group/compression": "0 means no step was merged into a segment (one-step segments), not that nothing was learned",
+    "group/efficiency_gain": "N / K, the noisy steps per trained endpoint; with a one-step SDE window N = K = 1, so it "
+                             "says 1.0 (no saving) although the window itself is the saving: compare the model calls "
+                             "of training (train/unet_calls, the headline's cost row) with a run that trains every step",
+    "group/compression_ratio": "1 - K / N; 0 with a one-step SDE window (N = K = 1), not a sign that nothing is "
+                               "compressed: only one step is noisy, and that one is trained",
 }
 
 
