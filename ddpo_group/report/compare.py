@@ -45,8 +45,10 @@ def _paired_table(runs: Sequence[RunData], documents: Sequence[dict], records: S
                 same_noise = False
             other_noise += 0 if same_noise else 1
             flag = "" if same_noise else '<span class="missing">not the same noise</span>'
-            captions = [f"{run.name}: r={r['reward']:.3f}" if r is not None and finite(r.get("reward")) is not None
-                        else f"{run.name}: none" for run, r in zip(runs, (first, second))]
+            # a cell names its run by the label's letter ("A: tiny" -> "A") where there is one: captions stay short
+            short = [run.name.split(":")[0] if ":" in run.name[:3] else run.name for run in runs]
+            captions = [f"{name}: r={r['reward']:.3f}" if r is not None and finite(r.get("reward")) is not None
+                        else f"{name}: none" for name, r in zip(short, (first, second))]
             cells.append(
                 f'<td class="cell" data-cell="{i},{j}" data-same-noise="{str(same_noise).lower()}">'
                 f'<div class="pair">{sample_figure(first, captions[0], inline, "evaluation images")}'

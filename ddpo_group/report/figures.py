@@ -251,7 +251,7 @@ def step_scale(runs: Sequence[RunData], key: str) -> tuple[float, float, str]:
         return -bound, bound, "scale symmetric about 0"
     p2, p98 = (float(x) for x in np.percentile(values, [2, 98]))
     if p98 > p2 and high > p98 + 3 * (p98 - p2):
-        return p2, p98, f"robust scale: 2nd-98th percentile (max {high:.3g} drawn at the top colour)"
+        return p2, p98, f"robust scale: 2nd-98th percentile (max {high:.3g} at the top colour)"
     return low, high, note
 
 
@@ -278,7 +278,7 @@ def plot_step_heatmaps(runs: Sequence[RunData], keys: Sequence[str] | None = Non
             ax = axes[row][col]
             epochs, matrix = step_matrix(run.metrics, key)
             ax.tick_params(labelsize=7)
-            title = (run.name + "\n" if row == 0 else "") + scale
+            title = (run.name + "\n" if row == 0 else "") + textwrap.fill(scale, 48)
             ax.set_title(title, fontsize=7 if row else 8)
             if col == 0:
                 ax.set_ylabel(f"{STEP_LABELS[key]}\nstep", fontsize=8)

@@ -362,16 +362,24 @@ def seconds_to(run: RunData, target: float) -> tuple[float, float] | None:
 
 def target_row(runs: Sequence[RunData]) -> tuple[str, list[str]] | None:
     """Compare mode's headline row: seconds to the target evaluation, the lower of the two runs' best
-    eval/reward_mean (so that both reach it); None without evaluations in both."""
-    bests = [max((v for _, v, _ in evaluation_rows(run)), default=None) for run in runs]
-    if any(b is None for b in bests):
+    eval/reward_mean after their first evaluation (so that both reach it), when that is above both first
+    evaluations; a row saying why there is none otherwise; None without evaluations in both runs."""
+    rows = [evaluation_rows(run) for run in runs]
+    if any(not r for r in rows):
         return None
-    target = min(bests)
+    later = [max((v for _, v, _ in r[1:]), default=None) for r in rows]
+    starts = [r[0][1] for r in rows]
+    risen = [b is not None and b > s for b, s in zip(later, starts)]
+    if not all(risen):
+        return "seconds to a common target", [
+            "rose above its first evaluation" if up else "never rose above its first evaluation: no common target"
+            for up in risen]
+    target = min(later)
     cells = []
     for run in runs:
         reached = seconds_to(run, target)
         cells.append("not reached" if reached is None else f"{reached[0]:.0f} s (evaluation after {reached[1]:g} epochs)")
-    return f"seconds to eval >= {target:.4f}", cells
+    return f"seconds to eval >= {target:.4f} (the lower best)", cells
 
 
 def kl_note(runs: Sequence[RunData]) -> str:
