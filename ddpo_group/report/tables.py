@@ -165,9 +165,8 @@ def headline(run: RunData, source: SampleSource | None) -> list[tuple[str, str]]
     else:
         values["best eval"] = ""
     values["samples shown"] = source.short if source is not None else "none (no sample records)"
-    values["cost per epoch"] = cost_text(run)
-    order = ["variant", "algorithm", "model", "reward(s)", "prompt set", "epochs", "wall time", "cost per epoch", "seed",
-             "final eval", "best eval", "samples shown"]
+    order = ["variant", "algorithm", "model", "reward(s)", "prompt set", "epochs", "wall time", "seed", "final eval",
+             "best eval", "samples shown"]
     return [(key, values.get(key, "")) for key in order]
 
 
@@ -195,13 +194,17 @@ def headline_section(runs: Sequence[RunData], sources: Sequence[SampleSource | N
         f"<tr><th>{esc(key)}</th>" + "".join(f"<td>{esc(f[row][1])}</td>" for f in fields) + "</tr>"
         for row, (key, _) in enumerate(fields[0])
     )
+    # the cost, right under the headline: what an epoch costs, and (compare mode) the time to a common target
+    cost = [("cost per epoch", [cost_text(run) for run in runs])]
     target = target_row(runs) if len(runs) == 2 else None
-    if target is not None:
-        rows += f"<tr><th>{esc(target[0])}</th>" + "".join(f"<td>{esc(cell)}</td>" for cell in target[1]) + "</tr>"
+    cost += [target] if target is not None else []
+    cost_rows = "".join(f"<tr><th>{esc(key)}</th>" + "".join(f"<td>{esc(cell)}</td>" for cell in cells) + "</tr>"
+                        for key, cells in cost)
     note = ("<p class=\"small\">wall time: the sum of the logged phases (time/sample, time/reward, time/advantages, "
             "time/train, time/critic, time/eval) over every epoch, resumes included; model loading and checkpoints "
             "are not in it.</p>")
-    return f'{banners}<table class="headline">{header}{rows}</table>{note}{LEFT_OUT}'
+    return (f'{banners}<table class="headline">{header}{rows}</table><table class="headline cost">{header}{cost_rows}'
+            f"</table>{note}{LEFT_OUT}")
 
 
 def _window_mean(values: Sequence[float], first: bool) -> str:
