@@ -1,16 +1,18 @@
 """The report page: its sections in order and the files it writes.
 
 The report opens with a headline (status, and failed.json's reason when the run failed; variant, algorithm,
-model, rewards, prompt set, epochs, wall time, seed, final and best evaluation), then a summary that compares
+model, rewards, prompt set, epochs, wall time, seed, final and best evaluation) and the cost per epoch, then a summary that compares
 evaluations and 5-epoch windows (single epochs are noise); the fixed-noise evaluation curve beside the
 smoothed training reward with the fixed evaluation grids (first, middle, last; in compare mode a table whose
 cell holds both runs' image of the same prompt and the same noise) and scripts/evaluate.py's evaluation.json
-results; for a few prompts the best and worst samples of the final weights (the run's final evaluation,
+results; the per-prompt evaluation table (each prompt's first and last evaluation, the change, the reward's
+components; the most regressed and most improved prompts as images; in compare mode both runs' means and
+B - A); for a few prompts the best and worst samples of the final weights (the run's final evaluation,
 samples/eval_XXXX.json marked "final"; runs without one: the last logged epoch's samples, and the report says
-so); reward curves, kl / loss / clipfrac and the other scalar metrics, the time per phase, the per-step heat
-maps, the run's config, and the per-epoch sample grids. Past the size cap (markup.MAX_REPORT_BYTES) the
-per-epoch sample grids are thinned evenly (the first and the last kept) and what is left out is linked and
-counted at the top of the report.
+so); reward curves, kl / loss / clipfrac and the other scalar metrics (what kl is, from the config), the
+reward's component curves, the time per phase, the per-step heat maps, the run's config, and the per-epoch
+sample grids. Past the size cap (markup.MAX_REPORT_BYTES) the per-epoch sample grids are thinned evenly (the
+first and the last kept) and what is left out is linked and counted at the top of the report.
 
 Entry point: `ddpo-group-inspect` / scripts/inspect_run.py (ddpo_group.cli.inspect_main).
 """
