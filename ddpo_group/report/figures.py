@@ -261,7 +261,7 @@ def plot_step_heatmaps(runs: Sequence[RunData], keys: Sequence[str] | None = Non
     on each panel). Without `keys`: every logged one but those flat over the steps (`flat_over_steps`).
     None when no run logged per-step metrics."""
     if keys is None:
-        keys = [k for k in step_keys(runs) if not flat_over_steps(runs, k)]
+        keys = [k for k in step_keys(runs) if k == "steps/trained" or not flat_over_steps(runs, k)]
     keys = [k for k in keys if k in STEP_LABELS]
     keys = [k for k in keys if any(step_matrix(run.metrics, k)[0] for run in runs)]
     if not keys:
@@ -269,6 +269,7 @@ def plot_step_heatmaps(runs: Sequence[RunData], keys: Sequence[str] | None = Non
     import numpy as np
     from matplotlib import colormaps
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(3.6 * len(runs) + 0.6, 2.0 * len(keys) + 0.4), layout="constrained")
     axes = fig.subplots(len(keys), len(runs), squeeze=False)
@@ -294,6 +295,7 @@ def plot_step_heatmaps(runs: Sequence[RunData], keys: Sequence[str] | None = Non
             x0, x1 = (epochs[0] - 0.5, epochs[-1] + 0.5) if len(epochs) > 1 else (epochs[0] - 0.5, epochs[0] + 0.5)
             image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap, vmin=low, vmax=high,
                               extent=(x0, x1, data.shape[0] - 0.5, -0.5))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             bar = fig.colorbar(image, ax=ax, shrink=0.9, extend="max" if scale.startswith("robust") else "neither")
             bar.ax.tick_params(labelsize=7)
             bar.formatter.set_useOffset(False)

@@ -76,7 +76,7 @@ def _steps_section(runs: Sequence[RunData], inline: Inline) -> str:
     header = "<h2>Per-step view</h2>"
     if png is None:
         return header + "<p>no per-step metrics (steps/*) in this run: it was written before they were logged</p>"
-    flat = [STEP_LABELS[k] for k in step_keys(runs) if flat_over_steps(runs, k)]
+    flat = [STEP_LABELS[k] for k in step_keys(runs) if k != "steps/trained" and flat_over_steps(runs, k)]
     left = (f"<p class=\"small\">Not drawn: {esc(', '.join(flat))}: the same value at every step in every epoch, "
             "so a panel carries no information about the steps (the run's advantage estimator gives each trajectory "
             "one advantage, copied to every step; GRPO does). The per-epoch values are the curves above.</p>"
