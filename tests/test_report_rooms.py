@@ -218,3 +218,22 @@ def test_a_finished_run_leaves_no_lock_and_the_summary_prints_commands_that_run(
     assert os.path.isfile(executable) or os.path.isfile(os.path.join(os.getcwd(), executable)), sys.executable
     assert phase_text({"sample": 6.0, "train": 40.0, "old_log_probs": 5.0}) == \
         "train 40 s (old_log_probs 5 s of it), sample 6 s"
+
+
+def test_misleading_constant_curves_are_explained_and_a_target_needs_both_runs_to_rise(tmp_path):
+    from ddpo_group.report.figures import constant_notes, plot_curves
+    from ddpo_group.report.tables import kl_note, target_row
+
+    rows = [{"epoch": e, "reward_mean": 0.5, "kl": 0.1, "group/efficiency_gain": 1.0, "group/threshold": 1 - e / 10}
+            for e in range(3)]
+    run = load_run(write_run(tmp_path / "gppo", rows, {"train": {"use_reference_model": True, "kl_type": "gaussian",
+                                                                  "loss_agg_mode": "token-mean"}}))
+    keys = [key for key, _ in plot_curves([run])]
+    assert "group/efficiency_gain" not in keys and "group/threshold" in keys
+    assert constant_notes([run])[0].startswith("group/efficiency_gain = 1 at every epoch, not drawn: N / K")
+    assert "the mean over the trained (trajectory, step) pairs of the exact KL" in kl_note([run])
+    # A falls below its first evaluation, B rises: no common target
+    a = load_run(eval_run(tmp_path / "a", end=[[0.1, 0.1], [0.1, 0.1], [0.1, 0.1]]))
+    b = load_run(eval_run(tmp_path / "b"))
+    key, cells = target_row([a, b])
+    assert key == "seconds to a common target" and cells[0].startswith("never rose")
