@@ -349,7 +349,7 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--output",
         default=None,
-        help="HTML file to write (default: RUN_DIR/report.html, or RUN_DIR/report_vs_<RUN_DIR2 name>.html)",
+        help="HTML file to write (default RUN_DIR/report.html; RUN_DIR/report_vs_<RUN_DIR2 name>.html with --compare)",
     )
     parser.add_argument(
         "--prompts",
@@ -367,10 +367,14 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
         "--steps-keys", nargs="+", metavar="KEY", default=None,
         help="with --steps-png: the steps/* metrics to draw (default: all logged), e.g. steps/trained steps/grad_share",
     )
-    parser.add_argument("--names", nargs="+", metavar="NAME", default=None, help="with --steps-png: column titles")
+    parser.add_argument("--names", nargs="+", metavar="NAME", default=None,
+                        help="labels of the runs in order, e.g. --names A,B (default 'A: <variant>', 'B: <variant>'); "
+                        "with --steps-png: column titles")
     args = parser.parse_args(argv)
+    if args.names and len(args.names) == 1 and "," in args.names[0]:
+        args.names = [name.strip() for name in args.names[0].split(",")]  # --names A,B (docs/design.md §13)
 
-    from ddpo_group.inspect import write_report, write_step_heatmaps
+    from ddpo_group.report.page import write_report, write_step_heatmaps
 
     try:
         if args.steps_png:
@@ -381,7 +385,7 @@ def inspect_main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--compare: the report compares two runs, got {len(args.compare) + 1}; "
                                  "more runs side by side only with --steps-png")
             path = write_report(args.run_dir, output=args.output, compare=args.compare[0] if args.compare else None,
-                                prompts=args.prompts, top_k=args.top_k)
+                                prompts=args.prompts, top_k=args.top_k, names=args.names)
     except ValueError as err:
         print(f"ddpo-group-inspect: error: {err}", file=sys.stderr)
         return 2

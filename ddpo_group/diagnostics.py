@@ -9,6 +9,9 @@ step had nothing to measure: no density, not trained, no critic):
     steps/trained                     1 where the actor trained step t this epoch, 0 where it did not
     steps/approx_kl                   mean over trained (trajectory, step) pairs of old - new log-prob
                                       (the k1 estimate of KL(pi_old || pi_theta), as the flat approx_kl)
+    steps/kl                          with a reference model: mean over trained (trajectory, step) pairs of the
+                                      per-step KL to the reference that the flat `kl` averages (train.kl_type:
+                                      "gaussian", mean over pixels of (mu - mu_ref)^2 / (2 sigma_t^2))
     steps/clipfrac                    share of those pairs whose ratio r = exp(new - old) the PPO clip cuts:
                                       A > 0 and r > 1 + clip_high, or A < 0 and r < 1 - clip_low
     steps/ratio_std                   population std of r over those pairs
@@ -32,7 +35,7 @@ import torch
 __all__ = ["StepAccumulator", "GradShare", "advantage_step_stats", "value_step_stats", "STEP_KEYS"]
 
 STEP_KEYS = (
-    "steps/adv_mean", "steps/adv_std", "steps/trained", "steps/approx_kl", "steps/clipfrac", "steps/ratio_std",
+    "steps/adv_mean", "steps/adv_std", "steps/trained", "steps/approx_kl", "steps/kl", "steps/clipfrac", "steps/ratio_std",
     "steps/grad_share", "steps/value_error", "steps/explained_variance",
 )
 
@@ -76,10 +79,12 @@ def value_step_stats(values, rewards, mask):
 class StepAccumulator:
     """Sums over an epoch's micro-batches, per denoising step, of what the policy's ratio did.
 
-    ``add(step_idx, old_log_probs, log_probs, advantages, mask)`` takes one micro-batch's (b, K) tensors:
-    step_idx the denoising step of each column, the log-probs of pi_old and of the current policy (the
-    value of the forward that back-propagated), the advantages and the mask of the trained pairs.
-    ``metrics()`` returns steps/trained, steps/approx_kl, steps/clipfrac and steps/ratio_std (module docstring).
+    ``add(step_idx, old_log_probs, log_probs, advantages, mask, kl=None)`` takes one micro-batch's (b, K)
+    tensors: step_idx the denoising step of each column, the log-probs of pi_old and of the current policy (the
+    value of the forward that back-propagated), the advantages, the mask of the trained pairs and (with a
+    reference model) the KL of each pair to the reference.
+    ``metrics()`` returns steps/trained, steps/approx_kl, steps/clipfrac, steps/ratio_std and, when a KL was
+    given, steps/kl (module docstring).
     """
 
     def __init__(self, num_steps, clip_low, clip_high):
@@ -88,8 +93,9 @@ class StepAccumulator:
         zeros = torch.zeros(self.num_steps, dtype=torch.float64)
         self.count, self.neg_log_ratio, self.clipped = zeros.clone(), zeros.clone(), zeros.clone()
         self.ratio, self.ratio_sq = zeros.clone(), zeros.clone()
+        self.kl = None  # sum of the KL to the reference per step, once one is given
 
-    def add(self, step_idx, old_log_probs, log_probs, advantages, mask):
+    def add(self, step_idx, old_log_probs, log_probs, advantages, mask, kl=None):
         valid = (mask.detach() > 0).to(torch.float64).cpu().flatten()
         steps = step_idx.detach().to(torch.int64).cpu().flatten()
         log_ratio = (log_probs.detach().to(torch.float64) - old_log_probs.detach().to(torch.float64)).cpu().flatten()
@@ -100,18 +106,25 @@ class StepAccumulator:
                              (self.clipped, clipped.to(torch.float64) * valid), (self.ratio, ratio * valid),
                              (self.ratio_sq, ratio**2 * valid)):
             total.index_add_(0, steps, value)
+        if kl is not None:
+            if self.kl is None:
+                self.kl = torch.zeros(self.num_steps, dtype=torch.float64)
+            self.kl.index_add_(0, steps, kl.detach().to(torch.float64).cpu().flatten() * valid)
 
     def metrics(self):
         count = self.count
         denominator = count.clamp(min=1)
         mean_ratio = self.ratio / denominator
         ratio_var = (self.ratio_sq / denominator - mean_ratio**2).clamp(min=0)
-        return {
+        metrics = {
             "steps/trained": [1 if c > 0 else 0 for c in count.tolist()],
             "steps/approx_kl": _listed(self.neg_log_ratio / denominator, count),
             "steps/clipfrac": _listed(self.clipped / denominator, count),
             "steps/ratio_std": _listed(ratio_var.sqrt(), count),
         }
+        if self.kl is not None:
+            metrics["steps/kl"] = _listed(self.kl / denominator, count)
+        return metrics
 
 
 class GradShare:

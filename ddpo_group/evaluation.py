@@ -33,7 +33,7 @@ from ddpo_group.config_check import load_config_prompts
 from ddpo_group.edit_sources import reward_metadata, source_images
 from ddpo_group.grids import save_epoch_samples
 from ddpo_group.hacking import PROXY_KEY, describe, gold_key, gold_names, gold_specs
-from ddpo_group.inspect import read_metrics
+from ddpo_group.report.run import read_metrics
 from ddpo_group.rewards import AsyncRewardRunner, build_reward_fn
 from ddpo_group.run_dir import METRICS_FILE
 
@@ -67,7 +67,8 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
 
     Returns: {"reward_mean", "reward_std", "components": {name: mean}, "per_prompt": (P,) means,
     "rewards": (P, J) array, "images": (k*J, 3, H, W) CPU tensor or None, "grid_prompts": their prompts,
-    "gold": {name: (P, J) array} (empty without gold_fn)}.
+    "gold": {name: (P, J) array} (empty without gold_fn), "info": {"<reward>/<key>": (P, J) array} of the
+    rewards' per-image info numbers (the shapes world's colour, area, background, shape; scalars left out)}.
     """
     pairs = [(i, j) for i in range(len(records)) for j in range(images_per_prompt)]
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
@@ -105,14 +106,16 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
                 else ({}, {}))
         if scored is None or gold is None:
             return None
-        total, components, _ = scored
+        total, components, info = scored
         gold = gold[1]
+        per_image = {k: np.asarray(v, dtype=np.float64).reshape(-1) for k, v in (info or {}).items()
+                     if np.ndim(v) == 1 and len(v) == len(chunk) and np.issubdtype(np.asarray(v).dtype, np.number)}
         for n, (i, j) in enumerate(chunk):
             if start + n >= len(mine):
                 break  # padding
             keep = images[n].clone() if i < grid_prompts else None  # a view would carry the whole batch in a gather
             row = [i, j, float(total[n]), {k: float(v[n]) for k, v in components.items()}, keep,
-                   {k: float(v[n]) for k, v in gold.items()}]
+                   {k: float(v[n]) for k, v in gold.items()}, {k: float(v[n]) for k, v in per_image.items()}]
             results.append(row)
             if group_wise:
                 waiting.setdefault(i, []).append((row, images[n]))
@@ -125,13 +128,15 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
     rewards = np.full((len(records), images_per_prompt), np.nan)
     component_sums = {}
     grid = {}
-    gold = {}
-    for i, j, value, parts, image, gold_parts in results:
+    gold, info = {}, {}
+    for i, j, value, parts, image, gold_parts, info_parts in results:
         rewards[i, j] = value
         for name, part in parts.items():
             component_sums.setdefault(name, []).append(part)
         for name, part in gold_parts.items():
             gold.setdefault(name, np.full((len(records), images_per_prompt), np.nan))[i, j] = part
+        for name, part in info_parts.items():
+            info.setdefault(name, np.full((len(records), images_per_prompt), np.nan))[i, j] = part
         if image is not None:
             grid[(i, j)] = image
     images = None
@@ -146,6 +151,7 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         "images": images,
         "grid_prompts": [records[i].prompt for i in range(min(grid_prompts, len(records)))],
         "gold": gold,
+        "info": info,
     }
 
 
@@ -209,7 +215,8 @@ class Evaluator:
 
     def __call__(self, epoch, metrics, policy, model, should_stop=None):
         """Evaluate `model` (the weights after `epoch` epochs) into `metrics`: eval/reward_mean, eval/reward_std,
-        eval/<component>, eval/grid, time/eval, and per gold reward of config.eval_rewards eval/gold/<name>_mean,
+        eval/<component>, eval/reward_info/<reward>/<key> (the mean of the rewards' per-image info numbers),
+        eval/grid, time/eval, and per gold reward of config.eval_rewards eval/gold/<name>_mean,
         _std and _diverged; nothing when `should_stop` interrupted it (a stop signal)."""
         config, acc = self.config, self.accelerator
         start = time.perf_counter()
@@ -228,6 +235,8 @@ class Evaluator:
         metrics["eval/reward_std"] = result["reward_std"]
         for name, value in result["components"].items():
             metrics[f"eval/{name}"] = value
+        for name, values in result["info"].items():
+            metrics[f"eval/reward_info/{name}"] = float(np.nanmean(values))
         for name, values in result["gold"].items():
             metrics[gold_key(name)] = float(np.mean(values))
             metrics[gold_key(name, "std")] = float(np.std(values))
@@ -239,7 +248,10 @@ class Evaluator:
                 result["rewards"][:kept].reshape(-1), None, per_image, max_rows=min(kept, config.eval_grid_prompts),
                 prefix="eval", record_fields=[{"prompt_index": i, "image_index": j} for i in range(kept) for j in range(per_image)],
                 extra={"final": final, "seed": config.eval_seed, "prompts": [r.prompt for r in self.prompts],
-                       "rewards": result["rewards"].tolist()},
+                       "rewards": result["rewards"].tolist(),
+                       # per prompt and image, the rewards' info numbers: the report's per-prompt components
+                       "reward_info": {name: [[v if np.isfinite(v) else None for v in row] for row in values.tolist()]
+                                       for name, values in result["info"].items()}},
                 sources=source_images([r for r in self.prompts[:kept] for _ in range(per_image)]),  # editing: source -> edited
             )
             if grid is not None:

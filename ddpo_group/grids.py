@@ -318,6 +318,7 @@ def save_epoch_samples(
         raise ValueError(f"prompts: expected {num} prompts (one per image), got {len(prompts)}")
     if rewards.shape != (num,):
         raise ValueError(f"rewards must have shape ({num},), got {tuple(rewards.shape)}")
+    has_advantages = advantages is not None  # an evaluation has none: its captions show the reward only
     if advantages is None:
         advantages = np.full(num, np.nan)
     advantages = _to_numpy(advantages).astype(np.float64)
@@ -372,11 +373,14 @@ def save_epoch_samples(
                 if slot < len(indices):
                     index = indices[slot]
                     cells.append(array[index])
-                    captions.append(format_caption(rewards[index], advantages[index]))
+                    captions.append(format_caption(rewards[index], advantages[index]) if has_advantages
+                                    else f"r={rewards[index]:.2f}")
                 else:
                     cells.append(None)
                     captions.append("")
-        labels = [p for p, _ in rows]
+        # a prompt sampled more than group_size times fills several rows: one advantage group (grouped by prompt)
+        labels = [p if i == 0 or rows[i - 1][0] != p else f"(same prompt, same group as the row above) {p}"
+                  for i, (p, _) in enumerate(rows)]
         columns = group_size + (source_array is not None)
         if video:  # one grid per frame, the frames of the animation
             grids = [make_grid([None if cell is None else cell[f] for cell in cells], columns, captions=captions,

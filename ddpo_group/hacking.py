@@ -21,9 +21,9 @@ falls back by the margin while the proxy keeps its gain does (over-optimisation)
     divergence(proxy, gold, proxy_std0, gold_std0) -> index of the first evaluation that diverged, or None
     diverged_at(...)                                -> the rule at every evaluation (list of bools)
     gold_names(metrics rows)                        -> the gold rewards a run logged
-    plot_proxy_vs_gold(runs), hacking_section(runs) -> the report's figure and HTML (ddpo_group/inspect.py)
+    plot_proxy_vs_gold(runs), hacking_section(runs) -> the report's figure and HTML (ddpo_group/report/)
 
-`runs` are objects with `.name` and `.metrics` (the rows of metrics.jsonl): inspect.RunData.
+`runs` are objects with `.name` and `.metrics` (the rows of metrics.jsonl): report.run.RunData.
 """
 
 from __future__ import annotations

@@ -12,12 +12,41 @@ process sends its numbers to the trackers (Accelerate logs from the main process
 
 import os
 import resource
+import sys
 
 import torch
 
 from ddpo_group.edit_sources import source_images
 from ddpo_group.grids import save_epoch_samples
 from ddpo_group.run_dir import write_json_atomic
+
+
+def phase_text(seconds):
+    """'sample 6 s, train 40 s (old_log_probs 5 s of it), eval 3 s': the phases by time spent, the longest first;
+    old_log_probs is a part of train (its exact pi_old pass), shown inside it, not beside it."""
+    inner = seconds.get("old_log_probs")
+    parts = []
+    for name, value in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        if name == "old_log_probs" and "train" in seconds:
+            continue
+        nested = f" (old_log_probs {inner:.0f} s of it)" if name == "train" and inner is not None else ""
+        parts.append(f"{name} {value:.0f} s{nested}")
+    return ", ".join(parts)
+
+
+def inspect_command():
+    """The report command as it runs from where the user stands: the ddpo-group-inspect beside this Python (e.g.
+    .venv/bin/ddpo-group-inspect, relative when under the working directory), else `python scripts/inspect_run.py`
+    of the checkout, else the bare name (an activated environment)."""
+    here = os.path.dirname(sys.executable)
+    script = os.path.join(here, "ddpo-group-inspect")
+    if os.path.isfile(script):
+        relative = os.path.relpath(script)
+        return relative if not relative.startswith("..") else script
+    checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "inspect_run.py")
+    if os.path.isfile(checkout):
+        return f"{sys.executable} {os.path.relpath(checkout)}"
+    return "ddpo-group-inspect"
 
 
 def peak_rss_mb():
@@ -127,7 +156,7 @@ class MetricsLog:
         """The lines the console ends a run with: epochs and wall time by phase, start / best / final evaluation,
         where the run directory, report and trained weights are, and the commands to inspect, compare, resume."""
         path, config = self.run_dir.path, self.config
-        phases = ", ".join(f"{name} {value:.0f} s" for name, value in sorted(self.phase_seconds.items(), key=lambda kv: -kv[1]))
+        phases = phase_text(self.phase_seconds)
         lines = [f"run ended at epoch {epoch} of {config.num_epochs} after {seconds:.0f} s" + (f" ({phases})" if phases else "")]
         if self.evals:
             (first_epoch, first), (last_epoch, last) = self.evals[0], self.evals[-1]
@@ -137,8 +166,8 @@ class MetricsLog:
         weights = "lora" if config.use_lora else "the trained model"
         lines += [
             f"run directory: {path}" + (f"; {weights} in {checkpoint}" if checkpoint else ""),
-            f"report:  ddpo-group-inspect {path}   (writes {os.path.join(path, 'report.html')})",
-            f"compare: ddpo-group-inspect {path} --compare OTHER_RUN_DIR",
+            f"report:  {inspect_command()} {path}   (writes {os.path.join(path, 'report.html')})",
+            f"compare: {inspect_command()} {path} --compare OTHER_RUN_DIR --names A,B",
             f"resume:  --config.resume_from={path} --config.num_epochs=N",
         ]
         return lines

@@ -11,7 +11,7 @@
     RUN_DIR/stopped.json         a signal stopped the run before num_epochs (removed when it resumes)
     RUN_DIR/failed.json          the run stopped on an error (moved into resumes.jsonl when it resumes)
     RUN_DIR/resumes.jsonl        one row per resume that changed settings or followed a failure
-    RUN_DIR/.lock                held (fcntl) by the live run
+    RUN_DIR/.lock                held (fcntl) by the live run, removed when it ends
     RUN_DIR/.ddpo_group_run      this library's mark, written when it creates the run directory: overwrite removes
                                  only a marked directory, and in it only the entries listed in RUN_ENTRIES
     RUN_DIR/finished.json        the run reached its end (num_epochs, final checkpoint); absent while it runs, and
@@ -101,7 +101,11 @@ class RunDir:
             self._lock = _lock_run_dir(self.path)
 
     def release(self):
+        """Give up RUN_DIR/.lock and remove it: a finished run leaves no .lock behind (removed while still held, so
+        no other run holds it; `_lock_run_dir` retries when the file it locked was removed meanwhile)."""
         if self._lock is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.file(LOCK_FILE))
             self._lock.close()  # releases the run directory's lock
             self._lock = None
 
@@ -592,9 +596,15 @@ def _lock_run_dir(run_dir):
         import fcntl
     except ImportError:  # Windows: no lock
         return open(os.devnull, "w")
-    handle = open(os.path.join(run_dir, LOCK_FILE), "a+")
+    path = os.path.join(run_dir, LOCK_FILE)
+    handle = open(path, "a+")
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        while not os.path.exists(path) or os.stat(path).st_ino != os.fstat(handle.fileno()).st_ino:
+            # the run that held it ended and removed the file between our open and our lock: lock the new one
+            handle.close()
+            handle = open(path, "a+")
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.seek(0)
         holder = handle.read().strip() or "another process"

@@ -148,7 +148,8 @@ class UpdateStats:
         """A micro-batch done: `live` (b, K) the log-probs its backward used, `kl` (b, K) to the reference,
         `sampled` the log-probs stored at sampling when pi_old was taken from this forward (else None)."""
         tr, t = self.trainer, self.trainer.config.train
-        self.steps.add(mb.step_idx, mb.old_log_probs, live, mb.advantages, mb.step_mask)
+        self.steps.add(mb.step_idx, mb.old_log_probs, live, mb.advantages, mb.step_mask,
+                       kl=kl if tr.reference is not None else None)
         if before_first_step:
             self.on_policy_ratio.append(max_abs_diff(live, mb.old_log_probs, mb.step_mask))
         if sampled is not None:

@@ -136,3 +136,13 @@ def test_the_trainer_class_reads_in_one_sitting():
     tree = ast.parse(MODULES["ddpo_group.trainer"].read_text())
     trainer = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Trainer")
     assert trainer.end_lineno - trainer.lineno + 1 <= 300
+
+
+def test_the_report_modules_import_down_their_list():
+    # docs/architecture.md: page -> compare -> tables -> figures -> markup -> run, and inspect.py re-exports them
+    order = ["page", "compare", "tables", "figures", "markup", "run"]
+    for i, name in enumerate(order):
+        mine = {m for m in GRAPH[f"ddpo_group.report.{name}"] if m.startswith("ddpo_group.report")}
+        allowed = {f"ddpo_group.report.{below}" for below in order[i + 1:]}
+        assert mine <= allowed, f"report/{name}.py imports {sorted(mine - allowed)}"
+    assert _reachable("ddpo_group.report.run") == set()

@@ -113,3 +113,15 @@ def test_group_ppo_logs_the_critic_per_step_and_one_step_trajectories_work(tmp_p
     assert all(v is not None and v >= 0 for v in row["steps/value_error"])
     one = _run(tmp_path / "one", sample__num_steps=1)[0]
     assert one["steps/trained"] == [1] and one["steps/grad_share"] == [1.0]
+
+
+def test_step_accumulator_splits_the_kl_to_the_reference_by_step():
+    acc = StepAccumulator(num_steps=3, clip_low=0.1, clip_high=0.1)
+    zeros = torch.zeros(2, 2)
+    acc.add(torch.tensor([[0, 2], [0, 2]]), zeros, zeros, zeros, torch.tensor([[1.0, 1.0], [1.0, 0.0]]),
+            kl=torch.tensor([[0.2, 0.5], [0.4, 9.0]]))  # 9.0 sits on a masked pair: not counted
+    acc.add(torch.tensor([[2]]), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
+            kl=torch.tensor([[0.1]]))
+    kl = acc.metrics()["steps/kl"]
+    assert kl[0] == pytest.approx((0.2 + 0.4) / 2) and kl[2] == pytest.approx((0.5 + 0.1) / 2) and kl[1] is None
+    assert "steps/kl" not in StepAccumulator(3, 0.1, 0.1).metrics()  # no reference model: no key

@@ -1,7 +1,7 @@
 """Named experiment configurations. Pick one with `--config config/grpo.py:NAME` (a checkout) or
 `ddpo-group-train --config NAME` (any directory, installed or not).
 
-    sd15            GRPO + reference KL on Stable Diffusion 1.5 with LoRA (default; needs a GPU and the hub)
+    sd15            GRPO + reference KL on Stable Diffusion 1.5 with LoRA (config/grpo.py without :NAME; needs a GPU, the hub)
     ddpo            ddpo-pytorch's algorithm and defaults on SD 1.5: PPO on all steps, per-prompt stat tracking
     group_ppo       Group-PPO on SD 1.5 in the design that learns on the shapes task (docs/group_ppo.md); unmeasured on SD 1.5
     group_ppo_alg2  Group-PPO on SD 1.5 exactly as Algorithm 2 is written: noise at every step, endpoints trained
