@@ -265,6 +265,9 @@ def test_the_report_fragment_shows_source_edited_pairs(tmp_path):
     assert fragment.count("<tr>") == len(document["records"]) == 4
     assert fragment.count("data:image/png;base64,") == 8 and "source &rarr; edited" in fragment
     assert document["records"][0]["prompt"] in fragment
+    from ddpo_group.report.page import build_report
+
+    assert "source &rarr; edited" in build_report(run_dir)  # the HTML report holds the fragment
     plain = train(make_config(tmp_path, variant="tiny_flux", run_name="t2i", num_epochs=1, sample__num_steps=2))
     assert edit_pairs_html(plain) == ""
 

@@ -338,6 +338,9 @@ def test_tiny_geneval_trains_two_epochs_and_is_evaluated_with_the_protocol(tmp_p
     assert json.load(open(written))["overall"] == summary["overall"]
     fragment = protocol_tables_html(run_dir)
     assert "<h2>Protocol geneval</h2>" in fragment and f"<td>{summary['overall']:.3f}</td>" in fragment
+    from ddpo_group.report.page import build_report
+
+    assert fragment in build_report(run_dir)  # the HTML report shows the protocol's table
 
 
 def test_the_report_fragment_shows_each_checkpoints_table(tmp_path):

@@ -325,6 +325,10 @@ def test_two_epochs_of_tiny_wan_train_with_frame_averaged_rewards(tmp_path):
     assert rows[0]["samples/grid"].endswith("epoch_0000.webp")
     with Image.open(os.path.join(run_dir, rows[0]["samples/grid"])) as grid:
         assert grid.n_frames == 5
+    from ddpo_group.report.page import build_report
+
+    page = build_report(run_dir)  # the HTML report shows the animated grids of a video run
+    assert "<h2>Sample videos</h2>" in page and page.count("data:image/webp;base64,") >= 2
 
 
 def test_lora_of_a_wan_run_loads_into_a_fresh_pipeline_and_the_run_resumes(tmp_path):

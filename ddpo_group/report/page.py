@@ -23,7 +23,10 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from ddpo_group.edit_sources import edit_pairs_html
+from ddpo_group.grids import video_samples_html
 from ddpo_group.hacking import hacking_section
+from ddpo_group.protocol_report import protocol_tables_html
 from ddpo_group.report.compare import paired_evaluation, prompt_means_table
 from ddpo_group.report.figures import (
     STEP_LABELS,
@@ -321,6 +324,21 @@ def run_labels(runs: Sequence[RunData]) -> list[str]:
     return labels
 
 
+def _task_sections(runs) -> str:
+    """What the task and modality modules render from a run directory, each "" when it does not apply: the
+    evaluation protocols' tables (GenEval, OCR: protocol_report.py), the animated grids of a video run
+    (grids.video_samples_html) and the source -> edited pairs of an editing run (edit_sources.edit_pairs_html)."""
+    parts = []
+    for run in runs:
+        fragments = [protocol_tables_html(str(run.path)), video_samples_html(run.path),
+                     video_samples_html(run.path, prefix="eval"), edit_pairs_html(str(run.path))]
+        fragments = [fragment for fragment in fragments if fragment]
+        if fragments and len(runs) > 1:
+            fragments.insert(0, f"<h2>{esc(run.name)}</h2>")
+        parts += fragments
+    return "\n".join(parts)
+
+
 def build_report(
     run_dir: str | os.PathLike,
     compare: str | os.PathLike | None = None,
@@ -374,6 +392,7 @@ def build_report(
         headline_section(runs, sources),
         summary_section(runs),
         _evaluation_section(runs, inline),
+        _task_sections(runs),
         _per_prompt_section(runs, inline),
         hacking_section(runs),
         _prompts_section(runs, sources, chosen, top_k, inline),
