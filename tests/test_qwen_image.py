@@ -20,7 +20,7 @@ from ddpo_group.diffusion.qwen_image import QwenImagePolicy, build_tiny_qwen_ima
 from ddpo_group.diffusion.sampling import trajectory_log_probs
 from ddpo_group.diffusion.tiny import TOKENIZER_WORDS
 from ddpo_group.trainer import Trainer, train
-from helpers import cheap, make_config, read_metrics
+from helpers import cheap, lora_round_trip, make_config, read_metrics
 
 PROMPTS = ["a red circle", "a big blue square on a white background"]
 LENGTH = 32
@@ -219,30 +219,11 @@ def test_two_epochs_of_tiny_qwen_image_train(tmp_path, estimator):
 
 
 def test_lora_of_a_qwen_image_run_loads_into_a_fresh_pipeline(tmp_path):
-    config = make_config(tmp_path, variant="tiny_qwen_image", **cheap(
-        train__learning_rate=3e-2, use_lora=True, lora_rank=2, train__use_reference_model=True,
-        train__use_kl_loss=True, train__beta=0.01,
-    ))
-    trainer = Trainer(config)
-    run_dir = trainer.run()
-    assert read_metrics(run_dir)[0]["kl"] >= 0
-    lora_dir = os.path.join(run_dir, "checkpoints", "checkpoint_1", "lora")
-    fresh = build_tiny_qwen_image_pipeline(seed=0)
-    fresh.load_lora_weights(lora_dir)
-
     def images(policy):
-        policy.configure(max_sequence_length=config.sample.max_sequence_length)
+        policy.configure(max_sequence_length=32)  # the variant's sample.max_sequence_length
         return policy.sample(PROMPTS, 4, 4.5, 0.0, generator=torch.Generator().manual_seed(5)).images
 
-    trained, loaded = images(trainer.policy), images(policy_for(fresh))
-    base = images(policy_for(build_tiny_qwen_image_pipeline(seed=0)))
-    assert (trained - base).abs().max() > 1e-4  # training moved the adapters
-    assert (loaded - trained).abs().max() < 1e-5
-    # and through the family's own loader, into a fresh LoRA module
-    again = policy_for(build_tiny_qwen_image_pipeline(seed=0))
-    module = again.prepare("cpu", torch.float32, use_lora=True, lora_rank=2)
-    again.load_trainable(module, os.path.join(run_dir, "checkpoints", "checkpoint_1"), use_lora=True)
-    assert (images(again) - trained).abs().max() < 1e-5
+    lora_round_trip(tmp_path, "tiny_qwen_image", build_tiny_qwen_image_pipeline, images)
 
 
 @pytest.mark.parametrize("objective", ["nft", "awm"])
