@@ -14,6 +14,7 @@ from ddpo_group.algos import advantages as adv_lib
 from ddpo_group.algos.losses import get_policy_loss
 from ddpo_group.config_check import ConfigError
 from ddpo_group.critic import ValueNetwork
+from ddpo_group.critic_designs import check_critic_config
 from ddpo_group.diffusion.base import configure_from_sample
 from ddpo_group.diffusion.policy import load_policy
 from ddpo_group.reference import ReferencePolicy
@@ -62,6 +63,8 @@ def build_models(config, accelerator):
     the same pi_ref). ConfigError naming the field for a setting the model's family cannot honour."""
     acc, t, s = accelerator, config.train, config.sample
     dtype = inference_dtype(config)
+    needs_values = adv_lib.get_adv_estimator(config.algorithm.adv_estimator).needs_values
+    check_critic_config(config, needs_values)  # before the model loads; the family's part after it
     policy = load_policy(config.pretrained.model, revision=config.pretrained.revision or None, torch_dtype=dtype)
     try:
         configure_from_sample(policy, s)
@@ -92,8 +95,9 @@ def build_models(config, accelerator):
         params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,
         eps=t.adam_epsilon,
     )
+    check_critic_config(config, needs_values, policy.family)
     critic_module = critic = critic_optimizer = None
-    if adv_lib.get_adv_estimator(config.algorithm.adv_estimator).needs_values:
+    if needs_values and config.critic.kind != "anchor":  # the anchor learns nothing (critic_designs.py)
         critic_module = ValueNetwork(**policy.critic_sizes(), hidden=config.critic.hidden).to(acc.device)
         critic_optimizer = torch.optim.AdamW(critic_module.parameters(), lr=config.critic.learning_rate)
         model, optimizer, critic, critic_optimizer = acc.prepare(module, optimizer, critic_module, critic_optimizer)

@@ -1,0 +1,145 @@
+"""Critic designs (ddpo_group/critic_designs.py, docs/critic.md): the Tweedie anchor, the anchor + residual, the
+critic's own lambda. Expected values are computed here by hand: diffusers' own DDIM step for x0_hat, a direct
+UNet call, VAE decode and reward call for the anchor, the trajectory's reward for Monte-Carlo targets."""
+
+import types
+
+import pytest
+import torch
+from diffusers import DDIMScheduler
+
+from ddpo_group.config_check import ConfigError
+from ddpo_group.critic_designs import (
+    anchor_values,
+    check_critic_config,
+    critic_lambda,
+    critic_returns,
+    critic_targets,
+    ddim_x0_hat,
+)
+from ddpo_group.diffusion.policy import load_policy
+from ddpo_group.trainer import Trainer
+from helpers import cheap, make_config, read_metrics
+
+
+def brightness(images, prompts, metadata):
+    """A reward: the mean pixel of each image (CombinedReward's return shape)."""
+    return images.float().mean(dim=(1, 2, 3)).double(), {}, {}
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_x0_hat_is_the_ddim_schedulers_predicted_original_sample(prediction_type):
+    scheduler = DDIMScheduler(num_train_timesteps=1000, prediction_type=prediction_type, clip_sample=False)
+    scheduler.set_timesteps(10)
+    g = torch.Generator().manual_seed(0)
+    x_t, output = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
+    for t in scheduler.timesteps[[0, 4, 9]]:
+        expected = scheduler.step(output, t, x_t, eta=0.0).pred_original_sample
+        torch.testing.assert_close(ddim_x0_hat(scheduler, output, t, x_t), expected, rtol=1e-5, atol=1e-5)
+
+
+def hand_anchor(policy, batch, prompts, guidance_scale, k):
+    """R(decode(x0_hat(x_k))) by hand: CFG noise prediction, Tweedie's formula, VAE decode, the reward."""
+    pipe = policy.pipeline
+    x = batch.latents[:, k].float()
+    t = batch.timesteps[:, k]
+    with torch.no_grad():
+        cond = pipe.unet(x, t, encoder_hidden_states=batch.prompt_embeds).sample
+        if guidance_scale > 1:
+            uncond = pipe.unet(x, t, encoder_hidden_states=batch.negative_prompt_embeds).sample
+            cond = uncond + guidance_scale * (cond - uncond)
+        abar = pipe.scheduler.alphas_cumprod[t].float().reshape(-1, 1, 1, 1)
+        x0 = (x - (1 - abar).sqrt() * cond) / abar.sqrt()
+        images = (pipe.vae.decode(x0 / pipe.vae.config.scaling_factor).sample / 2 + 0.5).clamp(0, 1)
+    return brightness(images, prompts, None)[0].float()
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
+def test_anchor_value_is_the_reward_of_the_hand_decoded_tweedie_prediction(guidance_scale):
+    policy = load_policy("tiny")
+    policy.prepare("cpu", torch.float32, use_lora=False)
+    prompts = ["a red circle", "a blue square"]
+    batch = policy.sample(prompts, num_steps=3, guidance_scale=guidance_scale, eta=1.0,
+                          generator=torch.Generator().manual_seed(1))
+    values = anchor_values(policy, policy.pipeline.unet, batch, brightness, prompts, [{}, {}], guidance_scale,
+                           steps=[0, 2])
+    assert values.shape == (2, 3)
+    for k in (0, 2):
+        torch.testing.assert_close(values[:, k], hand_anchor(policy, batch, prompts, guidance_scale, k),
+                                   rtol=1e-4, atol=1e-5)
+    assert torch.equal(values[:, 1], torch.zeros(2))  # a step not asked for costs nothing and is 0
+
+
+def test_monte_carlo_targets_with_critic_lambda_one():
+    rewards = torch.tensor([0.3, -1.0, 2.0])
+    values = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.float32)
+    returns = critic_returns(rewards, values, mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(returns, rewards[:, None] * mask)  # every valid step's target is R_i
+    # lam 0: the one-step TD target V(x_{t+1}) (R at the last step)
+    td = critic_returns(rewards, values, torch.ones(3, 4), gamma=1.0, lam=0.0)
+    torch.testing.assert_close(td[:, :3], values[:, 1:])
+    torch.testing.assert_close(td[:, 3], rewards)
+
+
+def test_residual_targets_and_critic_lambda():
+    returns, values, anchor = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, 0.7]]), torch.tensor([[0.25, 0.5]])
+    assert critic_targets(returns, values, None) == (returns, values)
+    targets, old = critic_targets(returns, values, anchor)
+    torch.testing.assert_close(targets, torch.tensor([[0.75, 1.5]]))
+    torch.testing.assert_close(old, torch.tensor([[0.25, 0.2]]))
+    config = make_config("/nonexistent", algorithm__lam=0.9)
+    assert critic_lambda(config) == 0.9
+    config.critic.lam = 1.0
+    assert critic_lambda(config) == 1.0
+
+
+@pytest.mark.parametrize("overrides, family, needs_values, words", [
+    ({"critic__kind": "tweedie"}, None, True, "critic.kind='tweedie'"),
+    ({"critic__lam": 1.5}, None, True, "critic.lam=1.5"),
+    ({"critic__kind": "anchor"}, None, False, "critic.kind='anchor' needs an estimator with a critic"),
+    ({"critic__lam": 1.0}, None, False, "critic.lam=1.0 needs an estimator with a critic"),
+    ({"critic__kind": "anchor", "critic__warmup_epochs": 2}, None, True, "critic.warmup_epochs=2"),
+    ({"critic__kind": "anchor_residual"}, "flux", True, "the flux family has no anchor"),
+])
+def test_critic_config_errors_name_the_field(overrides, family, needs_values, words):
+    config = make_config("/nonexistent", **overrides)
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        check_critic_config(config, needs_values, family)
+    check_critic_config(make_config("/nonexistent"), needs_values, family)  # the defaults pass
+
+
+def test_anchor_residual_with_monte_carlo_targets_trains(tmp_path):
+    """gae with critic.kind='anchor_residual' and critic.lam=1: the network regresses R - anchor at every step."""
+    config = make_config(tmp_path, **cheap(algorithm__adv_estimator="gae", critic__kind="anchor_residual",
+                                           critic__lam=1.0, sample__guidance_scale=1.0))
+    trainer = Trainer(config)
+    seen = {}
+    compute_advantages = trainer.compute_advantages
+
+    def recording(samples, metrics):
+        compute_advantages(samples, metrics)
+        # the anchor by hand with the sampling weights (before this epoch's update), the trainer's reward
+        records = [trainer.prompts[int(i)] for i in samples.prompt_ids]
+        batch = types.SimpleNamespace(latents=samples.latents, timesteps=samples.timesteps,
+                                      prompt_embeds=samples.prompt_embeds, negative_prompt_embeds=None)
+        seen["anchor"] = anchor_values(trainer.policy, trainer.trainable_module, batch, trainer.reward_fn,
+                                       [r.prompt for r in records], [r.metadata for r in records], 1.0)
+        seen["samples"] = samples
+
+    trainer.compute_advantages = recording
+    trainer.run()
+    samples, anchor = seen["samples"], seen["anchor"]
+    expected = (samples.rewards[:, None] - anchor) * samples.mask  # Monte-Carlo target minus the anchor
+    torch.testing.assert_close(samples.returns * samples.mask, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(anchor[:, 0], anchor[:, 1])
+    assert "critic/value_loss" in read_metrics(trainer.run_dir)[0]
+
+
+def test_anchor_alone_builds_no_network(tmp_path):
+    config = make_config(tmp_path, **cheap(algorithm__adv_estimator="gae", critic__kind="anchor"))
+    trainer = Trainer(config)
+    assert trainer.critic is None
+    trainer.run()
+    row = read_metrics(trainer.run_dir)[0]
+    assert "critic/value_mean" in row and "time/critic_anchor" in row and "critic/value_loss" not in row
