@@ -74,6 +74,8 @@ class EpochAdvantages:
                 micro_batch_size=self.config.train.eval_micro_batch_size or None,
             )
         metrics["time/critic_anchor"] = time.perf_counter() - start
+        # per process: (trajectory, step) model calls, each with one decode and one reward call (issue 35's compute)
+        metrics["critic/anchor_model_calls"] = len(records) * len(columns)
         return anchor.float()
 
     def state_dict(self):
