@@ -257,6 +257,20 @@ def critic_study(task, args, base):
     return {"critic_epochs": args.critic_epochs, "critic_train_seconds": seconds, "rows": rows}
 
 
+def markdown(result):
+    """The tables of docs/critic.md from a result."""
+    d = result["decomposition"]
+    lines = [f"| window | variance | share of Var_w(r) = {d['within_prompt_variance']:.4f} |", "|---|---|---|"]
+    lines += [f"| {r['window']} | {r['variance']:.4f} | {r['share']:.3f} +- {r['share_se']:.3f} |" for r in d["rows"]]
+    if "critic" in result:
+        lines += ["", "| critic | step k | EV of V(x_k), within | EV of V(x_k+1), within | corr^2 V(x_k), V(x_k+1) | "
+                  "corr(A_k, branch A_k) |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['critic']} | {r['step']} | {r['ev_before_within']:+.2f} | {r['ev_after_within']:+.2f} | "
+                  f"{r['corr2_within'][0]:.2f}, {r['corr2_within'][1]:.2f} | {r['corr_with_branch_advantage']:+.2f} |"
+                  for r in result["critic"]["rows"]]
+    return "\n".join(lines)
+
+
 def draw(result, path):
     import matplotlib
 
@@ -292,7 +306,12 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="")
     parser.add_argument("--png", default="")
+    parser.add_argument("--markdown", default="", help="only print the tables of this result JSON")
     args = parser.parse_args()
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)))
+        return
     start = time.perf_counter()
     task = Task(args.variant, args.chunk)
     decomposition, base = decompose(task, args)
@@ -311,6 +330,7 @@ def main():
     png = args.png or os.path.join(ROOT, "docs", "images", f"variance_decomposition{suffix}.png")
     os.makedirs(os.path.dirname(png), exist_ok=True)
     draw(result, png)
+    print(markdown(result))
     print(f"total within-prompt variance {decomposition['within_prompt_variance']:.5f} "
           f"(reward mean {decomposition['reward_mean']:.3f}); {result['seconds']:.0f} s; wrote {out}, {png}")
 
