@@ -4,6 +4,7 @@ UNet call, VAE decode and reward call for the anchor, the trajectory's reward fo
 
 import types
 
+import numpy as np
 import pytest
 import torch
 from diffusers import DDIMScheduler
@@ -143,3 +144,36 @@ def test_anchor_alone_builds_no_network(tmp_path):
     trainer.run()
     row = read_metrics(trainer.run_dir)[0]
     assert "critic/value_mean" in row and "time/critic_anchor" in row and "critic/value_loss" not in row
+
+
+def test_variance_decomposition_statistics_by_hand():
+    from helpers import load_script
+
+    vd = load_script("benchmarks/variance_decomposition.py")
+    rewards = np.array([0.0, 1.0, 2.0, 4.0])
+    pid = np.array([0, 0, 1, 1])
+    # prompt 0: var(0, 1) = 0.5; prompt 1: var(2, 4) = 2 (ddof 1)
+    assert vd.within_prompt_variance(rewards, pid) == pytest.approx(1.25)
+    share, se = vd.bootstrap_share(np.array([0.25, 0.25, 0.5, 0.5]), rewards, pid, n_boot=50)
+    assert share == pytest.approx(0.375 / 1.25) and se >= 0
+    # V = r + a prompt constant explains everything within prompts, nothing of the prompts' means raw
+    values = rewards + np.array([5.0, 5.0, -5.0, -5.0])
+    assert vd.explained_variance(values, rewards, pid, within=True) == pytest.approx(1.0)
+    assert vd.explained_variance(values, rewards, pid, within=False) < 0
+    assert vd.within_corr2(2 * rewards, rewards, rewards, pid) == pytest.approx([1.0, 1.0])
+
+
+@pytest.mark.parametrize("spec", ["critic_window:critic.kind=anchor_residual:algorithm.lam=0.5",
+                                  "critic_everywhere:critic.kind=anchor",
+                                  "critic_window:critic.warmup_epochs=3:critic.lam=1.0"])
+def test_study_methods_are_valid_configs(spec, tmp_path):
+    from helpers import load_script
+
+    from ddpo_group.config_check import check_config
+
+    bench = load_script("benchmarks/bench_training.py")
+    config = bench.build_method_config(spec, "tiny-shapes", 40, str(tmp_path / "r"), common_variant="tiny", seed=42,
+                                       eval_freq=5)
+    check_config(config)
+    check_critic_config(config, True, "stable_diffusion")
+    assert config.group_ppo.max_group_size == 1 and config.critic.train_steps == "all"
