@@ -22,7 +22,8 @@ resamples, of the share (numerator and denominator resampled together).
 N fresh batches of reference-policy rollouts, Monte-Carlo targets (every step's target is the trajectory's
 reward: lambda 1), then evaluated on the base trajectories: explained variance of V(x_k) (the state before step
 k) and V(x_{k+1}) (after it) against the reward, raw and within-prompt (V and r each minus their prompt's mean);
-the same for the anchor V(x_k) = R(decode(x0_hat(x_k))) (critic_designs.py); and the correlation over i of the
+the same for the anchor V(x_k) = R(decode(x0_hat(x_k))) (critic_designs.py) and for the deterministic completion
+V(x_k) = R(x_T of DDIM with eta 0 from x_k: T - k model calls, G2RPO's ODE completion); and the correlation over i of the
 per-step advantages V(x_{k+1}) - V(x_k) (V(x_T) = r) with the branch-measured ones r_i - mean of its branches.
 
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/variance_decomposition.py            # a few minutes
@@ -198,9 +199,8 @@ def within_corr2(before, after, rewards, pid):
     return out
 
 
-def critic_study(task, args, base):
-    """Item 2: train a ValueNetwork on reference rollouts (MC returns), measure it and the anchor on the base set."""
-    r_base, lat_base, prompt_idx, branch_adv = base
+def train_critic(task, args):
+    """A ValueNetwork trained alone on args.critic_epochs fresh batches of 64 reference rollouts, MC targets."""
     T, P = task.T, len(task.records)
     gen = torch.Generator().manual_seed(args.seed + 1)
     torch.manual_seed(args.seed)
@@ -227,17 +227,37 @@ def critic_study(task, args, base):
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
+    return critic
+
+
+def critic_study(task, args, base):
+    """Item 2: train a ValueNetwork on reference rollouts (MC returns), measure it, the anchor and the deterministic
+    completion on the base set (args.critics)."""
+    r_base, lat_base, prompt_idx, branch_adv = base
+    critics = args.critics.split(",")
+    T = task.T
+    t_all = task.timesteps.long().expand(1, T)
+    t0 = time.perf_counter()
+    if "network" in critics:
+        critic = train_critic(task, args)
     seconds = time.perf_counter() - t0
     N = len(r_base)
-    with torch.no_grad():
-        V = compute_values(critic, lat_base, t_all.expand(N, T), task.cond[prompt_idx]).numpy()
-    batch = SimpleNamespace(latents=lat_base, timesteps=t_all.expand(N, T), prompt_embeds=task.cond[prompt_idx],
-                            negative_prompt_embeds=None if task.uncond is None else task.uncond[prompt_idx])
-    A = anchor_values(task.policy, task.unet, batch, task.reward_fn, [task.records[i].prompt for i in prompt_idx],
-                      [task.records[i].metadata for i in prompt_idx], task.gs, micro_batch_size=task.chunk).numpy()
+    measured = []
+    if "network" in critics:
+        with torch.no_grad():
+            measured.append(("network", compute_values(critic, lat_base, t_all.expand(N, T), task.cond[prompt_idx]).numpy()))
+    if "anchor" in critics:
+        batch = SimpleNamespace(latents=lat_base, timesteps=t_all.expand(N, T), prompt_embeds=task.cond[prompt_idx],
+                                negative_prompt_embeds=None if task.uncond is None else task.uncond[prompt_idx])
+        measured.append(("anchor", anchor_values(
+            task.policy, task.unet, batch, task.reward_fn, [task.records[i].prompt for i in prompt_idx],
+            [task.records[i].metadata for i in prompt_idx], task.gs, micro_batch_size=task.chunk).numpy()))
+    if "completion" in critics:  # G2RPO-style: the reward of the deterministic (eta 0) completion of x_k, T - k calls
+        measured.append(("completion", np.stack(
+            [task.run(lat_base[:, k], k, None, prompt_idx, [0.0] * T)[0] for k in range(T)], 1)))
     pid = prompt_idx.numpy()
     rows = []
-    for name, values in (("network", V), ("anchor", A)):
+    for name, values in measured:
         after = np.concatenate([values[:, 1:], r_base[:, None]], 1)  # V(x_{k+1}); V(x_T) = r
         for k in range(T):
             adv = after[:, k] - values[:, k]
@@ -302,12 +322,19 @@ def main():
     parser.add_argument("--others", choices=("fixed", "deterministic"), default="fixed",
                         help="the steps outside the window: their noise held at the base's (fixed) or eta 0")
     parser.add_argument("--critic-epochs", type=int, default=0, help="item 2: critic training batches (0: skip)")
+    parser.add_argument("--critics", default=None,
+                        help="comma-separated of network (needs --critic-epochs), anchor, completion; default: all "
+                        "three with --critic-epochs > 0, none without")
     parser.add_argument("--chunk", type=int, default=96, help="trajectories per model call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="")
     parser.add_argument("--png", default="")
     parser.add_argument("--markdown", default="", help="only print the tables of this result JSON")
     args = parser.parse_args()
+    if args.critics is None:
+        args.critics = "network,anchor,completion" if args.critic_epochs else ""
+    if "network" in args.critics and not args.critic_epochs:
+        parser.error("--critics network needs --critic-epochs > 0")
     if args.markdown:
         with open(args.markdown) as f:
             print(markdown(json.load(f)))
@@ -318,7 +345,7 @@ def main():
     result = {"variant": args.variant, "others": args.others, "per_prompt": args.per_prompt, "branches": args.branches,
               "seed": args.seed, "num_steps": task.T, "eta": task.eta, "guidance_scale": task.gs,
               "decomposition": decomposition}
-    if args.critic_epochs:
+    if args.critics:
         result["critic"] = critic_study(task, args, base)
     result["seconds"] = time.perf_counter() - start
     suffix = "" if args.others == "fixed" else "_deterministic"
