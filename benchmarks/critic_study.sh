@@ -25,9 +25,9 @@
 # (TempFlow-GRPO's seed groups) and a branching method (TempFlow-style branching at step k).
 #
 # Compute: each row of bench_seeds.md has training seconds and train/unet_calls (forward+backward per epoch);
-# sampling is 10 model calls per trajectory for every arm; the anchor adds critic/anchor_model_calls (one model call,
-# one VAE decode and one reward call each) per epoch, logged in the runs' metrics; the ValueNetwork's calls are
-# a small conv net's (critic/value_loss, time/critic). Compare arms at equal model calls from those columns.
+# sampling is 10 model calls per trajectory for every arm; the anchor reads sampling's own predictions and adds
+# critic/anchor_decodes (one VAE decode and one reward call each) per epoch, logged in the runs' metrics with
+# time/critic_anchor; the ValueNetwork's calls are a small conv net's (time/critic). Compare arms at equal model calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/critic_runs}

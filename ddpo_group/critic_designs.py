@@ -6,8 +6,8 @@ plus a learned residual, and a critic lambda of its own (value pre-training on M
     "network"          V = ValueNetwork(x_t, t, c) (critic.py), trained on the returns: today's critic.
     "anchor"           V(x_t) = R(decode(x0_hat(x_t)), c): the reward of the one-step prediction of the clean
                        sample, no learning. For DDIM (Tweedie) x0_hat = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t)
-                       (v- and x0-prediction: the scheduler's equivalents). Cost per step it is used at: one
-                       model call (no gradient), one VAE decode and one reward call.
+                       (v- and x0-prediction: the scheduler's equivalents), from the model call sampling made.
+                       Cost per step it is used at: one VAE decode and one reward call.
     "anchor_residual"  V = anchor + ValueNetwork(x_t, t, c); the network regresses returns - anchor (it starts
                        at 0, so V starts as the anchor).
 
@@ -17,15 +17,17 @@ gamma 1: every step's target is the trajectory's reward) while the actor's advan
 Value pre-training before the actor moves is `critic.warmup_epochs` value-only epochs (their rollouts are the
 reference policy's: the actor has not moved) with critic.lam = 1.
 
-The anchor computes x0_hat with one extra model call per step on the stored x_t (the sampling pass does not
-keep its predictions): exactly the prediction sampling made at that step, recomputed.
+The anchor reads x0_hat from the model call sampling already made: the trainer samples with
+``keep_x0_hat=True`` when critic.kind is not "network" (Trajectories.x0_hat, (B, T, C, h, w)); a batch without it
+(e.g. one of scripts) costs one more model call per step.
 """
 
 import torch
 
 from ddpo_group.config_check import ConfigError
+from ddpo_group.diffusion.ddim import ddim_x0_hat
 
-__all__ = ["CRITIC_KINDS", "check_critic_config", "critic_lambda", "ddim_x0_hat", "anchor_values",
+__all__ = ["CRITIC_KINDS", "check_critic_config", "critic_lambda", "ddim_x0_hat", "anchor_values", "keeps_x0_hat",
            "critic_returns", "critic_targets"]
 
 CRITIC_KINDS = ("network", "anchor", "anchor_residual")
@@ -59,33 +61,15 @@ def check_critic_config(config, needs_values, family=None):
         )
 
 
+def keeps_x0_hat(config):
+    """Whether sampling should keep each step's x0_hat (Trajectories.x0_hat): an anchor critic reads it."""
+    return config.critic.get("kind", "network") != "network"
+
+
 def critic_lambda(config):
     """The GAE lambda of the critic's targets: critic.lam, or algorithm.lam when it is negative."""
     lam = config.critic.get("lam", -1.0)
     return config.algorithm.lam if lam < 0 else lam
-
-
-def ddim_x0_hat(scheduler, model_output, timesteps, x_t):
-    """The one-step prediction of the clean latent from a DDPM/DDIM model output, float32 (B, C, h, w).
-
-    epsilon:      x0_hat = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t)      (Tweedie's formula)
-    v_prediction: x0_hat = sqrt(abar_t) x_t - sqrt(1 - abar_t) v
-    sample:       x0_hat = model_output
-    abar_t = scheduler.alphas_cumprod[t], t (B,) or a scalar. No clipping (the scheduler's clip_sample is a
-    sampling choice, not part of the prediction).
-    """
-    x_t, model_output = x_t.float(), model_output.float()
-    timesteps = torch.as_tensor(timesteps, device="cpu").long().reshape(-1)
-    abar = scheduler.alphas_cumprod.cpu().float()[timesteps].to(x_t.device)
-    abar = abar.expand(x_t.shape[0]).reshape(-1, *([1] * (x_t.dim() - 1)))
-    prediction_type = scheduler.config.prediction_type
-    if prediction_type == "epsilon":
-        return (x_t - (1 - abar).sqrt() * model_output) / abar.sqrt()
-    if prediction_type == "v_prediction":
-        return abar.sqrt() * x_t - (1 - abar).sqrt() * model_output
-    if prediction_type == "sample":
-        return model_output
-    raise ValueError(f"scheduler.config.prediction_type={prediction_type!r} has no x0 prediction")
 
 
 def decode_latents(pipeline, latents):
@@ -102,21 +86,24 @@ def anchor_values(policy, model, batch, reward_fn, prompts, metadata, guidance_s
 
     policy: a stable_diffusion DiffusionPolicy; model: its denoising module (the sampling weights); batch: a
     Trajectories / EpochBatch with latents (B, T+1, C, h, w), timesteps (B, T), prompt_embeds (and the negative
-    ones when guidance_scale > 1); reward_fn: a CombinedReward (its total is the value); prompts, metadata:
-    B each. Cost per step used: one model call, one decode, one reward call on B images.
+    ones when guidance_scale > 1) and, when sampling kept them, x0_hat (B, T, C, h, w); reward_fn: a CombinedReward
+    (its total is the value); prompts, metadata: B each. Cost per step used: one decode and one reward call on B
+    images, and one model call when the batch has no stored x0_hat.
     """
     B, T = batch.timesteps.shape
     steps = range(T) if steps is None else steps
     chunk = micro_batch_size or B
     values = torch.zeros(B, T, dtype=torch.float32)
     scheduler = policy.pipeline.scheduler
+    stored = getattr(batch, "x0_hat", None)
     for k in steps:
         for start in range(0, B, chunk):
             rows = torch.arange(start, min(B, start + chunk), device=batch.latents.device)
-            x_k = batch.latents[rows, k]
-            t_k = batch.timesteps[rows, k]
-            output = policy.predict(model, x_k, t_k, batch, rows, guidance_scale)
-            x0 = ddim_x0_hat(scheduler, output, t_k, x_k)
+            if stored is not None:  # the prediction sampling made (sample.keep_x0_hat): no model call
+                x0 = stored[rows, k]
+            else:
+                x_k, t_k = batch.latents[rows, k], batch.timesteps[rows, k]
+                x0 = ddim_x0_hat(scheduler, policy.predict(model, x_k, t_k, batch, rows, guidance_scale), t_k, x_k)
             images = decode_latents(policy.pipeline, x0)
             idx = rows.tolist()
             total = reward_fn(images, [prompts[i] for i in idx], [metadata[i] for i in idx])[0]

@@ -74,8 +74,9 @@ class EpochAdvantages:
                 micro_batch_size=self.config.train.eval_micro_batch_size or None,
             )
         metrics["time/critic_anchor"] = time.perf_counter() - start
-        # per process: (trajectory, step) model calls, each with one decode and one reward call (issue 35's compute)
-        metrics["critic/anchor_model_calls"] = len(records) * len(columns)
+        # per process: images the anchor decoded and scored (one per trajectory and step), issue 35's compute; the
+        # model calls are sampling's own (Trajectories.x0_hat), one more each only for a batch sampled without it
+        metrics["critic/anchor_decodes"] = len(records) * len(columns)
         return anchor.float()
 
     def state_dict(self):

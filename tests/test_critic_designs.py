@@ -71,6 +71,26 @@ def test_anchor_value_is_the_reward_of_the_hand_decoded_tweedie_prediction(guida
     assert torch.equal(values[:, 1], torch.zeros(2))  # a step not asked for costs nothing and is 0
 
 
+def test_sampling_keeps_the_x0_hat_of_its_own_model_calls_and_the_anchor_reads_it():
+    policy = load_policy("tiny")
+    policy.prepare("cpu", torch.float32, use_lora=False)
+    prompts = ["a red circle", "a blue square"]
+    kept = policy.sample(prompts, num_steps=3, guidance_scale=3.0, eta=1.0, generator=torch.Generator().manual_seed(1),
+                         keep_x0_hat=True)
+    plain = policy.sample(prompts, num_steps=3, guidance_scale=3.0, eta=1.0, generator=torch.Generator().manual_seed(1))
+    assert plain.x0_hat is None and kept.x0_hat.shape == (2, 3, *kept.latents.shape[2:])
+    torch.testing.assert_close(kept.latents, plain.latents)  # keeping it changes nothing of the trajectory
+    calls = []
+    handle = policy.pipeline.unet.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        values = anchor_values(policy, policy.pipeline.unet, kept, brightness, prompts, [{}, {}], 3.0)
+    finally:
+        handle.remove()
+    assert calls == []  # no model call: the anchor reads what sampling predicted
+    for k in range(3):
+        torch.testing.assert_close(values[:, k], hand_anchor(policy, kept, prompts, 3.0, k), rtol=1e-4, atol=1e-5)
+
+
 def test_monte_carlo_targets_with_critic_lambda_one():
     rewards = torch.tensor([0.3, -1.0, 2.0])
     values = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
@@ -131,6 +151,7 @@ def test_anchor_residual_with_monte_carlo_targets_trains(tmp_path):
     trainer.compute_advantages = recording
     trainer.run()
     samples, anchor = seen["samples"], seen["anchor"]
+    assert samples.x0_hat is not None  # sampled with each step's prediction kept: the anchor made no model call
     expected = (samples.rewards[:, None] - anchor) * samples.mask  # Monte-Carlo target minus the anchor
     torch.testing.assert_close(samples.returns * samples.mask, expected, rtol=1e-4, atol=1e-4)
     assert not torch.equal(anchor[:, 0], anchor[:, 1])
