@@ -125,7 +125,7 @@ class EpochAdvantages:
             )
 
         if estimator.needs_values:
-            kind = config.critic.kind
+            kind = config.critic.get("kind", "network")  # a run stored before critic.kind existed: the network
             with torch.no_grad():
                 values_local = torch.zeros(samples.timesteps.shape, device=samples.latents.device)
                 if kind != "anchor":

@@ -97,7 +97,7 @@ def build_models(config, accelerator):
     )
     check_critic_config(config, needs_values, policy.family)
     critic_module = critic = critic_optimizer = None
-    if needs_values and config.critic.kind != "anchor":  # the anchor learns nothing (critic_designs.py)
+    if needs_values and config.critic.get("kind", "network") != "anchor":  # the anchor learns nothing (critic_designs.py)
         critic_module = ValueNetwork(**policy.critic_sizes(), hidden=config.critic.hidden).to(acc.device)
         critic_optimizer = torch.optim.AdamW(critic_module.parameters(), lr=config.critic.learning_rate)
         model, optimizer, critic, critic_optimizer = acc.prepare(module, optimizer, critic_module, critic_optimizer)
