@@ -131,6 +131,24 @@ METHODS = {
         "GRPO + KL with noise only in the first 2 steps (an SDE window; ODE steps elsewhere), trained there",
         "tiny", "sd15", {"sample.sde_window_size": 2},
     ),
+    # issue 35 (docs/critic.md, benchmarks/critic_study.sh): per-step critic advantages; critic.kind picks the design
+    "critic_window": (
+        "per-step critic advantages (Group-PPO with one-step segments, per-prompt baseline, KL) in a 4-step SDE "
+        "window, every window step trained, the critic on every step",
+        "tiny_group_ppo", "group_ppo", {
+            "sample.sde_window_size": 4, "group_ppo.max_group_size": 1, "train.timestep_selection": "all",
+            "critic.train_steps": "all",
+        },
+    ),
+    "critic_everywhere": (
+        "noise at every step (Algorithm 2's sampling) with per-step critic advantages (one-step segments, "
+        "per-prompt baseline, KL), the first 4 of the 10 steps trained: the critic must take the later steps' "
+        "noise out of their credit",
+        "tiny_group_ppo", "group_ppo", {
+            "sample.sde_window_size": 0, "group_ppo.max_group_size": 1, "train.timestep_selection": "early",
+            "train.early_steps": 4, "critic.train_steps": "all",
+        },
+    ),
 }
 # The variant whose sampling work every method copies.
 COMMON_VARIANT = {"tiny": "tiny_all", "sd": "sd15", "tiny-sd3": "tiny_sd3", "tiny-flux": "tiny_flux"}

@@ -16,6 +16,7 @@ import torch
 from ddpo_group.algos import advantages as adv_lib
 from ddpo_group.algos import grouping
 from ddpo_group.batch import GatheredBatch
+from ddpo_group import critic_designs
 from ddpo_group.critic import compute_values
 from ddpo_group.diagnostics import advantage_step_stats, value_step_stats
 from ddpo_group.stat_tracking import PerPromptStatTracker
@@ -61,6 +62,23 @@ class EpochAdvantages:
             return list(self.reward_fn.names)
         return ["reward"]
 
+    def anchor(self, samples, policy, model, metrics):
+        """(B_local, T) anchor values at the steps with a density of this process's samples (critic_designs.py)."""
+        start = time.perf_counter()
+        columns = samples.mask.any(dim=0).nonzero().flatten().tolist()
+        records = [self.prompts[int(i)] for i in samples.prompt_ids.tolist()]
+        with self.accelerator.autocast():
+            anchor = critic_designs.anchor_values(
+                policy, model, samples, self.reward_fn, [r.prompt for r in records], [r.metadata for r in records],
+                self.config.sample.guidance_scale, steps=columns,
+                micro_batch_size=self.config.train.eval_micro_batch_size or None,
+            )
+        metrics["time/critic_anchor"] = time.perf_counter() - start
+        # per process: images the anchor decoded and scored (one per trajectory and step), issue 35's compute; the
+        # model calls are sampling's own (Trajectories.x0_hat), one more each only for a batch sampled without it
+        metrics["critic/anchor_decodes"] = len(records) * len(columns)
+        return anchor.float()
+
     def state_dict(self):
         return {"trackers": {name: tracker.state_dict() for name, tracker in self.trackers.items()},
                 "threshold": self.threshold.state_dict()}
@@ -71,9 +89,10 @@ class EpochAdvantages:
                 self.trackers[name].load_state_dict(tracker_state)
         self.threshold.load_state_dict(state["threshold"])
 
-    def __call__(self, samples, metrics, critic=None):
+    def __call__(self, samples, metrics, critic=None, policy=None, model=None):
         """Advantages (B_local, T) on the gathered batch of all processes: sets samples.gathered and
-        samples.advantages (and the critic's returns / old values / mask, the Group-PPO endpoints)."""
+        samples.advantages (and the critic's returns / old values / mask, the Group-PPO endpoints). policy and
+        model (the sampling weights) are read by an anchor critic (config.critic.kind, critic_designs.py)."""
         config, acc = self.config, self.accelerator
         start = time.perf_counter()
         algo = config.algorithm
@@ -106,11 +125,19 @@ class EpochAdvantages:
             )
 
         if estimator.needs_values:
+            kind = config.critic.get("kind", "network")  # a run stored before critic.kind existed: the network
             with torch.no_grad():
-                values_local = compute_values(
-                    acc.unwrap_model(critic), samples.latents, samples.timesteps, samples.prompt_embeds,
-                    micro_batch_size=config.train.eval_micro_batch_size or None,
-                )
+                values_local = torch.zeros(samples.timesteps.shape, device=samples.latents.device)
+                if kind != "anchor":
+                    values_local = compute_values(
+                        acc.unwrap_model(critic), samples.latents, samples.timesteps, samples.prompt_embeds,
+                        micro_batch_size=config.train.eval_micro_batch_size or None,
+                    )
+            anchor = None
+            if kind != "network":  # critic_designs.py: the reward of the decoded x0_hat at the steps with a density
+                anchor_local = self.anchor(samples, policy, model, metrics)
+                values_local = values_local.float() + anchor_local
+                anchor = gather(anchor_local)
             values = gather(values_local.float())
             info = {}
             if estimator.needs_outcome_advantages:
@@ -129,8 +156,11 @@ class EpochAdvantages:
                 samples.group_ids = info["group_ids"][local]
                 if config.critic.train_steps == "endpoints":
                     train_mask = endpoint_mask.to(mask.dtype) * mask
-            samples.returns = returns[local]
-            samples.old_values = values[local]
+            if critic_designs.critic_lambda(config) != algo.lam:  # the critic's own lambda (VC-PPO / VAPO)
+                returns = critic_designs.critic_returns(rewards, values, mask, algo.gamma, critic_designs.critic_lambda(config))
+            targets, old_values = critic_designs.critic_targets(returns, values, anchor)  # a residual learns R - anchor
+            samples.returns = targets[local]
+            samples.old_values = old_values[local]
             samples.critic_mask = train_mask[local]
             metrics["critic/value_mean"] = float((values * mask).sum() / mask.sum())
         else:

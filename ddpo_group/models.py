@@ -19,6 +19,7 @@ from ddpo_group.algos import advantages as adv_lib
 from ddpo_group.algos.losses import get_policy_loss
 from ddpo_group.config_check import ConfigError
 from ddpo_group.critic import ValueNetwork
+from ddpo_group.critic_designs import check_critic_config
 from ddpo_group.diffusion.base import configure_from_sample
 from ddpo_group.diffusion.policy import family_for_model, load_policy
 from ddpo_group.reference import ReferencePolicy
@@ -74,6 +75,8 @@ def build_models(config, accelerator):
     dtype = inference_dtype(config)
     sharded = t.get("sharding", "none") == "fsdp2"
     sharding_lib.check_sharding_config(config, family_for_model(config.pretrained.model).shard_blocks if sharded else ())
+    needs_values = adv_lib.get_adv_estimator(config.algorithm.adv_estimator).needs_values
+    check_critic_config(config, needs_values)  # before the model loads; the family's part after it
     policy = load_policy(config.pretrained.model, revision=config.pretrained.revision or None, torch_dtype=dtype)
     try:
         configure_from_sample(policy, s)
@@ -110,10 +113,11 @@ def build_models(config, accelerator):
         params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,
         eps=t.adam_epsilon,
     )
+    check_critic_config(config, needs_values, policy.family)
     critic_module = critic = critic_optimizer = None
     # FSDP2 takes DDP's place: the sharded module and its optimizer are not prepared (the critic, small, is)
     prepared = [] if sharded else [module, optimizer]
-    if adv_lib.get_adv_estimator(config.algorithm.adv_estimator).needs_values:
+    if needs_values and config.critic.get("kind", "network") != "anchor":  # the anchor learns nothing (critic_designs.py)
         critic_module = ValueNetwork(**policy.critic_sizes(), hidden=config.critic.hidden).to(acc.device)
         critic_optimizer = torch.optim.AdamW(critic_module.parameters(), lr=config.critic.learning_rate)
         *prepared, critic, critic_optimizer = acc.prepare(*prepared, critic_module, critic_optimizer)

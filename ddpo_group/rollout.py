@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ddpo_group.batch import EpochBatch
+from ddpo_group.critic_designs import keeps_x0_hat
 from ddpo_group.diffusion.base import window_noise_levels
 from ddpo_group.edit_sources import reward_metadata, source_images
 from ddpo_group.rewards.base import RewardError
@@ -152,6 +153,7 @@ def sample_epoch(policy, prompts, reward_runner, config, accelerator, epoch, met
                 [r.prompt for r in records], num_steps=s.num_steps, guidance_scale=s.guidance_scale, eta=levels,
                 generator=generator, prompt_ids=torch.as_tensor(local, dtype=torch.int64),
                 negative_prompt=s.negative_prompt, model=model, keep_steps=keep_steps, **source_kwargs(policy, sources),
+                **({"keep_x0_hat": True} if keeps_x0_hat(config) else {}),  # an anchor critic reads it
             )
         # rewards of this batch run in the thread pool while the next batch samples
         # (the group-wise components wait for whole groups: GroupCollector)

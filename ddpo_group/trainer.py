@@ -228,7 +228,7 @@ class Trainer:
 
     def compute_advantages(self, samples, metrics):
         """Advantages (B_local, T) on the gathered batch of all processes; sets samples.advantages."""
-        self.advantages(samples, metrics, critic=self.critic)
+        self.advantages(samples, metrics, critic=self.critic, policy=self.policy, model=self.trainable_module)
 
     def train_epoch(self, samples, epoch, metrics):
         """The epoch's update (stepwise PPO / GRPO, or the forward-process objective)."""

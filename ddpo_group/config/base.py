@@ -288,6 +288,15 @@ def get_config():
     # Value-only epochs at the start: for this many epochs the critic trains and the actor does not (a warm-up, so
     # that the first actor updates see a critic that has seen data). They sample and count as epochs.
     critic.warmup_epochs = 0
+    # Critic designs (ddpo_group/critic_designs.py, docs/critic.md). What V(x_t) is: "network" (the ValueNetwork
+    # above), "anchor" (the reward of the decoded one-step prediction x0_hat(x_t), Tweedie for DDIM: no learning;
+    # one model call, one decode and one reward call per step with a density) or "anchor_residual" (the anchor plus
+    # the ValueNetwork trained on returns - anchor). DDIM families (SD 1.x/2.x, the tiny models) only.
+    critic.kind = "network"
+    # GAE lambda of the critic's regression targets; negative: algorithm.lam. 1.0 (with gamma 1: every step's target
+    # is the trajectory's reward) and warmup_epochs > 0 is VC-PPO / VAPO's value pre-training on Monte-Carlo returns
+    # of the reference policy, with the actor's smaller algorithm.lam.
+    critic.lam = -1.0
 
     ###### Group-PPO (docs/group_ppo.md) ######
     config.group_ppo = group_ppo = ml_collections.ConfigDict()

@@ -61,6 +61,7 @@ class Trajectories:
     negative_pooled_prompt_embeds: torch.Tensor | None = None
     sigmas: torch.Tensor | None = None
     extra_cond: dict | None = None
+    x0_hat: torch.Tensor | None = None  # (B, T, C, h, w) each step's one-step prediction, kept when a critic asks
 
     def __len__(self):
         return self.latents.shape[0]

@@ -142,3 +142,26 @@ def ddim_step_with_logprob(
     log_prob = gaussian_log_prob(prev_sample, prev_sample_mean, std_dev_t) if with_log_prob else None
     std_dev_t = std_dev_t[(slice(None),) + (slice(0, 1),) * (sample.ndim - 1)]
     return prev_sample, log_prob, prev_sample_mean, std_dev_t
+
+
+def ddim_x0_hat(scheduler, model_output, timesteps, x_t):
+    """The one-step prediction of the clean latent from a DDPM/DDIM model output, float32 (B, C, h, w).
+
+    epsilon:      x0_hat = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t)      (Tweedie's formula)
+    v_prediction: x0_hat = sqrt(abar_t) x_t - sqrt(1 - abar_t) v
+    sample:       x0_hat = model_output
+    abar_t = scheduler.alphas_cumprod[t], t (B,) or a scalar. No clipping (the scheduler's clip_sample is a
+    sampling choice, not part of the prediction). The anchor critic reads it (ddpo_group/critic_designs.py).
+    """
+    x_t, model_output = x_t.float(), model_output.float()
+    timesteps = torch.as_tensor(timesteps, device="cpu").long().reshape(-1)
+    abar = scheduler.alphas_cumprod.cpu().float()[timesteps].to(x_t.device)
+    abar = abar.expand(x_t.shape[0]).reshape(-1, *([1] * (x_t.dim() - 1)))
+    prediction_type = scheduler.config.prediction_type
+    if prediction_type == "epsilon":
+        return (x_t - (1 - abar).sqrt() * model_output) / abar.sqrt()
+    if prediction_type == "v_prediction":
+        return abar.sqrt() * x_t - (1 - abar).sqrt() * model_output
+    if prediction_type == "sample":
+        return model_output
+    raise ValueError(f"scheduler.config.prediction_type={prediction_type!r} has no x0 prediction")

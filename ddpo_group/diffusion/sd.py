@@ -34,7 +34,7 @@ from ddpo_group.diffusion.base import (
     noise_levels,
     register_family,
 )
-from ddpo_group.diffusion.ddim import ddim_step_with_logprob
+from ddpo_group.diffusion.ddim import ddim_step_with_logprob, ddim_x0_hat
 from ddpo_group.diffusion.flow_policy import load_pretrained
 from ddpo_group.diffusion.loading import load_pipeline
 from ddpo_group.diffusion.lora import add_lora
@@ -92,14 +92,18 @@ def _denoise_step(
     with_log_prob=True,
     added_cond=None,
     negative_added_cond=None,
+    x0_hats=None,
 ):
-    """The one step function shared by sampling and re-scoring: returns ddim_step_with_logprob's 4-tuple."""
+    """The one step function shared by sampling and re-scoring: returns ddim_step_with_logprob's 4-tuple.
+    x0_hats: a list that gets this step's one-step prediction x0_hat (``ddim_x0_hat``) appended, or None."""
     timesteps_t = torch.as_tensor(timesteps_t, device=latents_t.device)
     if timesteps_t.ndim == 0:
         timesteps_t = timesteps_t.expand(latents_t.shape[0])
     model_input = scheduler.scale_model_input(latents_t, timesteps_t)
     noise_pred = _predict_noise(unet, model_input, timesteps_t, prompt_embeds, negative_prompt_embeds, guidance_scale,
                                 added_cond, negative_added_cond)
+    if x0_hats is not None:
+        x0_hats.append(ddim_x0_hat(scheduler, noise_pred, timesteps_t, latents_t))
     return ddim_step_with_logprob(
         scheduler, noise_pred, timesteps_t, latents_t, eta=eta, prev_sample=latents_next, generator=generator,
         with_log_prob=with_log_prob,
@@ -193,6 +197,7 @@ def sample_ddim(
     height=None,
     keep_steps=True,
     encode=None,
+    keep_x0_hat=False,
 ):
     """Sample B = len(prompts) trajectories x_0 -> x_T with their per-step log-probabilities.
 
@@ -218,6 +223,8 @@ def sample_ddim(
             forward-process objectives read nothing else; ``Trajectories``' docstring).
         encode: (prompts, negative_prompt, do_cfg, device, height) -> conditioning dict (default
             ``_encode_prompts``; SDXL's adds pooled embeddings and ``add_time_ids``, kept in ``extra_cond``).
+        keep_x0_hat: also keep each step's one-step prediction x0_hat (B, T, C, h, w) from the step's own model
+            call (``Trajectories.x0_hat``; the anchor critic reads it).
 
     Returns: Trajectories (see its docstring), no autograd graph.
     """
@@ -254,6 +261,7 @@ def sample_ddim(
     all_latents = [latents]
     all_log_probs = []
     all_stds = []
+    x0_hats = [] if keep_x0_hat else None
     for i, t in enumerate(tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False)):
         latents, log_prob, _, std_dev_t = _denoise_step(
             unet,
@@ -268,6 +276,7 @@ def sample_ddim(
             with_log_prob=keep_steps,
             added_cond=added_cond,
             negative_added_cond=negative_added_cond,
+            x0_hats=x0_hats,
         )
         if keep_steps:
             all_latents.append(latents)
@@ -291,6 +300,7 @@ def sample_ddim(
         pooled_prompt_embeds=cond.get("pooled_prompt_embeds"),
         negative_pooled_prompt_embeds=cond.get("negative_pooled_prompt_embeds"),
         extra_cond={"add_time_ids": cond["add_time_ids"]} if "add_time_ids" in cond else None,
+        x0_hat=torch.stack(x0_hats, dim=1) if keep_x0_hat else None,
         **steps,
     )
 
@@ -393,11 +403,12 @@ class StableDiffusionPolicy(DiffusionPolicy):
         }
 
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
-               model=None, show_progress=False, keep_steps=True):
+               model=None, show_progress=False, keep_steps=True, keep_x0_hat=False):
         return sample_ddim(
             self.pipeline, prompts, num_inference_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
             generator=generator, prompt_ids=prompt_ids, negative_prompt=negative_prompt, unet=model,
             show_progress=show_progress, height=self.resolution, keep_steps=keep_steps, encode=self._encode,
+            keep_x0_hat=keep_x0_hat,
         )
 
     def forward_noise(self, x0, noise, timesteps):

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The critic study of issue 35 (docs/critic.md): does a critic's per-step credit beat the best critic-free method at
+# equal compute? The main job's task (config/grpo.py:tiny, 18 big-square prompts, 10 DDIM steps, fixed-noise
+# evaluation of 18 x 8 images), 40 epochs, evaluation every 5. Every (method, seed) is a single-thread process of
+# its own; JOBS run at once (2 on a 2-core machine: about 5 hours in all; 16 on a 16-core machine: under an hour).
+#
+#   bash benchmarks/critic_study.sh [OUT] [JOBS]       # default OUT=benchmarks/results/critic_runs, JOBS=2
+#
+# The plan:
+#   0. decomposition  benchmarks/variance_decomposition.py (no training, minutes): each step's share of the
+#                     reward's within-prompt variance and how much a trained ValueNetwork / the anchor explain;
+#                     OUT/decomposition*.json
+#   1. sweep (seed 42, one run each)
+#        critic-free  today's default (group_ppo); GRPO + KL with noise and training in a 2- and a 4-step window
+#                     (sde_window2 with sample.sde_window_size 2 / 4) at lr 5e-5 and 1e-4
+#        with critic  critic_window (per-step critic advantages in a 4-step window, every window step trained)
+#                     and critic_everywhere (noise at all 10 steps, the first 4 trained) for each design,
+#                     critic.kind = network | anchor | anchor_residual, actor lambda (algorithm.lam) 0.5 / 0.95,
+#                     lr 5e-5 / 1e-4; value pre-training (critic.warmup_epochs 3, critic.lam 1: Monte-Carlo returns
+#                     of the reference policy) for network and anchor_residual; a 3-step window (K = all 3)
+#   2. seeds (42-44)  the best of each arm from the sweep: set BEST_FREE, BEST_WINDOW, BEST_EVERYWHERE (method specs,
+#                     LABEL=METHOD:FIELD=VALUE...) after reading OUT/sweep/bench_seeds.md; defaults below are guesses
+#   3. merged         the 3-seed table relative to the best critic-free arm (--reference free)
+# Not in the plan (not implemented in ddpo-group yet; issue 35 item 4): groups sharing their initial noise
+# (TempFlow-GRPO's seed groups) and a branching method (TempFlow-style branching at step k).
+#
+# Compute: each row of bench_seeds.md has training seconds and train/unet_calls (forward+backward per epoch);
+# sampling is 10 model calls per trajectory for every arm; the anchor reads sampling's own predictions and adds
+# critic/anchor_decodes (one VAE decode and one reward call each) per epoch, logged in the runs' metrics with
+# time/critic_anchor; the ValueNetwork's calls are a small conv net's (time/critic). Compare arms at equal model calls.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-benchmarks/results/critic_runs}
+JOBS=${2:-2}
+PY=${PYTHON:-.venv/bin/python}
+bench() {  # bench STAGE SEEDS METHODS
+  "$PY" benchmarks/bench_training.py --common-variant tiny --seeds "$2" --seed-start 42 --epochs 40 --eval-freq 5 \
+    --jobs "$JOBS" --run-timeout 3600 --methods "$3" --output-dir "$OUT/$1"
+}
+
+# --- 0. where the variance is (no training) ---
+mkdir -p "$OUT"
+OMP_NUM_THREADS=1 "$PY" benchmarks/variance_decomposition.py --critic-epochs 30 --output "$OUT/decomposition.json" \
+  --png "$OUT/decomposition.png"
+OMP_NUM_THREADS=1 "$PY" benchmarks/variance_decomposition.py --others deterministic \
+  --output "$OUT/decomposition_deterministic.json" --png "$OUT/decomposition_deterministic.png"
+
+# --- 1. one seed: the sweep ---
+M="default=group_ppo:train.learning_rate=5e-5"
+for lr in 5e-5 1e-4; do
+  M="$M,grpo_w2_lr$lr=sde_window2:train.learning_rate=$lr"
+  M="$M,grpo_w4_lr$lr=sde_window2:sample.sde_window_size=4:train.learning_rate=$lr"
+  for kind in network anchor anchor_residual; do
+    for lam in 0.5 0.95; do
+      M="$M,win_${kind}_lam${lam}_lr$lr=critic_window:critic.kind=$kind:algorithm.lam=$lam:train.learning_rate=$lr"
+      M="$M,all_${kind}_lam${lam}_lr$lr=critic_everywhere:critic.kind=$kind:algorithm.lam=$lam:train.learning_rate=$lr"
+    done
+  done
+  for kind in network anchor_residual; do
+    PRE="critic.kind=$kind:critic.warmup_epochs=3:critic.lam=1.0:critic.num_epochs=4:algorithm.lam=0.5"
+    M="$M,win_${kind}_pre_lr$lr=critic_window:$PRE:train.learning_rate=$lr"
+    M="$M,all_${kind}_pre_lr$lr=critic_everywhere:$PRE:train.learning_rate=$lr"
+  done
+  M="$M,win3_anchor_residual_lr$lr=critic_window:sample.sde_window_size=3:critic.kind=anchor_residual:algorithm.lam=0.5:train.learning_rate=$lr"
+done
+bench sweep 1 "$M"
+
+# --- 2. three seeds of the best of each arm (edit after the sweep) ---
+BEST_FREE=${BEST_FREE:-free=sde_window2:train.learning_rate=1e-4}
+BEST_WINDOW=${BEST_WINDOW:-window=critic_window:critic.kind=anchor_residual:algorithm.lam=0.5:train.learning_rate=5e-5}
+BEST_EVERYWHERE=${BEST_EVERYWHERE:-everywhere=critic_everywhere:critic.kind=anchor_residual:algorithm.lam=0.5:train.learning_rate=5e-5}
+bench seeds 3 "grpo_kl,default=group_ppo:train.learning_rate=5e-5,$BEST_FREE,$BEST_WINDOW,$BEST_EVERYWHERE"
+
+# --- 3. merged, relative to the best critic-free arm ---
+"$PY" benchmarks/bench_training.py --merge "$OUT/seeds/bench_seeds.json" --reference free --output-dir "$OUT/merged"
