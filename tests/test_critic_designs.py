@@ -143,7 +143,8 @@ def test_anchor_residual_with_monte_carlo_targets_trains(tmp_path):
         # the anchor by hand with the sampling weights (before this epoch's update), the trainer's reward
         records = [trainer.prompts[int(i)] for i in samples.prompt_ids]
         batch = types.SimpleNamespace(latents=samples.latents, timesteps=samples.timesteps,
-                                      prompt_embeds=samples.prompt_embeds, negative_prompt_embeds=None)
+                                      prompt_embeds=samples.prompt_embeds, negative_prompt_embeds=None,
+                                      pooled_prompt_embeds=None, negative_pooled_prompt_embeds=None, extra_cond=None)
         seen["anchor"] = anchor_values(trainer.policy, trainer.trainable_module, batch, trainer.reward_fn,
                                        [r.prompt for r in records], [r.metadata for r in records], 1.0)
         seen["samples"] = samples
