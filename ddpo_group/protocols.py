@@ -181,7 +181,7 @@ def score_policy(protocol, policy, records, images_per_prompt, num_steps, guidan
         for (i, j), row in zip(chunk, protocol.score(images, [records[i] for i, _ in chunk])):
             results.append({"prompt_index": i, "image_index": j, **row})
         if keep_images:
-            pixels = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+            pixels = (images * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
             kept.update({pair: pixels[n] for n, pair in enumerate(chunk)})
     if not keep_images:
         return results, None

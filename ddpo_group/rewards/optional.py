@@ -200,7 +200,7 @@ class PickScoreRankReward(PickScoreReward):
         self.ties = ties
 
     def __call__(self, images, prompts, metadata):
-        scores = self.scores(images, prompts).double().numpy()
+        scores = self.scores(images, prompts).double().cpu().numpy()
         return group_ranks(scores, self.ties) / len(scores), {"pickscore": scores}
 
 
