@@ -262,6 +262,17 @@ def algorithm_config(algorithm, num_steps):
     return config
 
 
+def lora_rank_for(spec):
+    """(rank, alpha) of the arch's LoRA: the flow preset's (SD 1.5's rank 4 without one), capped at 4 for the tiny
+    offline models, whose adapted layers are 16-64 wide (a rank above a layer's width is refused), alpha scaled with
+    it so that alpha / rank stays the preset's."""
+    flow = grpo.get_config(spec["flow"]) if spec["flow"] else None
+    rank, alpha = (flow.lora_rank, flow.lora_alpha) if flow else (4, 4)
+    if spec["model"].startswith("tiny") and rank > 4:
+        rank, alpha = 4, alpha * 4 // rank
+    return rank, alpha
+
+
 def run_config(arch, spec, algorithm, args, dtype_name, logdir, run_name):
     """The algorithm's config on the arch's model: for a flow model, the flow preset's model settings (step type,
     noise level, guidance, resolution, text length, LoRA size, KL scale, skipped last step)."""
@@ -272,7 +283,7 @@ def run_config(arch, spec, algorithm, args, dtype_name, logdir, run_name):
         for field, value in flow_sample_settings(spec).items():
             config.sample[field] = value
         config.sample.resolution = spec["resolution"]
-        config.lora_rank, config.lora_alpha = flow.lora_rank, flow.lora_alpha
+        config.lora_rank, config.lora_alpha = lora_rank_for(spec)
         if config.train.objective == "stepwise":  # the forward objectives train no reverse-process step
             config.train.skip_last_steps = flow.train.skip_last_steps
             if config.train.kl_type == "gaussian":
@@ -532,7 +543,7 @@ def main(argv=None):
                     torch.cuda.reset_peak_memory_stats()
                 policy, trajectories, d, guidance = check_sampling(spec, args.device, dtype, args.sample_batch,
                                                                    args.sample_repeats)
-                lora_rank = grpo.get_config(spec["flow"]).lora_rank if spec["flow"] else 4
+                lora_rank = lora_rank_for(spec)[0]
                 entry["parameters_m"] = sum(p.numel() for p in policy.trainable_module.parameters()) / 1e6
                 d.update(check_model_cost(policy, trajectories, args.device, dtype, args.train_batch, args.repeats,
                                           guidance, lora_rank, args.gradient_checkpointing))
