@@ -192,6 +192,71 @@ def _allow_dotted_keys_on_the_command_line() -> None:
     config_flags.register_flag_parser_for_type(ml_collections.ConfigDict, DottedKeysParser())
 
 
+REWARD_KWARGS_FLAG = "--config.reward_kwargs."
+
+
+def _split_reward_kwargs_flags(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """(argv without them, [(dotted path under reward_kwargs, value text)]) of the --config.reward_kwargs.NAME.KEY=VALUE
+    (or ... VALUE) arguments. ml_collections' own parsing of them fails when reward_kwargs has no entry NAME yet
+    (KeyError) or the entry has no KEY yet (AttributeError): an override may only replace an existing field, and a
+    reward's keywords are open-ended; `_set_reward_kwargs` sets them after the other flags."""
+    kept, settings, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith(REWARD_KWARGS_FLAG):
+            path, equals, text = arg[len(REWARD_KWARGS_FLAG):].partition("=")
+            if not equals and i + 1 < len(argv):
+                i, text = i + 1, argv[i + 1]
+            settings.append((path, text))
+        else:
+            kept.append(arg)
+        i += 1
+    return kept, settings
+
+
+def _flag_value(text: str):
+    """A flag's value as ml_collections reads an untyped one: a Python literal (True, 3, 'x', [1, 2]), also
+    JSON's true / false / null, else the text itself."""
+    import ast
+    import json
+
+    try:
+        return ast.literal_eval(text)
+    except (SyntaxError, ValueError):
+        pass
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _set_reward_kwargs(config, settings) -> str | None:
+    """Sets each (path, text) of `_split_reward_kwargs_flags` in config.reward_kwargs, creating the reward's entry
+    and any level below it; a one-line error when a level on the path already holds a value that is not a dict."""
+    import ml_collections
+
+    for path, text in settings:
+        *parents, leaf = path.split(".")
+        if not parents or not all(parents) or not leaf:
+            return (f"{REWARD_KWARGS_FLAG}{path}: give a reward and its keyword, --config.reward_kwargs.NAME.KEY=VALUE "
+                    "(e.g. --config.reward_kwargs.ocr.allow_unquoted=True), or the whole dict, "
+                    "--config.reward_kwargs='{\"ocr\": {\"allow_unquoted\": true}}'")
+        with config.unlocked():
+            node = config.reward_kwargs
+            for depth, part in enumerate(parents, start=1):
+                if part not in node:
+                    node[part] = ml_collections.ConfigDict()
+                elif not isinstance(node[part], ml_collections.ConfigDict):
+                    held = ".".join(parents[:depth])
+                    return (f"{REWARD_KWARGS_FLAG}{path}: config.reward_kwargs.{held} is {node[part]!r}, not a dict of "
+                            "keywords; set it whole, e.g. --config.reward_kwargs='{\"ocr\": {\"allow_unquoted\": true}}'")
+                node = node[part]
+            if leaf in node and node[leaf] is not None:
+                node[leaf] = None  # a keyword may change type (ConfigDict is type-safe): replaced, not converted
+            node[leaf] = _flag_value(text)
+    return None
+
+
 GET_CONFIG_CONTRACT = (
     "a config file defines get_config() (or get_config(ARG) for FILE.py:ARG) returning an ml_collections.ConfigDict "
     "with every field of ddpo_group/config/base.py: start from ddpo_group.config.base.get_config() (or a variant, "
@@ -285,8 +350,14 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     cpu_threads()
     _allow_dotted_keys_on_the_command_line()
     default = f"{os.path.abspath(grpo.__file__)}:tiny"
+    # ml_collections reads the --config.FIELD overrides from sys.argv unless given sys_argv: it is given the
+    # arguments without the --config.reward_kwargs.NAME.KEY ones, which main() sets itself
+    absl_argv, reward_kwargs = _split_reward_kwargs_flags(_resolve_config_argument(argv))
     if "config" not in flags.FLAGS:
-        config_flags.DEFINE_config_file("config", default, "Training configuration: NAME or FILE.py[:VARIANT].")
+        config_flags.DEFINE_config_file("config", default, "Training configuration: NAME or FILE.py[:VARIANT].",
+                                        sys_argv=absl_argv)
+    else:  # defined by an earlier call in this process (tests): its overrides are this call's
+        flags.FLAGS["config"]._sys_argv = absl_argv
 
     def main(_):
         import json
@@ -295,6 +366,7 @@ def train_main(argv: Sequence[str] | None = None) -> None:
 
         file = _user_config_file(argv[1:])
         problem = _config_file_problem(flags.FLAGS.config, file) if file else None
+        problem = problem or _set_reward_kwargs(flags.FLAGS.config, reward_kwargs)
         if problem:
             sys.exit(f"ddpo-group-train: error: {problem}")
         try:
@@ -312,7 +384,7 @@ def train_main(argv: Sequence[str] | None = None) -> None:
             sys.exit(128 + int(info.get("signal") or 0) if info.get("signal") else 1)
 
     try:
-        app.run(main, argv=_resolve_config_argument(argv), flags_parser=_parse_flags)
+        app.run(main, argv=absl_argv, flags_parser=_parse_flags)
     except KeyboardInterrupt:  # Ctrl-C before the epochs start (during them the run stops itself: stopped.json)
         if debug:
             raise

@@ -153,6 +153,42 @@ def test_a_flag_value_that_does_not_parse_is_one_line(tmp_path, argument, needle
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("arguments, needle", [
+    # allow_unquoted reaches the OCR prompt check (the test prompts have no quotes), so the next error is the engine's
+    (["--config.reward_kwargs.ocr.allow_unquoted=True", "--config.reward_kwargs.ocr.engine", "bogus"],
+     "engine='bogus' is not one of"),
+    # a reward that is not in use: the entry was created, and the config check names it
+    (["--config.reward_kwargs.ocr.allow_unquoted=True", "--config.reward_kwargs.nosuch.x=1"],
+     "config.reward_kwargs names ['nosuch'], which are not rewards in use (['ocr'])"),
+])
+def test_a_reward_keyword_set_by_a_dotted_flag_creates_the_rewards_entry(tmp_path, arguments, needle):
+    result = subprocess.run(
+        [PYTHON, "scripts/train.py", "--config", "config/grpo.py:test", "--config.reward_fn=ocr", *arguments,
+         f"--config.logdir={tmp_path}"],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+    )
+    line = _one_line(result)
+    assert line.startswith("ddpo-group-train: error:") and needle in line, line
+    assert "KeyError" not in line and "no quoted text" not in line and not os.listdir(tmp_path)
+
+
+def test_dotted_reward_keywords_join_a_variants_own_entry():
+    from ddpo_group.cli import _set_reward_kwargs, _split_reward_kwargs_flags
+    from ddpo_group.config import grpo
+
+    config = grpo.get_config("sd35_ocr")  # reward_kwargs.ocr = {"engine": ...}, assigned as a plain dict
+    config.lock()
+    argv, settings = _split_reward_kwargs_flags(["train.py", "--config.num_epochs=2",
+                                                 "--config.reward_kwargs.ocr.allow_unquoted=True",
+                                                 "--config.reward_kwargs.ocr.max_new_tokens", "64"])
+    assert argv == ["train.py", "--config.num_epochs=2"]
+    assert _set_reward_kwargs(config, settings) is None
+    assert config.reward_kwargs.ocr.to_dict() == {"engine": grpo.get_config("sd35_ocr").reward_kwargs.ocr.engine,
+                                                  "allow_unquoted": True, "max_new_tokens": 64}
+    problem = _set_reward_kwargs(config, [("ocr.engine.name", "x")])
+    assert "config.reward_kwargs.ocr.engine is" in problem and "not a dict" in problem
+
+
 def test_a_config_file_that_does_not_exist_is_one_line(tmp_path):
     result = subprocess.run(
         [PYTHON, "scripts/train.py", "--config", "my_config.py:big"], cwd=ROOT, env=subprocess_env(),

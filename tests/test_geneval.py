@@ -165,6 +165,9 @@ GOOD = json.dumps({"tag": "single_object", "include": [{"class": "bench", "count
     (json.dumps({"tag": "position", "include": [{"class": "a", "count": 1}, {"class": "b", "count": 1,
                  "position": ["beside", 0]}], "prompt": "x"}), "relation one of"),
     (json.dumps({"include": [{"class": "cup", "count": 1}], "prompt": "x"}), "field 'tag'"),
+    (json.dumps({"tag": "weird_tag", "include": [{"class": "cup", "count": 1}], "prompt": "x"}),
+     "tag 'weird_tag' is not one of GenEval's six tags (single_object, two_object, counting, colors, position, "
+     "color_attr)"),
     (json.dumps(["a list"]), "expected a JSON object"),
 ])
 def test_a_bad_record_is_one_line_naming_file_and_line(tmp_path, bad, words):
@@ -267,3 +270,19 @@ def test_generated_prompts_are_a_prompt_source_whose_metadata_is_the_record():
     n = first.metadata["include"][0]["count"]
     assert first.metadata["exclude"] == [{"class": first.metadata["include"][0]["class"], "count": n + 1}]
     assert "prompt" not in first.metadata and first.prompt.startswith("a photo of ")
+
+
+def test_a_training_prompt_file_with_a_tag_not_one_of_the_six_is_refused_before_any_model_loads(tmp_path):
+    from helpers import make_config
+
+    from ddpo_group.config_check import ConfigError, check_config
+
+    square = {"include": [{"class": "square", "count": 1}], "prompt": "a photo of a square"}
+    prompts = write_lines(tmp_path / "prompts.jsonl", [json.dumps({"tag": "single_object", **square}),
+                                                       json.dumps({"tag": "weird_tag", **square})])
+    config = make_config(tmp_path, "tiny_geneval", prompt_fn=prompts, eval_freq=0)
+    with pytest.raises(ConfigError) as err:
+        check_config(config)
+    message = str(err.value)
+    assert "\n" not in message and f"{prompts}, line 2" in message and "'weird_tag'" in message
+    assert "single_object, two_object, counting, colors, position, color_attr" in message

@@ -107,6 +107,18 @@ def test_a_wrong_format_evaluation_file_is_one_line_before_any_model_loads(tmp_p
         evaluate_script.run(["--protocol", "geneval", "--prompts", str(words), "--protocol-option", "detector=shapes"])
 
 
+def test_an_evaluation_file_with_a_seventh_tag_is_refused_naming_file_and_line(tmp_path, evaluate_script):
+    # GenEval's overall score is the mean over its six tags: a seventh would enter it
+    bad = tmp_path / "tags.jsonl"
+    bad.write_text(json.dumps({"tag": "weird_tag", "include": [{"class": "square", "count": 1}],
+                               "prompt": "a photo of a square"}) + "\n")
+    with pytest.raises(SystemExit) as err:
+        evaluate_script.run(["--protocol", "geneval", "--prompts", str(bad), "--model", str(tmp_path / "no_model"),
+                             "--protocol-option", "detector=shapes"])
+    message = str(err.value.code)
+    assert "\n" not in message and f"{bad}, line 1" in message and "tag 'weird_tag' is not one of" in message
+
+
 def test_missing_detector_weights_and_unknown_names_are_one_line(tmp_path, evaluate_script):
     records = tmp_path / "m.jsonl"
     records.write_text(json.dumps({"tag": "single_object", "include": [{"class": "dog", "count": 1}], "prompt": "a"}))

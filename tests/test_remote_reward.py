@@ -235,8 +235,25 @@ def test_exception_on_the_server_reaches_the_client():
 
     with make_server(broken) as url:
         reward = build_reward_fn(url, reward_kwargs={url: {"retries": 0}})
-        with pytest.raises(RewardError, match="HTTP 500: ValueError: model exploded"):
+        with pytest.raises(RewardError, match="HTTP 500: reward 'broken' raised ValueError: model exploded"):
             reward(images_and_pixels()[0], PROMPTS, None)
+
+
+def test_a_served_rewards_own_failure_is_not_retried_and_the_client_says_what_the_server_said():
+    calls = []
+
+    def unserialisable_info(images, prompts, metadata):
+        calls.append(len(prompts))
+        return [1.0] * len(prompts), {"handle": object()}
+
+    with make_server(unserialisable_info) as url:
+        reward = RemoteReward(url, retries=3, backoff=0.0)
+        with pytest.raises(RewardError) as error:
+            reward(images_and_pixels()[0], PROMPTS, [{}, {}])
+    message = str(error.value)
+    assert calls == [2]  # one attempt: a reward's failure is not a transport failure
+    assert "\n" not in message and message.startswith(f"remote reward {url}: the served reward failed")
+    assert "reward 'unserialisable_info' returned info['handle'] holding a value of type object" in message
 
 
 def test_wrong_number_of_remote_rewards_is_a_reward_error():

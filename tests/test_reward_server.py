@@ -98,6 +98,35 @@ def test_post_scores_the_batch():
     assert answer_named["rewards"] == answer["rewards"]
 
 
+def test_info_json_cannot_hold_is_a_json_500_naming_reward_and_key_and_nan_is_never_sent():
+    def with_a_set(images, prompts, metadata):
+        return [1.0] * len(prompts), {"ok": np.float32(0.5), "labels": {"a", "b"}}
+
+    def with_nan(images, prompts, metadata):
+        return [1.0] * len(prompts), {"score": [float("nan"), 2.0], "worst": float("-inf")}
+
+    def nan_reward(images, prompts, metadata):
+        return torch.tensor([0.5, float("nan")]), {}
+
+    body, _ = batch_body()
+    answers = []
+    for reward in (with_a_set, with_nan, nan_reward):
+        with make_server(reward) as url:
+            with connect(url) as sock:
+                sock.sendall(request(body))
+                raw = sock.recv(1 << 20)
+            answers.append((raw, exchange(url, request(body))))
+    (raw_set, (status, answer)), (raw_nan, (status_nan, answer_nan)), (raw_bad, (status_bad, answer_bad)) = answers
+    assert status == 500 and answer["reward_failed"] is True
+    assert answer["error"].startswith("reward 'with_a_set' returned info['labels'] holding a value of type set")
+    # info: NaN and infinities as JSON null; the body is strict JSON (no bare NaN / Infinity tokens)
+    assert status_nan == 200 and answer_nan["info"] == {"score": [None, 2.0], "worst": None}
+    assert b"NaN" not in raw_nan and b"Infinity" not in raw_nan
+    # a NaN reward is refused naming the reward and the sample, as the training loop refuses it locally
+    assert status_bad == 500 and answer_bad["reward_failed"] is True and b"NaN" not in raw_bad
+    assert answer_bad["error"].startswith("reward 'nan_reward' returned nan for sample 1")
+
+
 @pytest.mark.parametrize("path", ["/", "/health", "/jpeg_compressibility"])
 def test_get_describes_the_served_reward_and_its_limits(path):
     with jpeg_server(max_images=7, request_timeout=1.5) as url:

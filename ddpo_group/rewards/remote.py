@@ -8,6 +8,7 @@ Protocol (version 1), one POST per batch (Content-Type: application/json) to the
                "metadata": [object, one per image (the prompt record's extra fields)]}
     response  200 {"rewards": [number, one per image], "info": {str: JSON value}}
               4xx / 5xx {"error": "message"}
+              500 {"error": "reward 'NAME' ...", "reward_failed": true}: the reward itself failed (not retried)
 
 and GET on the same URL: 200 {"reward": NAME, "protocol": 1, "group_wise": bool, ...} (the server's
 description; a server that answers GET with 405 or 501 has none, and is still used). A server whose
@@ -45,6 +46,9 @@ from PIL import Image
 from ddpo_group.rewards.base import RewardError, RewardNotReadyError, to_uint8_images
 
 PROTOCOL_VERSION = 1
+# The key a server sets (true) in a 5xx answer when the reward itself failed (it raised, or returned what the
+# protocol cannot carry): a fault of the reward, not of the transport, so the client does not retry it.
+REWARD_FAILED = "reward_failed"
 
 
 def to_json(value):
@@ -119,6 +123,15 @@ def _error_detail(data: bytes) -> str:
     except ValueError:
         pass
     return " ".join(data[:300].decode(errors="replace").split()) or "(empty body)"
+
+
+def _reward_failed(data: bytes) -> bool:
+    """Whether an error answer says the served reward itself failed (REWARD_FAILED), not the server or the network."""
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(answer, dict) and answer.get(REWARD_FAILED) is True
 
 
 class RemoteReward:
@@ -242,6 +255,9 @@ class RemoteReward:
             if status == 200 or status in accept:
                 return status, data
             last_error = f"HTTP {status}: {_error_detail(data)}"
+            if status >= 500 and _reward_failed(data):
+                raise RewardError(f"remote reward {self.url}: the served reward failed ({method} answered {last_error})",
+                                  reward=self.url)
             if status < 500:
                 raise RewardError(f"remote reward {self.url}: {method} answered {last_error}", reward=self.url)
         raise RewardError(

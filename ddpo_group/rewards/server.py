@@ -27,7 +27,10 @@ Limits, each answered with a JSON {"error": ...} naming the flag:
   --workers (1)             threads that decode and score requests (rewards block); the others wait
 a body that is not Content-Type application/json is 415, one that is not the protocol's JSON 400 (an
 object whose "images" and "prompts" are lists of strings and "metadata" a list of objects or null,
-JSON nested too deeply included), a reward that raises 500. To serve other machines deliberately, bind an interface (--host 0.0.0.0) on a
+JSON nested too deeply included). A reward that raises, returns rewards that are not B finite numbers (NaN is
+refused, never sent as JSON's missing NaN) or info JSON cannot hold (a set, an object; info's NaN is sent as null)
+is 500 {"error": "reward 'NAME' ...", "reward_failed": true}, naming the reward (and the info key): the client
+does not retry it. To serve other machines deliberately, bind an interface (--host 0.0.0.0) on a
 trusted network only, or keep 127.0.0.1 and reach it through an SSH tunnel
 (ssh -L 8000:127.0.0.1:8000 HOST): there is no authentication.
 """
@@ -49,9 +52,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ddpo_group.rewards.base import is_group_wise
+from ddpo_group.rewards.base import RewardError, is_group_wise
+from ddpo_group.rewards.combine import validate_rewards
 from ddpo_group.rewards.registry import component_name, get_reward
-from ddpo_group.rewards.remote import PROTOCOL_VERSION, RequestTooLarge, decode_images, to_json
+from ddpo_group.rewards.remote import PROTOCOL_VERSION, REWARD_FAILED, RequestTooLarge, decode_images, to_json
 
 logger = logging.getLogger("ddpo_group.rewards.server")
 
@@ -197,13 +201,53 @@ class RewardApp:
             return 400, {"error": f"bad request: {detail}"}, 0
         try:
             rewards, info = self.reward_fn(images, prompts, metadata)
-            rewards = np.asarray(torch.as_tensor(rewards).detach().cpu(), dtype=np.float64)
-            return 200, {"rewards": rewards.tolist(), "info": info or {}}, len(prompts)
-        except Exception as exc:
-            return 500, {"error": f"{type(exc).__name__}: {exc}"}, len(prompts)
+            if isinstance(rewards, torch.Tensor):
+                rewards = rewards.detach().cpu()
+            # the local checks (one shape per batch, finite numbers): a NaN is refused here, never sent as bare NaN
+            rewards = validate_rewards(rewards, self.name, prompts)
+            return 200, {"rewards": rewards.tolist(), "info": self._plain_info(info)}, len(prompts)
+        except Exception as exc:  # the reward's own failure: marked, so that the client does not retry it
+            text = str(exc) if isinstance(exc, RewardError) else f"reward {self.name!r} raised {type(exc).__name__}: {exc}"
+            return 500, {"error": text, REWARD_FAILED: True}, len(prompts)
+
+    def _plain_info(self, info) -> dict:
+        """`info` as JSON values: numpy / torch values as lists / numbers, non-finite floats as null (JSON has no NaN);
+        RewardError naming the reward and the key of a value JSON cannot hold (a set, an object)."""
+        if info is None:
+            return {}
+        if not isinstance(info, dict):
+            raise RewardError(f"reward {self.name!r} returned info of type {type(info).__name__}; return a dict",
+                              reward=self.name)
+        plain = {}
+        for key, value in info.items():
+            try:
+                plain[str(key)] = _plain(value)
+            except TypeError as exc:
+                raise RewardError(f"reward {self.name!r} returned info[{key!r}] holding {exc}, which JSON cannot carry; "
+                                  "return numbers, strings, lists or dicts of them (numpy / torch values are converted)",
+                                  reward=self.name) from None
+        return plain
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _plain(value):
+    """A JSON value (dicts, lists, str, int, finite float or None) equal to `value`; numpy / torch values converted,
+    NaN and infinities as None. TypeError naming the type of a value with no JSON form."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().tolist()
+    elif isinstance(value, (np.ndarray, np.generic)):
+        value = value.tolist()
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    raise TypeError(f"a value of type {type(value).__name__}")
 
 
 def _check_request(request) -> None:

@@ -6,7 +6,8 @@ A record (one JSON object a line, djghosh13/geneval ``prompts/evaluation_metadat
     {"tag": "position", "prompt": "a photo of a dog right of a teddy bear",
      "include": [{"class": "teddy bear", "count": 1}, {"class": "dog", "count": 1, "position": ["right of", 0]}]}
 
-    tag       str, one of the six (``vocabulary.TAGS``) for GenEval's own sets; any name is read
+    tag       str, one of GenEval's six (``vocabulary.TAGS``): another tag is refused (GenEval's overall score is the
+              mean over exactly these six, so a seventh would change it)
     prompt    non-empty str
     include   list of clauses {"class": str, "count": int >= 1, "color"?: str, "position"?: [relation, j]},
               j the index of an EARLIER include clause, relation one of "left of", "right of", "above", "below"
@@ -47,6 +48,8 @@ def check_record(record, where: str) -> dict:
     for field in ("tag", "prompt"):
         if not isinstance(record.get(field), str) or not record[field].strip():
             raise GenEvalFormatError(f"{where}: field {field!r} must be a non-empty string, got {record.get(field)!r}")
+    if record["tag"] not in TAGS:
+        raise GenEvalFormatError(f"{where}: tag {record['tag']!r} is not one of GenEval's six tags ({', '.join(TAGS)})")
     if "include" not in record:
         raise GenEvalFormatError(f"{where}: missing field 'include' (a list of {{'class', 'count'}} clauses)")
     record = dict(record)

@@ -21,6 +21,7 @@ reward server. The thresholds are GenEval's (0.3, 0.9 for counting, 16 per class
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from PIL import Image
 
 from ddpo_group.rewards.base import RewardError, register_reward, to_uint8_images
 from ddpo_group.rewards.geneval.detectors import CLIP_MODEL, MASK2FORMER_MODEL, build_detector
-from ddpo_group.rewards.geneval.metadata import GenEvalFormatError, check_record, check_vocabulary
+from ddpo_group.rewards.geneval.metadata import GenEvalFormatError, check_record, check_vocabulary, read_metadata
 from ddpo_group.rewards.geneval.protocol import (
     COUNTING_THRESHOLD,
     MAX_OBJECTS,
@@ -82,6 +83,19 @@ class GenEvalReward:
         self.jpeg_quality = jpeg_quality
         found, colors = build_detector(detector, detector_model, clip_model, clip_tokenizer, device=device)
         self.scorer = GenEvalScorer(found, colors, threshold, counting_threshold, max_objects, position_margin)
+
+    @classmethod
+    def check_prompts(cls, prompts, source: str = "", **_) -> None:
+        """ValueError naming the file and line (a .jsonl prompt file, read by ``metadata.read_metadata``) or the
+        prompt of the first record that is not a GenEval record (an unknown tag, a missing 'include', ...); run by
+        the config check before any model loads. `prompts`: PromptRecords."""
+        if source.endswith(".jsonl") and os.path.isfile(source):
+            try:
+                read_metadata(source)
+            except GenEvalFormatError as err:
+                raise ValueError(f"reward 'geneval': {err}") from None
+            return
+        records_of([getattr(r, "prompt", r) for r in prompts], [getattr(r, "metadata", {}) for r in prompts])
 
     def check_ready(self) -> None:
         for part in (self.scorer.detector, self.scorer.color_classifier):
