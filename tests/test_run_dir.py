@@ -156,7 +156,7 @@ def test_overwrite_removes_only_the_files_a_run_wrote(tmp_path):
     again, config = RunDir.resolve(make_config(tmp_path, overwrite=True))
     again.start(config, first_epoch=0)
     again.release()
-    assert sorted(os.listdir(again.path)) == [".ddpo_group_run", ".lock", "config.json", "notes.txt"]
+    assert sorted(os.listdir(again.path)) == [".ddpo_group_run", "config.json", "notes.txt"]  # release removed .lock
 
 
 @pytest.mark.parametrize("name", ["..", ".", "../escaped", "a/b", "/abs/run"])
