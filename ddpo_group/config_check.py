@@ -405,7 +405,11 @@ def check_config(config, num_processes=1, has_gpu=None):
 def _check_rewards(config):
     """The rewards the config names exist, before any model loads: a plain name is registered (or an entry point;
     the closest names are suggested), the file of a 'file.py:function' spec exists, and reward_kwargs names only
-    rewards in use. Servers and 'module:function' specs are resolved when the rewards are built."""
+    rewards in use, and config.reward_timeout is >= 0. Servers and 'module:function' specs are resolved when the
+    rewards are built."""
+    if config.reward_timeout is not None and config.reward_timeout < 0:  # a negative limit would blame a healthy reward
+        raise ConfigError(f"config.reward_timeout={config.reward_timeout!r} must be >= 0 (seconds a reward batch may "
+                          "take; 0: no limit)")
     weights = config.reward_weights.to_dict()
     field = "reward_weights" if weights else "reward_fn"
     if weights and all(isinstance(w, (int, float)) and w == 0 for w in weights.values()):

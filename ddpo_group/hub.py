@@ -9,6 +9,7 @@ status, is a reachable hub; a network that refuses or has no route at once is le
 comes at once. Nothing is asked when HF_HUB_OFFLINE is set, or for a name that is a local path.
 """
 
+import math
 import os
 import socket
 import urllib.error
@@ -28,12 +29,21 @@ def hub_offline() -> bool:
 
 
 def hub_timeout() -> float:
-    """Seconds `check_hub` waits: $DDPO_GROUP_HUB_TIMEOUT when it is a positive number, else 10."""
-    try:
-        value = float(os.environ.get(HUB_TIMEOUT_ENV, DEFAULT_HUB_TIMEOUT))
-    except ValueError:
+    """Seconds `check_hub` waits: $DDPO_GROUP_HUB_TIMEOUT (a positive number), 10 when it is unset or empty;
+    ValueError in one line naming the variable for any other value."""
+    raw = os.environ.get(HUB_TIMEOUT_ENV, "").strip()
+    if not raw:
         return DEFAULT_HUB_TIMEOUT
-    return value if value > 0 else DEFAULT_HUB_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"{HUB_TIMEOUT_ENV}={raw!r} must be a positive number of seconds (the wait for the model hub, e.g. "
+            f"{HUB_TIMEOUT_ENV}=30); unset it for the default {DEFAULT_HUB_TIMEOUT:g} s"
+        )
+    return value
 
 
 def check_hub(name: str, what: str) -> None:

@@ -82,6 +82,12 @@ class RunDir:
         (`resumed_config`), or a new run under config.logdir/config.run_name (refused when another run is
         there and config.overwrite is not set). Reads only."""
         config = with_resolved_paths(config)
+        if config.resume_from and config.overwrite:
+            raise ConfigError(
+                f"config.resume_from={config.resume_from!r} and config.overwrite=True contradict each other (resume "
+                "the run, or delete it and start again); drop --config.overwrite=True to resume, or drop "
+                "--config.resume_from to start the run again"
+            )
         if config.resume_from:
             checkpoint, state, path = find_checkpoint(config.resume_from)
             config, changes = resumed_config(config, path, overrides)
@@ -89,6 +95,7 @@ class RunDir:
         _check_run_name(config.run_name)
         run_name = config.run_name or datetime.datetime.now().strftime("%Y.%m.%d_%H.%M.%S")
         path = os.path.abspath(os.path.join(config.logdir, run_name))
+        _refuse_a_directory_not_a_run(path, config)
         _refuse_an_earlier_run(path, config.overwrite)
         return cls(path), config
 
@@ -435,9 +442,12 @@ def with_resolved_paths(config):
     files and prompt_fn_kwargs.path, 'file.py:function' specs (prompt_fn, reward_fn, eval_rewards, the keys of
     reward_weights and reward_kwargs), .py files of plugins, and pretrained.model when it is a local directory.
     Names (built-in prompt sets and shipped prompt files, registered rewards, modules, hub models, URLs) are kept
-    as given."""
+    as given. config.logdir and config.resume_from have '~' expanded to the user's home."""
     config = config.copy_and_resolve_references()
     with config.unlocked():
+        for field in ("logdir", "resume_from"):  # '~/runs' is the user's home, not a directory named '~' here
+            if isinstance(config.get(field), str):
+                config[field] = os.path.expanduser(config[field])
         for field in ("prompt_fn", "eval_prompt_fn"):
             value = config.get(field)
             if isinstance(value, str) and value not in BUILTIN_PROMPT_SETS and value != "from_file":
@@ -541,14 +551,63 @@ def _holds_a_run(run_dir):
     return any(os.path.exists(os.path.join(run_dir, name)) for name in RUN_MARKERS)
 
 
+# The longest directory name common file systems allow (ext4, xfs, btrfs, APFS, NTFS: 255 bytes; NAME_MAX).
+NAME_MAX_BYTES = 255
+
+
 def _check_run_name(run_name):
-    """config.run_name is one directory name under config.logdir ('' for a timestamp): never a path, '.' or '..'."""
+    """config.run_name is one directory name under config.logdir ('' for a timestamp): never a path, '.' or '..',
+    and at most NAME_MAX_BYTES bytes."""
+    if run_name and len(os.fsencode(run_name)) > NAME_MAX_BYTES:
+        raise ConfigError(
+            f"config.run_name={run_name[:40]!r}... is {len(os.fsencode(run_name))} bytes long; a directory name may "
+            f"have at most {NAME_MAX_BYTES} bytes, so give a shorter config.run_name"
+        )
     if run_name and (run_name in (".", "..") or os.path.basename(run_name) != run_name or "/" in run_name
                      or os.sep in run_name or (os.altsep and os.altsep in run_name) or "\0" in run_name):
         raise ConfigError(
             f"config.run_name={run_name!r} is not one directory name: the run is written to config.logdir/"
             "config.run_name, so give a plain name such as 'my_run' (no '/', not '.' or '..') and put the "
             "directories in config.logdir"
+        )
+
+
+def _marked_run_above(path):
+    """The nearest directory above `path` (links resolved) that holds RUN_MARK, or None."""
+    real = os.path.realpath(path)
+    parent = os.path.dirname(real)
+    while True:
+        if os.path.isfile(os.path.join(parent, RUN_MARK)):
+            return parent
+        if os.path.dirname(parent) == parent:
+            return None
+        parent = os.path.dirname(parent)
+
+
+def _refuse_a_directory_not_a_run(run_dir, config):
+    """A new run writes only into a directory of its own: one that does not exist yet, is empty, or is a run
+    (RUN_MARK, or an earlier run's files: `_refuse_an_earlier_run` decides); never into a user's non-empty directory
+    (also through a link) nor inside another run's directory (whose overwrite would delete it)."""
+    where = f"config.logdir={config.logdir!r} / config.run_name={config.run_name!r}"
+    real = os.path.realpath(run_dir)
+    shown = run_dir if real == run_dir else f"{run_dir} (a link to {real})"
+    outer = _marked_run_above(run_dir)
+    if outer is not None:
+        raise ConfigError(
+            f"{where}: {shown} lies inside the run directory {outer}, whose files a new run would mix with (and an "
+            "overwrite of that run would delete); give a config.logdir outside every run directory"
+        )
+    if not os.path.isdir(run_dir) or os.path.isfile(os.path.join(run_dir, RUN_MARK)) or _holds_a_run(run_dir):
+        return
+    try:
+        entries = sorted(os.listdir(run_dir))
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot read {shown} ({err.strerror or err}); pick another config.run_name") from None
+    if entries:
+        raise ConfigError(
+            f"{where}: {shown} is not empty ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}) and is not "
+            f"a ddpo-group run (no {RUN_MARK} mark): a new run would mix its files with these; pick another "
+            "config.run_name or config.logdir, or give an empty directory"
         )
 
 

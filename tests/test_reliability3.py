@@ -252,3 +252,47 @@ def test_a_hub_that_never_answers_is_one_line_within_the_deadline(tmp_path, monk
     assert outcome["model"].startswith("config.pretrained.model='some-org/some-model': the model hub")
     assert "did not answer within 1 s" in outcome["model"] and "set HF_HUB_OFFLINE=1" in outcome["model"]
     assert outcome["clip"].startswith("reward_kwargs.aesthetic.clip_model='some-org/some-clip': the model hub")
+
+
+# Audit 2: a negative reward_timeout is refused by the config check, not blamed on a healthy reward later
+def test_a_negative_reward_timeout_is_refused_naming_the_field(tmp_path):
+    from ddpo_group.config_check import ConfigError, check_config
+    from helpers import make_config
+
+    with pytest.raises(ConfigError) as info:
+        check_config(make_config(tmp_path, reward_timeout=-1.0))
+    assert str(info.value).startswith("config.reward_timeout=-1.0 must be >= 0") and "\n" not in str(info.value)
+    check_config(make_config(tmp_path, reward_timeout=0.0))  # 0: no limit
+
+
+# Audit 2: a DDPO_GROUP_HUB_TIMEOUT that is not a positive number is one line naming it, not a silent 10 s
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf"])
+def test_a_bad_hub_timeout_is_one_line_naming_the_variable(monkeypatch, value):
+    from ddpo_group.hub import check_hub, hub_timeout
+
+    monkeypatch.setenv("DDPO_GROUP_HUB_TIMEOUT", value)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(ValueError) as info:
+        hub_timeout()
+    message = str(info.value)
+    assert message.startswith(f"DDPO_GROUP_HUB_TIMEOUT={value!r} must be a positive number") and "\n" not in message
+    with pytest.raises(ValueError, match="DDPO_GROUP_HUB_TIMEOUT"):  # before anything is asked of the hub
+        check_hub("some-org/some-model", "config.pretrained.model")
+    monkeypatch.setenv("DDPO_GROUP_HUB_TIMEOUT", "2.5")
+    assert hub_timeout() == 2.5
+    monkeypatch.delenv("DDPO_GROUP_HUB_TIMEOUT")
+    assert hub_timeout() == 10.0
+
+
+# Audit 2: inspect when RUN/report.html is a directory: one line naming the path, the directory left alone
+def test_inspect_onto_a_report_that_is_a_directory_is_one_line(tmp_path, capsys):
+    from ddpo_group.cli import inspect_main
+
+    run = _run_with_metrics(tmp_path, [{"epoch": 0, "reward_mean": 0.5}])
+    (run / "report.html").mkdir()
+    assert inspect_main([str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"ddpo-group-inspect: error: cannot write the report to {run / 'report.html'}: it is a "
+                   "directory; remove it, or pass --output with the path of an .html file")
+    assert (run / "report.html").is_dir() and not [p for p in run.iterdir() if p.name.endswith(".tmp")]
+    assert inspect_main([str(run), "--output", str(run / "r.html")]) == 0

@@ -155,8 +155,8 @@ def test_overwrite_removes_only_the_files_a_run_wrote(tmp_path):
     run_dir.release()
     again, config = RunDir.resolve(make_config(tmp_path, overwrite=True))
     again.start(config, first_epoch=0)
-    again.release()  # a run that ends removes its .lock
-    assert sorted(os.listdir(again.path)) == [".ddpo_group_run", "config.json", "notes.txt"]
+    again.release()
+    assert sorted(os.listdir(again.path)) == [".ddpo_group_run", "config.json", "notes.txt"]  # release removed .lock
 
 
 @pytest.mark.parametrize("name", ["..", ".", "../escaped", "a/b", "/abs/run"])
@@ -225,3 +225,86 @@ def test_safetensors_failing_on_a_full_disk_is_one_line_and_leaves_no_temporary(
     assert "checkpoint_2" in message and "is full" in message and "checkpoint_1 is kept" in message
     assert "\n" not in message
     assert os.listdir(tmp_path / "r" / "checkpoints") == ["checkpoint_1"]
+
+
+# Audit 2, the run directory mixing into user data: a new run writes only into a directory of its own.
+def test_a_new_run_into_a_non_empty_directory_that_is_not_a_run_is_refused(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("x")
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError) as info:
+            RunDir.resolve(make_config(tmp_path, run_name="mine", overwrite=overwrite))
+        message = str(info.value)
+        assert message.startswith(f"config.logdir={str(tmp_path)!r} / config.run_name='mine'") and "\n" not in message
+        assert "keep.txt" in message and "pick another config.run_name" in message
+    assert sorted(p.name for p in mine.iterdir()) == ["keep.txt"]
+    (tmp_path / "empty").mkdir()  # an empty directory is the run's to use
+    run_dir, _ = RunDir.resolve(make_config(tmp_path, run_name="empty"))
+    assert run_dir.path == str(tmp_path / "empty")
+
+
+def test_a_run_name_that_links_to_a_non_empty_user_directory_is_refused(tmp_path):
+    (tmp_path / "userdata").mkdir()
+    (tmp_path / "userdata" / "keep.txt").write_text("x")
+    (tmp_path / "logs").mkdir()
+    os.symlink(tmp_path / "userdata", tmp_path / "logs" / "lnk")
+    with pytest.raises(ConfigError) as info:
+        RunDir.resolve(make_config(tmp_path / "logs", run_name="lnk"))
+    message = str(info.value)
+    assert "config.run_name='lnk'" in message and f"a link to {tmp_path / 'userdata'}" in message
+    assert "\n" not in message and sorted(os.listdir(tmp_path / "userdata")) == ["keep.txt"]
+
+
+@pytest.mark.parametrize("where", ["samples", "samples/deeper"])
+def test_a_run_inside_another_runs_directory_is_refused(tmp_path, where):
+    first, config = RunDir.resolve(make_config(tmp_path, run_name="ed"))
+    first.start(config, first_epoch=0)
+    first.release()
+    os.makedirs(first.file("samples"))
+    logdir = os.path.dirname(os.path.join(first.path, where))
+    with pytest.raises(ConfigError) as info:  # logdir=RUN/, run_name=samples; or any path below the run
+        RunDir.resolve(make_config(logdir, run_name=os.path.basename(where)))
+    message = str(info.value)
+    assert message.startswith(f"config.logdir={logdir!r}") and f"inside the run directory {first.path}" in message
+    assert "config.logdir outside every run directory" in message and "\n" not in message
+    assert os.listdir(first.file("samples")) == []
+
+
+def test_logdir_and_resume_from_expand_the_users_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    run_dir, config = RunDir.resolve(make_config("~/runs", run_name="t1"))
+    assert run_dir.path == str(tmp_path / "home" / "runs" / "t1") and config.logdir == str(tmp_path / "home" / "runs")
+    run_dir.start(config, first_epoch=0)
+    run_dir.release()
+    assert not (tmp_path / "~").exists() and (tmp_path / "home" / "runs" / "t1" / CONFIG_FILE).is_file()
+    with pytest.raises(CheckpointError) as info:  # resume_from reads the expanded path (it holds no checkpoint)
+        RunDir.resolve(make_config(tmp_path, resume_from="~/runs/t1"))
+    assert str(tmp_path / "home" / "runs" / "t1") in str(info.value) and "no checkpoint_N" in str(info.value)
+
+
+def test_a_run_name_longer_than_a_directory_name_may_be_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        RunDir.resolve(make_config(tmp_path, run_name="a" * 300))
+    message = str(info.value)
+    assert message.startswith("config.run_name=") and "300 bytes" in message and "255" in message
+    assert "\n" not in message and list(tmp_path.iterdir()) == []
+    RunDir.resolve(make_config(tmp_path, run_name="a" * 255))  # the longest name allowed
+    with pytest.raises(ConfigError, match="256 bytes"):  # bytes, not characters: 128 two-byte characters
+        RunDir.resolve(make_config(tmp_path, run_name="é" * 128))
+
+
+def test_resume_from_with_overwrite_is_refused_naming_both(tmp_path):
+    first, config = RunDir.resolve(make_config(tmp_path, run_name="base"))
+    first.start(config, first_epoch=0)
+    first.release()
+    os.makedirs(first.file("checkpoints/checkpoint_1"))
+    with open(first.file(f"checkpoints/checkpoint_1/{TRAINER_STATE}"), "w") as f:
+        json.dump({"epoch": 1}, f)
+    RunDir.resolve(make_config(tmp_path, run_name="base", resume_from=first.path))  # resumable on its own
+    with pytest.raises(ConfigError) as info:
+        RunDir.resolve(make_config(tmp_path, run_name="base", resume_from=first.path, overwrite=True))
+    message = str(info.value)
+    assert message.startswith(f"config.resume_from={first.path!r} and config.overwrite=True") and "\n" not in message
+    assert sorted(os.listdir(first.path)) == [".ddpo_group_run", "checkpoints", CONFIG_FILE]

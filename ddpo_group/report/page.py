@@ -467,6 +467,9 @@ def write_report(
         name = "report.html" if compare is None else f"report_vs_{Path(compare).resolve().name}.html"
         output = Path(run_dir) / name
     output = Path(output)
+    if output.is_dir():  # checked before the report is built: the rename onto a directory would fail at the end
+        raise ValueError(f"cannot write the report to {output}: it is a directory; remove it, or pass --output "
+                         "with the path of an .html file")
     text = build_report(run_dir, compare=compare, prompts=prompts, top_k=top_k, max_bytes=max_bytes,
                         link_base=output.resolve().parent, names=names)
 
@@ -474,5 +477,9 @@ def write_report(
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
 
-    atomic_write(output, write)
+    try:
+        atomic_write(output, write)
+    except OSError as err:  # a directory made meanwhile, no permission, a full disk: one line naming the file
+        raise ValueError(f"cannot write the report to {output}: {err.strerror or err}; free or fix that path, or "
+                         "pass --output with another .html file") from err
     return output
