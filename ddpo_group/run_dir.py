@@ -23,6 +23,10 @@ that holds another run unless config.overwrite, which removes the earlier run's 
 without the mark, never a file it did not write) while it holds the run's lock; config.run_name is one directory
 name under config.logdir; a resumed run keeps its stored config except the fields
 the user set and SAFE_RESUME_FIELDS allows (`resumed_config`).
+
+Why one room of some 700 lines: every rule about what may be written, removed or resumed in a run directory (the
+lock, the mark, the refusals, atomic and sharded checkpoints, the resume's config merge) reads the same list of
+files above; split, a refusal could drift from the file list it protects.
 """
 
 import contextlib

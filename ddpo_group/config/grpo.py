@@ -1,5 +1,6 @@
 """Named experiment configurations. Pick one with `--config config/grpo.py:NAME` (a checkout) or
-`ddpo-group-train --config NAME` (any directory, installed or not).
+`ddpo-group-train --config NAME` (any directory, installed or not). One file of some 800 lines because a variant
+is read against the ones it derives from (tiny_* from tiny, the task presets from sd35): the list below is the map.
 
     sd15            GRPO + reference KL on Stable Diffusion 1.5 with LoRA (config/grpo.py without :NAME; needs a GPU, the hub)
     ddpo            ddpo-pytorch's algorithm and defaults on SD 1.5: PPO on all steps, per-prompt stat tracking
