@@ -257,6 +257,25 @@ def tiny_qwen_text_encoder_config(vocab_size):
     )
 
 
+def _tiny_qwen_parts(seed, text_encoder_config):
+    """The random tiny transformer, VAE and Qwen2.5-VL text encoder of the tiny Qwen-Image pipelines (text-to-image
+    and edit), drawn in that order from `seed` with the global torch RNG state left unchanged."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+            joint_attention_dim=32, axes_dims_rope=(2, 2, 4),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, False],
+            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0],
+        )
+        text_encoder = Qwen2_5_VLForConditionalGeneration(text_encoder_config)
+    return transformer, vae, text_encoder
+
+
 def build_tiny_qwen_image_pipeline(seed=0):
     """A QwenImagePipeline with random weights drawn from ``seed`` (CPU, float32), built offline.
 
@@ -271,20 +290,8 @@ def build_tiny_qwen_image_pipeline(seed=0):
     Default image: 32x32 (``default_sample_size`` 8 x VAE factor 4). The global torch RNG state is left
     unchanged. Same seed -> same weights.
     """
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     tokenizer = build_tiny_qwen_tokenizer()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
-            joint_attention_dim=32, axes_dims_rope=(2, 2, 4),
-        )
-        vae = AutoencoderKLQwenImage(
-            base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, False],
-            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0],
-        )
-        text_encoder = Qwen2_5_VLForConditionalGeneration(tiny_qwen_text_encoder_config(len(tokenizer)))
+    transformer, vae, text_encoder = _tiny_qwen_parts(seed, tiny_qwen_text_encoder_config(len(tokenizer)))
     pipeline = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae.eval(),
         text_encoder=text_encoder.eval(), tokenizer=tokenizer, transformer=transformer.eval(),
@@ -417,7 +424,7 @@ def build_tiny_qwen_image_edit_pipeline(seed=0):
     the same 2 x 32 text layers whose 1-block vision tower now reads the source (its image / vision token ids are
     the tokenizer's), the processor ``build_tiny_qwen_edit_processor``. Default image 32 x 32. The global torch RNG
     state is left unchanged."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLConfig
 
     processor = build_tiny_qwen_edit_processor()
     tokenizer = processor.tokenizer
@@ -426,17 +433,7 @@ def build_tiny_qwen_image_edit_pipeline(seed=0):
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
     config = Qwen2_5_VLConfig(text_config=base["text_config"], vision_config=base["vision_config"], **ids)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
-            joint_attention_dim=32, axes_dims_rope=(2, 2, 4),
-        )
-        vae = AutoencoderKLQwenImage(
-            base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, False],
-            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0],
-        )
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    transformer, vae, text_encoder = _tiny_qwen_parts(seed, config)
     pipeline = QwenImageEditPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae.eval(),
         text_encoder=text_encoder.eval(), tokenizer=tokenizer, processor=processor, transformer=transformer.eval(),
