@@ -90,35 +90,29 @@ def load_clip_model(model, reward: str, field: str = "clip_model", model_class: 
         ) from exc
 
 
-def load_tokenizer(tokenizer, reward: str, field: str = "tokenizer"):
-    """`tokenizer` if it is already a tokenizer object, else `AutoTokenizer.from_pretrained(tokenizer)`."""
-    if not isinstance(tokenizer, str):
-        return tokenizer
+def _from_pretrained(source, loader: str, what: str, reward: str, field: str):
+    """`source` if it is already a loaded object, else `transformers.<loader>.from_pretrained(source)`; a source that
+    cannot be loaded is RewardNotReadyError naming the reward's keyword argument `field`."""
+    if not isinstance(source, str):
+        return source
     import transformers
 
     try:
-        return transformers.AutoTokenizer.from_pretrained(tokenizer)
+        return getattr(transformers, loader).from_pretrained(source)
     except (OSError, ValueError) as exc:
         raise RewardNotReadyError(
-            f"reward {reward!r}: cannot load tokenizer {tokenizer!r} ({exc}). Download it with "
-            f"`huggingface-cli download {tokenizer}` while online, or set the reward's keyword "
+            f"reward {reward!r}: cannot load {what} {source!r} ({exc}). Download it with "
+            f"`huggingface-cli download {source}` while online, or set the reward's keyword "
             f"argument {field}=/path/to/local/dir (config: reward_kwargs.{reward}.{field})",
             reward=reward,
         ) from exc
 
 
+def load_tokenizer(tokenizer, reward: str, field: str = "tokenizer"):
+    """`tokenizer` if it is already a tokenizer object, else `AutoTokenizer.from_pretrained(tokenizer)`."""
+    return _from_pretrained(tokenizer, "AutoTokenizer", "tokenizer", reward, field)
+
+
 def load_image_processor(processor, reward: str, field: str = "image_processor"):
     """`processor` if it is already an image processor object, else `CLIPImageProcessor.from_pretrained(processor)`."""
-    if not isinstance(processor, str):
-        return processor
-    import transformers
-
-    try:
-        return transformers.CLIPImageProcessor.from_pretrained(processor)
-    except (OSError, ValueError) as exc:
-        raise RewardNotReadyError(
-            f"reward {reward!r}: cannot load the CLIP image processor {processor!r} ({exc}). Download it with "
-            f"`huggingface-cli download {processor}` while online, or set the reward's keyword argument "
-            f"{field}=/path/to/local/dir (config: reward_kwargs.{reward}.{field})",
-            reward=reward,
-        ) from exc
+    return _from_pretrained(processor, "CLIPImageProcessor", "the CLIP image processor", reward, field)
