@@ -6,6 +6,11 @@
 #
 #   bash benchmarks/critic_study.sh [OUT] [JOBS]       # default OUT=benchmarks/results/critic_runs, JOBS=2
 #
+# STAGES (default "decomposition sweep seeds merged") runs some of the stages; SWEEP_LRS (default "5e-5 1e-4") the
+# sweep's learning rates, so that the sweep can be split over machines (each half's OUT/sweep/parts/*/bench_seeds.json
+# merge with `bench_training.py --merge`): e.g. STAGES=sweep SWEEP_LRS=1e-4 on a lent 16-core machine, SWEEP_LRS=5e-5
+# here. The sweep's one run of today's default comes with the first of SWEEP_LRS that is 5e-5.
+#
 # The plan:
 #   0. decomposition  benchmarks/variance_decomposition.py (no training, minutes): each step's share of the
 #                     reward's within-prompt variance and how much a trained ValueNetwork / the anchor explain;
@@ -32,6 +37,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/critic_runs}
 JOBS=${2:-2}
+STAGES=${STAGES:-decomposition sweep seeds merged}
+SWEEP_LRS=${SWEEP_LRS:-5e-5 1e-4}
+stage() { [[ " $STAGES " == *" $1 "* ]]; }
 PY=${PYTHON:-.venv/bin/python}
 bench() {  # bench STAGE SEEDS METHODS
   "$PY" benchmarks/bench_training.py --common-variant tiny --seeds "$2" --seed-start 42 --epochs 40 --eval-freq 5 \
@@ -40,15 +48,18 @@ bench() {  # bench STAGE SEEDS METHODS
 
 # --- 0. where the variance is (no training) ---
 mkdir -p "$OUT"
+if stage decomposition; then
 OMP_NUM_THREADS=1 "$PY" benchmarks/variance_decomposition.py --critic-epochs 30 --output "$OUT/decomposition.json" \
   --png "$OUT/decomposition.png"
 OMP_NUM_THREADS=1 "$PY" benchmarks/variance_decomposition.py --others deterministic \
   --output "$OUT/decomposition_deterministic.json" --png "$OUT/decomposition_deterministic.png"
+fi
 
 # --- 1. one seed: the sweep ---
-M="default=group_ppo:train.learning_rate=5e-5"
-for lr in 5e-5 1e-4; do
-  M="$M,grpo_w2_lr$lr=sde_window2:train.learning_rate=$lr"
+M=""
+[[ " $SWEEP_LRS " == *" 5e-5 "* ]] && M="default=group_ppo:train.learning_rate=5e-5"
+for lr in $SWEEP_LRS; do
+  M="${M:+$M,}grpo_w2_lr$lr=sde_window2:train.learning_rate=$lr"
   M="$M,grpo_w4_lr$lr=sde_window2:sample.sde_window_size=4:train.learning_rate=$lr"
   for kind in network anchor anchor_residual; do
     for lam in 0.5 0.95; do
@@ -63,13 +74,15 @@ for lr in 5e-5 1e-4; do
   done
   M="$M,win3_anchor_residual_lr$lr=critic_window:sample.sde_window_size=3:critic.kind=anchor_residual:algorithm.lam=0.5:train.learning_rate=$lr"
 done
-bench sweep 1 "$M"
+stage sweep && bench sweep 1 "$M"
 
 # --- 2. three seeds of the best of each arm (edit after the sweep) ---
 BEST_FREE=${BEST_FREE:-free=sde_window2:train.learning_rate=1e-4}
 BEST_WINDOW=${BEST_WINDOW:-window=critic_window:critic.kind=anchor_residual:algorithm.lam=0.5:train.learning_rate=5e-5}
 BEST_EVERYWHERE=${BEST_EVERYWHERE:-everywhere=critic_everywhere:critic.kind=anchor_residual:algorithm.lam=0.5:train.learning_rate=5e-5}
-bench seeds 3 "grpo_kl,default=group_ppo:train.learning_rate=5e-5,$BEST_FREE,$BEST_WINDOW,$BEST_EVERYWHERE"
+stage seeds && bench seeds 3 "grpo_kl,default=group_ppo:train.learning_rate=5e-5,$BEST_FREE,$BEST_WINDOW,$BEST_EVERYWHERE"
 
 # --- 3. merged, relative to the best critic-free arm ---
-"$PY" benchmarks/bench_training.py --merge "$OUT/seeds/bench_seeds.json" --reference free --output-dir "$OUT/merged"
+if stage merged; then
+  "$PY" benchmarks/bench_training.py --merge "$OUT/seeds/bench_seeds.json" --reference free --output-dir "$OUT/merged"
+fi

@@ -8,6 +8,7 @@
 #                   bash benchmarks/device_session.sh tests                        # pytest -n 14, log + junit in $OUT
 #                   bash benchmarks/device_session.sh gpu-check [gpu_check args]   # JSON + log in $OUT
 #                   bash benchmarks/device_session.sh activation-memory [args]     # JSON + log in $OUT
+#                   CPU_JOB=... bash benchmarks/device_session.sh lease             # all in one call (see below)
 #
 # A plan for a 30-minute lease (one run at a time, 10 minutes a call; the first call also starts the machine):
 #   1. tests                                                        the CUDA suite (issue: 0 failed, 0 errors)
@@ -23,7 +24,24 @@ OUT=${OUT:-/tmp/device_out}
 
 install_wheels() {
   mkdir -p "$OUT"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  # diffusers, ml-collections and uvicorn always (this venv's versions); any other wheel only when the image lacks it
+  local wheels
+  wheels=$(python3 - <<'PY'
+import glob, importlib.metadata as m, os
+for path in sorted(glob.glob(".whl/*.whl")):
+    name = os.path.basename(path).split("-")[0].replace("_", "-").lower()
+    try:
+        m.version(name)
+        present = name not in ("diffusers", "ml-collections", "uvicorn")
+    except m.PackageNotFoundError:
+        present = False
+    if not present:
+        print(path)
+PY
+)
+  [ -n "$wheels" ] || { echo "device_session: no .whl/*.whl (run 'download' here and carry .whl)"; exit 1; }
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     || { echo "device_session: could not install .whl/*.whl (run 'download' here and carry .whl)"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1
@@ -34,7 +52,9 @@ case "$what" in
   download)
     version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
     mkdir -p .whl
-    for name in diffusers ml-collections uvicorn; do
+    # the core's three, and the dev extra's packages a CUDA image may lack (each installed there only when missing)
+    for name in diffusers ml-collections uvicorn rapidfuzz openai httpx2 httpcore2 truststore jiter anyio sniffio h11 \
+        pydantic pydantic-core annotated-types typing-inspection scipy hypothesis sortedcontainers; do
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl "$name==$(version "$name")" || exit 1
@@ -50,13 +70,45 @@ case "$what" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi.txt"
     timeout 580 python3 benchmarks/gpu_check.py --output "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
     ;;
+  lease)
+    # Everything in one call, for a lease of 15 minutes of device time (about 9 of them one command's): CPU_JOB (a
+    # shell command, e.g. a study's single-thread runs, stopped with its process group after CPU_SECONDS (default
+    # 500); then CPU_COLLECT, a command that copies what it wants to keep to $CPU_OUT = $OUT/cpu)
+    # runs in the background on the cores the GPU leaves, beside the CUDA tests and three GPU checks one after
+    # another: SD-1.5 fp16 (every variant; issues 21, 22, 25's targets), SD3.5 bf16, and SDXL + Wan bf16 with the
+    # 1-process FSDP2 row. Each has its own timeout; what finishes comes back.
+    install_wheels
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi.txt"
+    cpu_pid=""
+    if [ -n "${CPU_JOB:-}" ]; then
+      mkdir -p "$OUT/cpu"
+      # CPU_COLLECT right after the job's own timeout, whatever the GPU checks are doing (the call's limit may
+      # come first)
+      ( CPU_OUT="$OUT/cpu" timeout "${CPU_SECONDS:-500}" bash -c "$CPU_JOB" > "$OUT/cpu/job.log" 2>&1
+        echo "cpu job: exit $? ($(date -u +%T))" >> "$OUT/cpu/job.log"
+        [ -z "${CPU_COLLECT:-}" ] || CPU_OUT="$OUT/cpu" bash -c "$CPU_COLLECT" ) &
+      cpu_pid=$!
+    fi
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_config.py \
+      --junitxml "$OUT/junit.xml" 2>&1 | tail -5 | tee "$OUT/tests.log"
+    check() {  # check NAME SECONDS ARGS...
+      local name=$1 seconds=$2
+      shift 2
+      OMP_NUM_THREADS=2 timeout "$seconds" python3 benchmarks/gpu_check.py --output "$OUT/gpu_check_$name.json" "$@" > "$OUT/gpu_check_$name.log" 2>&1
+      echo "gpu_check $name: exit $? ($(date -u +%T))"
+    }
+    check sd15 ${SD15_SECONDS:-200} --arch sd15 --dtypes fp16
+    check sd35 ${SD35_SECONDS:-130} --arch sd35 --dtypes bf16 --variants grpo,group_ppo
+    check sdxl_wan ${SDXL_WAN_SECONDS:-130} --arch sdxl,wan --dtypes bf16 --variants grpo --fsdp2 1
+    [ -z "$cpu_pid" ] || wait "$cpu_pid"
+    ;;
   activation-memory)
     install_wheels
     timeout 580 python3 benchmarks/activation_memory.py --output "$OUT/activation_memory.json" "$@" 2>&1 \
       | tee "$OUT/activation_memory.log"
     ;;
   *)
-    echo "usage: bash benchmarks/device_session.sh download | tests [pytest args] | gpu-check [args] | activation-memory [args]"
+    echo "usage: bash benchmarks/device_session.sh download | tests [pytest args] | gpu-check [args] | activation-memory [args] | lease"
     exit 2
     ;;
 esac

@@ -41,7 +41,9 @@ architecture and dtype:
                   before the first optimizer step, approx_kl and clipfrac (all three exactly 0: at lr 1e-30 the
                   weights do not move, so the recompute pass of pi_old must equal every later training forward
                   bit for bit), the layout noise that recomputing pi_old removed, the training pass in seconds per
-                  trajectory-step, peak GPU memory, skipped optimizer steps. For NFT / AWM the on-policy number
+                  trajectory-step, peak GPU memory, skipped optimizer steps (fp16: apart from them, the steps the
+                  GradScaler skipped while it lowered its scale from 2**16, and its final scale; not failures).
+                  For NFT / AWM the on-policy number
                   is the first window's max |prediction - old model's prediction| (exactly 0 as well).
                   `--gradient-checkpointing` runs the fwd+bwd check and every training run with
                   train.gradient_checkpointing (docs/memory.md).
@@ -335,7 +337,10 @@ def run_fsdp2(arch, spec, args, dtype_name, logdir, num_processes):
         "peak_memory": peak_key, "s_per_epoch": sum(epoch_s) / len(rows), "launch_to_end_s": time.perf_counter() - start,
         "approx_kl": max(abs(row.get("approx_kl", 0.0)) for row in rows),
         "clipfrac": max(row.get("clipfrac", 0.0) for row in rows),
-        "skipped_steps": sum(row["train/skipped_steps"] for row in rows),
+        # cumulative counters of the run: the last epoch's values
+        "skipped_steps": rows[-1]["train/skipped_steps"],
+        "scaler_skipped_steps": rows[-1].get("train/scaler_skipped_steps", 0),
+        "grad_scale": rows[-1].get("train/grad_scale"),
     }
 
 
@@ -379,7 +384,10 @@ def run_algorithm(arch, spec, algorithm, args, dtype_name, logdir, suffix=""):
         "approx_kl_by_epoch": [row.get("approx_kl", 0.0) for row in rows],
         "clipfrac_by_epoch": [row.get("clipfrac", 0.0) for row in rows],
         "layout_noise_max_abs_log_ratio": max(noise) if noise else None,
-        "skipped_steps": sum(row["train/skipped_steps"] for row in rows),
+        # cumulative counters of the run: the last epoch's values
+        "skipped_steps": rows[-1]["train/skipped_steps"],
+        "scaler_skipped_steps": rows[-1].get("train/scaler_skipped_steps", 0),
+        "grad_scale": rows[-1].get("train/grad_scale"),
         "time_sample_s": sum(row["time/sample"] for row in rows) / len(rows),
         "time_train_s": sum(row["time/train"] for row in rows) / len(rows),
         "train_s_per_trajectory_step": sum(row["time/train"] for row in rows) / trained,
@@ -442,8 +450,9 @@ def render(results):
     lines += [
         "",
         "| arch | dtype | algorithm | epochs x opt. steps | on-policy max abs log ratio | approx_kl (max over epochs) | "
-        "clipfrac (max) | layout noise removed | train s / trajectory-step | peak GPU MB | skipped |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "clipfrac (max) | layout noise removed | train s / trajectory-step | peak GPU MB | skipped | "
+        "fp16 scaler skips (final scale) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for arch, a in results["archs"].items():
         for dtype, d in a["dtypes"].items():
@@ -453,7 +462,8 @@ def render(results):
                     f"| {arch} | {dtype} | {name} | {v['epochs']} x {v['optimizer_steps_per_epoch']:g} | "
                     f"{'-' if ratio is None else f'{ratio:.3g}'} | {v['approx_kl']:.3g} | {v['clipfrac']:.3g} | "
                     f"{'-' if noise is None else f'{noise:.3g}'} | {v['train_s_per_trajectory_step']:.4f} | "
-                    f"{'-' if peak is None else f'{peak:.0f}'} | {v['skipped_steps']} |"
+                    f"{'-' if peak is None else f'{peak:.0f}'} | {v['skipped_steps']} | "
+                    + (f"{v['scaler_skipped_steps']} ({v['grad_scale']:g}) |" if v.get("grad_scale") else "- |")
                 )
     fsdp2 = [(arch, dtype, row) for arch, a in results["archs"].items() for dtype, d in a["dtypes"].items()
              for row in d.get("fsdp2", [])]

@@ -164,7 +164,7 @@ def update_critic(critic, optimizer, samples, config, accelerator, epoch, metric
     start = time.perf_counter()
     b_local = len(samples.prompts)
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch * 101 + acc.process_index + 7)
-    losses, clipfracs = [], []
+    losses, clipfracs, skipped = [], [], 0
     critic.train()
     for _ in range(config.critic.num_epochs):
         perm = torch.randperm(b_local, generator=generator)
@@ -181,9 +181,14 @@ def update_critic(critic, optimizer, samples, config, accelerator, epoch, metric
             acc.backward(loss)
             acc.clip_grad_norm_(critic.parameters(), config.critic.max_grad_norm)
             optimizer.step()
+            # fp16: the loss scaler (shared with the policy) skips a step whose scaled value-loss gradient
+            # overflows, as with rewards of large magnitude early on, and lowers its scale
+            skipped += int(getattr(optimizer, "step_was_skipped", False))
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
             clipfracs.append(float(clipfrac))
     metrics["critic/value_loss"] = float(np.mean(losses))
     metrics["critic/clipfrac"] = float(np.mean(clipfracs))
+    if acc.scaler is not None:
+        metrics["critic/skipped_steps"] = skipped
     metrics["time/critic"] = time.perf_counter() - start

@@ -108,8 +108,7 @@ class ForwardUpdate:
         metrics["time/train"] = time.perf_counter() - start
         metrics["train/unet_calls"] = len(plan) * k_steps
         metrics["train/unet_steps_per_sample"] = float(k_steps)
-        metrics["train/skipped_steps"] = tr.skipped_steps
-        metrics["train/global_step"] = tr.global_step
+        metrics.update(tr.step_metrics())
         if tr.reference is not None:
             metrics.update(tr.reference.metrics())
             if "kl" in metrics:

@@ -189,8 +189,7 @@ class UpdateStats:
         # batched forward+backward calls of the denoising model (the key keeps its first name, "unet")
         metrics["train/unet_calls"] = sum(mb.step_idx.shape[1] for mb in plan)
         metrics["train/unet_steps_per_sample"] = sum(mb.step_idx.numel() for mb in plan) / num_samples
-        metrics["train/skipped_steps"] = tr.skipped_steps
-        metrics["train/global_step"] = tr.global_step
+        metrics.update(tr.step_metrics())
         if tr.reference is not None:
             metrics.update(tr.reference.metrics())
             metrics["ref/kl"] = metrics["kl"]

@@ -122,12 +122,14 @@ class Trainer:
         self.estimator, self.trackers = self.advantages.estimator, self.advantages.trackers
 
         self.first_epoch, self.global_step, self.skipped_steps = 0, 0, 0
+        self.scaler_skipped_steps = 0  # fp16: steps the GradScaler skipped while it lowered its scale
         self._saved_at = None  # (epoch, global_step) of the checkpoint on disk that holds the current state
         self._checkpoint = self.files.resume_checkpoint
         if self.files.resume_checkpoint:
             state = self.files.load_checkpoint(acc, self._weight_copies(), sharded=self.sharded_state)
             self.first_epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
             self.skipped_steps = int(state.get("skipped_steps", 0))
+            self.scaler_skipped_steps = int(state.get("scaler_skipped_steps", 0))
             self.advantages.load_state_dict(state)
             self._saved_at = (self.first_epoch, self.global_step)
         # Written once everything above is accepted: a run that cannot start leaves no directory behind.
@@ -244,19 +246,35 @@ class Trainer:
     def _optimizer_step(self, bad):
         """Clip, step, zero; a step whose loss or gradient is not finite is skipped and counted.
 
+        fp16: the GradScaler starts at a scale of 2**16 and halves it after each step whose scaled gradients
+        overflow, skipping that step; a run's first steps are often skipped so (a short run's, all of them). Such a
+        step, with a finite loss and a scale above 1 before it, is counted apart (scaler_skipped_steps) from a step
+        skipped for a non-finite loss or gradient (skipped_steps, a warning).
+
         Returns {"skipped": bool, "grad_norm": the clipped-before norm of a step taken, else None}.
         """
         acc = self.accelerator
         grad_norm = self.clip_grad_norm(self.trainable_params, self.config.train.max_grad_norm)  # sharded or not
         flags = acc.gather(torch.tensor([float(bad)], device=acc.device))
-        skip = bool(flags.sum() > 0) or (grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)))
+        bad = bool(flags.sum() > 0)
+        skip = bad or (grad_norm is not None and not torch.isfinite(torch.as_tensor(grad_norm)))
+        calibrating = False
         if acc.scaler is not None:
             # fp16: the GradScaler skips a non-finite step itself and lowers its scale; it must see every step.
+            scale = float(acc.scaler.get_scale())
             self.optimizer.step()
-            skip = skip or acc.optimizer_step_was_skipped
+            # this optimizer's own flag: accelerate's optimizer_step_was_skipped is true when *any* prepared
+            # optimizer's last step was skipped (a critic's, whose value loss shares the scaler)
+            skip = skip or self.optimizer.step_was_skipped
+            calibrating = skip and not bad and scale > 1.0
         elif not skip:
             self.optimizer.step()
-        if skip:
+        if calibrating:
+            self.scaler_skipped_steps += 1
+            logger.info("fp16 loss scale %g overflowed: optimizer step skipped, scale now %g (the GradScaler "
+                        "lowering its scale; %d such steps so far)", scale, float(acc.scaler.get_scale()),
+                        self.scaler_skipped_steps)
+        elif skip:
             self.skipped_steps += 1
             logger.warning("non-finite loss or gradient: optimizer step skipped (%d so far)", self.skipped_steps)
         else:
@@ -266,9 +284,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {"skipped": skip, "grad_norm": None if skip or grad_norm is None else float(grad_norm)}
 
+    def step_metrics(self):
+        """The optimizer's counters for an epoch's metrics (both update paths): train/skipped_steps,
+        train/global_step and, with fp16's loss scaler, train/scaler_skipped_steps and train/grad_scale."""
+        metrics = {"train/skipped_steps": self.skipped_steps, "train/global_step": self.global_step}
+        if self.accelerator.scaler is not None:
+            metrics["train/scaler_skipped_steps"] = self.scaler_skipped_steps
+            metrics["train/grad_scale"] = float(self.accelerator.scaler.get_scale())
+        return metrics
+
     def save_checkpoint(self, epoch):
         """checkpoints/checkpoint_{epoch}, written atomically (``RunDir.save_checkpoint``)."""
         state = {"epoch": epoch, "global_step": self.global_step, "skipped_steps": self.skipped_steps,
+                 "scaler_skipped_steps": self.scaler_skipped_steps,
                  **self.advantages.state_dict()}
         final = self.files.save_checkpoint(self.accelerator, epoch, state, self._weight_copies(),
                                            self.config.num_checkpoint_limit, sharded=self.sharded_state,

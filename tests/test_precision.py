@@ -213,3 +213,54 @@ def test_gpu_check_runs_its_code_path_on_the_cpu(tmp_path):
         assert row["on_policy_max_abs_log_ratio"] == 0.0 and row["approx_kl"] == 0.0
         assert row["skipped_steps"] == 0
     assert results["dtypes"]["bf16"]["sampling_mask_all_ones"] is True
+
+
+def test_fp16_loss_scaler_calibration_is_counted_apart_from_non_finite_steps():
+    """fp16's GradScaler starts at 2**16 and halves its scale after a step whose scaled gradients overflow, skipping
+    it: such a step (finite loss, scale above 1) is counted in scaler_skipped_steps, not as a failure; a non-finite
+    loss, or an overflow at a scale of 1, is a skipped step. A real GradScaler behind accelerate's optimizer wrapper
+    (accelerate makes no scaler on a CPU, so this one is given to it)."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = acc.prepare(torch.optim.SGD([weight], lr=0.1))
+    trainer = SimpleNamespace(
+        accelerator=acc, optimizer=optimizer, trainable_params=[weight], clip_grad_norm=acc.clip_grad_norm_,
+        config=SimpleNamespace(train=SimpleNamespace(max_grad_norm=1e9)), reference=None,
+        skipped_steps=0, scaler_skipped_steps=0, global_step=0,
+    )
+
+    def step(grad, bad=False):
+        acc.scaler.scale((weight * grad).sum()).backward()  # the scaled loss's backward: gradient grad * scale
+        return Trainer._optimizer_step(trainer, bad)
+
+    assert step(1e38)["skipped"]  # a finite loss (3e38) whose scaled gradient (1e38 * 2**16) overflows
+    assert (trainer.scaler_skipped_steps, trainer.skipped_steps, trainer.global_step) == (1, 0, 0)
+    assert acc.scaler.get_scale() == 2.0**15
+    out = step(0.5)  # a finite step: taken, the weights move by lr * 0.5
+    assert not out["skipped"] and trainer.global_step == 1
+    assert torch.allclose(weight.detach(), torch.full((3,), 1.0 - 0.1 * 0.5))
+    assert step(0.5, bad=True)["skipped"]  # a non-finite loss: a failure, whatever the scale
+    assert (trainer.scaler_skipped_steps, trainer.skipped_steps) == (1, 1)
+    acc.scaler.update(1.0)  # at a scale of 1 an overflow is no longer the scaler finding its scale
+    assert step(math.inf)["skipped"] and acc.scaler.get_scale() == 0.5
+    assert (trainer.scaler_skipped_steps, trainer.skipped_steps, trainer.global_step) == (1, 2, 1)
+
+    # a critic's optimizer on the same scaler: its overflowing step (a value loss on large rewards) is skipped, and
+    # accelerate's optimizer_step_was_skipped then reads true for every optimizer; the policy's next, finite step
+    # is taken and counted as taken
+    acc.scaler.update(2.0**10)
+    value = torch.nn.Parameter(torch.zeros(2))
+    critic_optimizer = acc.prepare(torch.optim.SGD([value], lr=0.1))
+    acc.scaler.scale((value * 1e38).sum()).backward()
+    critic_optimizer.step()
+    critic_optimizer.zero_grad()
+    assert critic_optimizer.step_was_skipped and acc.optimizer_step_was_skipped
+    before = weight.detach().clone()
+    assert not step(0.5)["skipped"]
+    assert trainer.global_step == 2 and (trainer.scaler_skipped_steps, trainer.skipped_steps) == (1, 2)
+    assert torch.allclose(weight.detach(), before - 0.1 * 0.5)
