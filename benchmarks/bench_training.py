@@ -149,6 +149,18 @@ METHODS = {
             "train.early_steps": 4, "critic.train_steps": "all",
         },
     ),
+    "group_shared": (
+        "Group-PPO's default with each prompt's group sharing its initial noise (TempFlow-GRPO's seed groups, "
+        "sample.group_noise='shared'): the only spread inside a group is the trained step's noise",
+        "tiny_group_ppo", "group_ppo", {
+            "sample.sde_window_size": 1, "sample.sde_window_start": 0, "sample.group_noise": "shared",
+        },
+    ),
+    "branch": (
+        "TempFlow-style branching: a group shares its initial noise and the ODE steps up to a step drawn each epoch "
+        "(a 1-step SDE window, sample.sde_window='random'), branches there and is trained there; GRPO + KL",
+        "tiny", "sd15", {"sample.sde_window_size": 1, "sample.sde_window": "random", "sample.group_noise": "shared"},
+    ),
 }
 # The variant whose sampling work every method copies.
 COMMON_VARIANT = {"tiny": "tiny_all", "sd": "sd15", "tiny-sd3": "tiny_sd3", "tiny-flux": "tiny_flux"}

@@ -23,6 +23,7 @@ from ddpo_group.critic_designs import check_critic_config
 from ddpo_group.diffusion.base import configure_from_sample
 from ddpo_group.diffusion.policy import family_for_model, load_policy
 from ddpo_group.reference import ReferencePolicy
+from ddpo_group.rollout import check_group_noise
 
 
 @dataclasses.dataclass
@@ -77,6 +78,7 @@ def build_models(config, accelerator):
     sharding_lib.check_sharding_config(config, family_for_model(config.pretrained.model).shard_blocks if sharded else ())
     needs_values = adv_lib.get_adv_estimator(config.algorithm.adv_estimator).needs_values
     check_critic_config(config, needs_values)  # before the model loads; the family's part after it
+    check_group_noise(config)
     policy = load_policy(config.pretrained.model, revision=config.pretrained.revision or None, torch_dtype=dtype)
     try:
         configure_from_sample(policy, s)

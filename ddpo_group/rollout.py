@@ -114,6 +114,30 @@ class GroupCollector:
         return {name: np.array([values[i][name] for i in local_indices], dtype=np.float64) for name in names}, infos
 
 
+GROUP_NOISES = ("independent", "shared")
+
+
+def check_group_noise(config):
+    """ConfigError naming the field for a sample.group_noise that cannot run (before the model loads)."""
+    from ddpo_group.config_check import ConfigError
+
+    s = config.sample
+    if s.group_noise not in GROUP_NOISES:
+        raise ConfigError(f"config.sample.group_noise={s.group_noise!r} is not one of {list(GROUP_NOISES)}")
+    if s.group_noise == "shared" and s.eta == 0:
+        raise ConfigError(
+            "config.sample.group_noise='shared' with sample.eta=0 samples every trajectory of a group alike (no "
+            "stochastic step to spread them, so every advantage is 0): set sample.eta > 0 or group_noise='independent'"
+        )
+
+
+def group_generators(config, epoch, prompt_indices):
+    """One CPU generator per trajectory for its initial noise, seeded by (seed, epoch, prompt): the trajectories of
+    a prompt in an epoch start from one noise, on every process and in every batch (sample.group_noise="shared")."""
+    return [torch.Generator().manual_seed(int(np.random.default_rng([config.seed, epoch, int(i), 7]).integers(2**62)))
+            for i in prompt_indices]
+
+
 def sample_epoch(policy, prompts, reward_runner, config, accelerator, epoch, metrics, model=None, keep_steps=True):
     """This process's EpochBatch of `epoch` with its rewards and reward components (float32 on the device).
 
@@ -148,12 +172,14 @@ def sample_epoch(policy, prompts, reward_runner, config, accelerator, epoch, met
             int(np.random.default_rng([config.seed, epoch, batch_index, acc.process_index]).integers(2**62))
         )
         sources = source_images(records, s.resolution)  # an editing run's source images, None otherwise
+        shared = {"initial_generator": group_generators(config, epoch, local)} if s.group_noise == "shared" else {}
         with acc.autocast():
             trajectories = policy.sample(
                 [r.prompt for r in records], num_steps=s.num_steps, guidance_scale=s.guidance_scale, eta=levels,
                 generator=generator, prompt_ids=torch.as_tensor(local, dtype=torch.int64),
                 negative_prompt=s.negative_prompt, model=model, keep_steps=keep_steps, **source_kwargs(policy, sources),
                 **({"keep_x0_hat": True} if keeps_x0_hat(config) else {}),  # an anchor critic reads it
+                **shared,
             )
         # rewards of this batch run in the thread pool while the next batch samples
         # (the group-wise components wait for whole groups: GroupCollector)

@@ -129,6 +129,13 @@ def get_config():
     sample.sde_window = "fixed"
     sample.sde_window_start = 0
     sample.sde_window_shift_every = 1
+    # The initial noise of a prompt's group (docs/critic.md): "independent" (each trajectory its own) or "shared"
+    # (TempFlow-GRPO's seed groups: every trajectory of a prompt in an epoch starts from the same noise, so the only
+    # spread inside a group is the stochastic steps' noise). With an SDE window and ODE steps before it, a group's
+    # trajectories are one trajectory up to the window and branch there (TempFlow-style branching at the window's
+    # start; sde_window="random" branches at a new step each epoch). The shared prefix is still computed once per
+    # trajectory (no model calls saved).
+    sample.group_noise = "independent"
     # sde_type="cps" only: the log-probability of a step (docs/flow.md). "normalized" (the Gaussian
     # log-density per dimension, as every other step) or "flow_grpo" (FlowCPS / Flow-GRPO's cps form,
     # -mean (x' - mean)^2: constants and 1 / (2 std^2) dropped, so its log-ratios, which the PPO clip cuts,

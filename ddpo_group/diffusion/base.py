@@ -299,7 +299,10 @@ class DiffusionPolicy:
         raise NotImplementedError
 
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
-               model=None, show_progress=False, keep_steps=True):
+               model=None, show_progress=False, keep_steps=True, initial_generator=None):
+        """B trajectories (``Trajectories``). generator: the step noise's (and, when initial_generator is None, the
+        initial noise's); initial_generator: the initial noise's, a generator or a list of one per prompt
+        (sample.group_noise="shared" gives a group's trajectories one seed)."""
         raise NotImplementedError
 
     def forward_noise(self, x0, noise, timesteps):

@@ -178,12 +178,13 @@ class FlowMatchingPolicy(DiffusionPolicy):
 
     @torch.no_grad()
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
-               model=None, show_progress=False, keep_steps=True, source_images=None):
+               model=None, show_progress=False, keep_steps=True, source_images=None, initial_generator=None):
         """B trajectories of `num_steps` SDE steps; eta: the noise level a, or one per step (0: an ODE step).
 
         keep_steps=False: only the clean latents are kept and no log-prob is computed (``Trajectories``).
         source_images: (B, 3, H, W) float in [0, 1], an editing family's source image per prompt (``_encode_edit``
-        puts its encoding into the conditioning, kept in ``Trajectories.extra_cond``)."""
+        puts its encoding into the conditioning, kept in ``Trajectories.extra_cond``).
+        initial_generator: the initial noise's generator (or list of B), when not ``generator``'s."""
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -199,7 +200,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
             cond = self._encode_edit(prompts, negative_prompt, guidance_scale, device, sources)
         else:
             cond = self._encode(prompts, negative_prompt, guidance_scale, device)
-        latents = self._initial_latents(batch_size, device, generator)
+        latents = self._initial_latents(batch_size, device, generator if initial_generator is None else initial_generator)
         timesteps, sigmas = self._set_timesteps(num_steps, device)
         check_sigma_grid(sigmas.unsqueeze(0))  # once: the steps below then do not read their sigmas back from the device
         grid = sigmas.unsqueeze(0).repeat(batch_size, 1)

@@ -198,6 +198,7 @@ def sample_ddim(
     keep_steps=True,
     encode=None,
     keep_x0_hat=False,
+    initial_generator=None,
 ):
     """Sample B = len(prompts) trajectories x_0 -> x_T with their per-step log-probabilities.
 
@@ -223,6 +224,8 @@ def sample_ddim(
             forward-process objectives read nothing else; ``Trajectories``' docstring).
         encode: (prompts, negative_prompt, do_cfg, device, height) -> conditioning dict (default
             ``_encode_prompts``; SDXL's adds pooled embeddings and ``add_time_ids``, kept in ``extra_cond``).
+        initial_generator: the initial noise's generator (or list of B), when not ``generator``'s (a group
+            sharing its initial noise: sample.group_noise="shared").
         keep_x0_hat: also keep each step's one-step prediction x0_hat (B, T, C, h, w) from the step's own model
             call (``Trajectories.x0_hat``; the anchor critic reads it).
 
@@ -255,7 +258,8 @@ def sample_ddim(
     levels = noise_levels(eta, len(timesteps))
     # float32 latents whatever the model dtype: the trajectory is the policy's data (module docstring)
     latents = pipeline.prepare_latents(
-        batch_size, pipeline.unet.config.in_channels, height, width, torch.float32, device, generator
+        batch_size, pipeline.unet.config.in_channels, height, width, torch.float32, device,
+        generator if initial_generator is None else initial_generator,
     )
 
     all_latents = [latents]
@@ -403,12 +407,12 @@ class StableDiffusionPolicy(DiffusionPolicy):
         }
 
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
-               model=None, show_progress=False, keep_steps=True, keep_x0_hat=False):
+               model=None, show_progress=False, keep_steps=True, keep_x0_hat=False, initial_generator=None):
         return sample_ddim(
             self.pipeline, prompts, num_inference_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
             generator=generator, prompt_ids=prompt_ids, negative_prompt=negative_prompt, unet=model,
             show_progress=show_progress, height=self.resolution, keep_steps=keep_steps, encode=self._encode,
-            keep_x0_hat=keep_x0_hat,
+            keep_x0_hat=keep_x0_hat, initial_generator=initial_generator,
         )
 
     def forward_noise(self, x0, noise, timesteps):
