@@ -2,7 +2,8 @@
 # The critic study of issue 35 (docs/critic.md): does a critic's per-step credit beat the best critic-free method at
 # equal compute? The main job's task (config/grpo.py:tiny, 18 big-square prompts, 10 DDIM steps, fixed-noise
 # evaluation of 18 x 8 images), 40 epochs, evaluation every 5. Every (method, seed) is a single-thread process of
-# its own; JOBS run at once (2 on a 2-core machine: about 5 hours in all; 16 on a 16-core machine: under an hour).
+# its own, 3-5 minutes on one core; JOBS run at once (2 on a 2-core machine: about 3 hours in all; 14 beside the GPU
+# checks on a lent 16-core machine: 19 runs of the sweep in about 8 minutes, benchmarks/device_session.sh lease).
 #
 #   bash benchmarks/critic_study.sh [OUT] [JOBS]       # default OUT=benchmarks/results/critic_runs, JOBS=2
 #
@@ -23,16 +24,17 @@
 #                     critic.kind = network | anchor | anchor_residual, actor lambda (algorithm.lam) 0.5 / 0.95,
 #                     lr 5e-5 / 1e-4; value pre-training (critic.warmup_epochs 3, critic.lam 1: Monte-Carlo returns
 #                     of the reference policy) for network and anchor_residual; a 3-step window (K = all 3)
-#   2. seeds (42-44)  the best of each arm from the sweep: set BEST_FREE, BEST_WINDOW, BEST_EVERYWHERE (method specs,
-#                     LABEL=METHOD:FIELD=VALUE...) after reading OUT/sweep/bench_seeds.md; defaults below are guesses
-#   3. merged         the 3-seed table relative to the best critic-free arm (--reference free)
-# Not in the plan (not implemented in ddpo-group yet; issue 35 item 4): groups sharing their initial noise
-# (TempFlow-GRPO's seed groups) and a branching method (TempFlow-style branching at step k).
+#   2. seeds (42-44)  GRPO + KL (the main job), today's default, the best critic-free arm (BEST_FREE), the group
+#                     sharing its initial noise (group_shared: TempFlow-GRPO's seed groups), TempFlow-style
+#                     branching at a step drawn each epoch (branch), and the best of each critic arm (BEST_WINDOW,
+#                     BEST_EVERYWHERE); the defaults are the sweep's best of 2026-11-26 (docs/critic.md section 4)
+#   3. merged         the 3-seed table (bench_training.py --merge) and the same-budget comparison in model calls with
+#                     issue 35's targets (benchmarks/critic_compute.py): OUT/merged/critic_compute.md / .json
 #
-# Compute: each row of bench_seeds.md has training seconds and train/unet_calls (forward+backward per epoch);
-# sampling is 10 model calls per trajectory for every arm; the anchor reads sampling's own predictions and adds
-# critic/anchor_decodes (one VAE decode and one reward call each) per epoch, logged in the runs' metrics with
-# time/critic_anchor; the ValueNetwork's calls are a small conv net's (time/critic). Compare arms at equal model calls.
+# Compute: benchmarks/critic_compute.py counts each epoch's model calls from the runs' metrics (sampling NFEs,
+# training forward + backward passes, the reference's and the recompute pass's forwards) and reward calls
+# (trajectories + critic/anchor_decodes, one VAE decode and one reward call each); the ValueNetwork's calls (a small
+# conv net) are in the seconds (time/critic). Seconds are training seconds with JOBS runs sharing the machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/critic_runs}
@@ -76,13 +78,17 @@ for lr in $SWEEP_LRS; do
 done
 stage sweep && bench sweep 1 "$M"
 
-# --- 2. three seeds of the best of each arm (edit after the sweep) ---
-BEST_FREE=${BEST_FREE:-free=sde_window2:train.learning_rate=1e-4}
-BEST_WINDOW=${BEST_WINDOW:-window=critic_window:critic.kind=anchor_residual:algorithm.lam=0.5:train.learning_rate=5e-5}
-BEST_EVERYWHERE=${BEST_EVERYWHERE:-everywhere=critic_everywhere:critic.kind=anchor_residual:algorithm.lam=0.5:train.learning_rate=5e-5}
-stage seeds && bench seeds 3 "grpo_kl,default=group_ppo:train.learning_rate=5e-5,$BEST_FREE,$BEST_WINDOW,$BEST_EVERYWHERE"
+# --- 2. three seeds of the best of each arm ---
+BEST_FREE=${BEST_FREE:-free=sde_window2:sample.sde_window_size=4:train.learning_rate=5e-5}
+BEST_WINDOW=${BEST_WINDOW:-window=critic_window:critic.kind=network:algorithm.lam=0.95:train.learning_rate=5e-5}
+BEST_EVERYWHERE=${BEST_EVERYWHERE:-everywhere=critic_everywhere:critic.kind=network:algorithm.lam=0.95:train.learning_rate=5e-5}
+ARMS="grpo_kl,default=group_ppo:train.learning_rate=5e-5,$BEST_FREE"
+ARMS="$ARMS,shared=group_shared:train.learning_rate=5e-5,branch=branch:train.learning_rate=5e-5,$BEST_WINDOW,$BEST_EVERYWHERE"
+stage seeds && bench seeds 3 "$ARMS"
 
-# --- 3. merged, relative to the best critic-free arm ---
+# --- 3. merged: the table, and the same-budget comparison relative to the best critic-free arm ---
 if stage merged; then
-  "$PY" benchmarks/bench_training.py --merge "$OUT/seeds/bench_seeds.json" --reference free --output-dir "$OUT/merged"
+  "$PY" benchmarks/bench_training.py --merge "$OUT/seeds/bench_seeds.json" --reference grpo_kl --output-dir "$OUT/merged"
+  "$PY" benchmarks/critic_compute.py "$OUT/seeds/bench_seeds.json" --free "${BEST_FREE%%=*}" --grpo grpo_kl \
+    --critic "${BEST_WINDOW%%=*},${BEST_EVERYWHERE%%=*}" --output "$OUT/merged/critic_compute.json"
 fi

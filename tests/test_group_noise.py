@@ -74,3 +74,18 @@ def test_group_noise_errors_name_the_field(tmp_path, overrides, words):
         assert word in str(err.value)
     with pytest.raises(ConfigError):  # and the trainer stops on it before any model loads
         Trainer(config)
+
+
+@pytest.mark.parametrize("spec, window", [("group_shared", "fixed"), ("branch", "random")])
+def test_study_arms_are_valid_configs(spec, window, tmp_path):
+    from helpers import load_script
+
+    from ddpo_group.config_check import check_config
+
+    bench = load_script("benchmarks/bench_training.py")
+    config = bench.build_method_config(spec, "tiny-shapes", 40, str(tmp_path / "r"), common_variant="tiny", seed=42,
+                                       eval_freq=5)
+    check_config(config)
+    check_group_noise(config)
+    assert config.sample.group_noise == "shared" and config.sample.sde_window_size == 1
+    assert config.sample.sde_window == window
