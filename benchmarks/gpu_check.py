@@ -67,6 +67,7 @@ lost its density. Not part of CI (CI has no GPU).
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -344,6 +345,15 @@ def run_fsdp2(arch, spec, args, dtype_name, logdir, num_processes):
     }
 
 
+def fresh_peak(device):
+    """Before a measured run: collect the previous runs' cyclic garbage (a Trainer holds reference cycles; until the
+    collector runs, their GPU tensors would count in this run's peak), empty the cache, reset the peak counter."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def free_port():
     import socket
 
@@ -549,8 +559,7 @@ def main(argv=None):
                 print(f"{arch}: {note}", flush=True)
             for dtype_name in args.dtypes.split(","):
                 dtype = DTYPES[dtype_name]
-                if args.device == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
+                fresh_peak(args.device)
                 policy, trajectories, d, guidance = check_sampling(spec, args.device, dtype, args.sample_batch,
                                                                    args.sample_repeats)
                 lora_rank = lora_rank_for(spec)[0]
@@ -567,8 +576,7 @@ def main(argv=None):
                     failures.append(f"{arch} {dtype_name}: a sampled step lost its density (mask 0)")
                 d["variants"] = {}
                 for name in (args.variants.split(",") if args.variants != "none" else []):
-                    if args.device == "cuda":
-                        torch.cuda.reset_peak_memory_stats()
+                    fresh_peak(args.device)
                     v = d["variants"][name] = run_algorithm(arch, spec, ALIASES.get(name, name), args, dtype_name, logdir)
                     print(f"{arch} {dtype_name} {name}: {json.dumps(v)}", flush=True)
                     if v["on_policy_max_abs_log_ratio"] not in (0.0, None):
@@ -579,8 +587,7 @@ def main(argv=None):
                         failures.append(f"{arch} {dtype_name} {name}: {v['skipped_steps']} optimizer step(s) skipped")
                 if "grpo" in [ALIASES.get(n, n) for n in args.variants.split(",")] and args.optimizer_steps > 1:
                     # the same GRPO runs with one optimizer step per epoch (no recompute pass): the memory baseline
-                    if args.device == "cuda":
-                        torch.cuda.reset_peak_memory_stats()
+                    fresh_peak(args.device)
                     one = argparse.Namespace(**dict(vars(args), optimizer_steps=1))
                     d["grpo_one_optimizer_step"] = run_algorithm(arch, spec, "grpo", one, dtype_name, logdir, "_one")
                 if args.fsdp2:
