@@ -236,9 +236,19 @@ def test_a_hub_that_never_answers_is_one_line_within_the_deadline(tmp_path, monk
         monkeypatch.delenv(name, raising=False)
     outcome = {}
 
+    from ddpo_group.rewards.clip_models import load_tokenizer
+    from ddpo_group.rewards.geneval.detectors import Mask2FormerDetector
+    from ddpo_group.rewards.judge import TransformersJudge
+    from ddpo_group.rewards.ocr import GotOcr2Recogniser
+
     def load():
         for what, call in (("model", lambda: load_policy("some-org/some-model")),
-                           ("clip", lambda: load_clip_model("some-org/some-clip", "aesthetic"))):
+                           ("clip", lambda: load_clip_model("some-org/some-clip", "aesthetic")),
+                           # every other reward model loaded by hub id
+                           ("tokenizer", lambda: load_tokenizer("some-org/some-tok", "pickscore_rank")),
+                           ("ocr", lambda: GotOcr2Recogniser("some-org/some-ocr", device="cpu").load()),
+                           ("judge", lambda: TransformersJudge("some-org/some-vlm", device="cpu").load()),
+                           ("geneval", lambda: Mask2FormerDetector("some-org/some-det", device="cpu").check_ready())):
             try:
                 call()
             except Exception as err:  # what the run would print
@@ -252,6 +262,11 @@ def test_a_hub_that_never_answers_is_one_line_within_the_deadline(tmp_path, monk
     assert outcome["model"].startswith("config.pretrained.model='some-org/some-model': the model hub")
     assert "did not answer within 1 s" in outcome["model"] and "set HF_HUB_OFFLINE=1" in outcome["model"]
     assert outcome["clip"].startswith("reward_kwargs.aesthetic.clip_model='some-org/some-clip': the model hub")
+    for what, line in (("tokenizer", "reward_kwargs.pickscore_rank.tokenizer='some-org/some-tok'"),
+                       ("ocr", "reward_kwargs.ocr.model='some-org/some-ocr'"),
+                       ("judge", "reward_kwargs.vlm_judge.model='some-org/some-vlm'"),
+                       ("geneval", "reward_kwargs.geneval.detector_model='some-org/some-det'")):
+        assert outcome[what].startswith(f"{line}: the model hub"), (what, outcome[what])
 
 
 # Audit 2: a negative reward_timeout is refused by the config check, not blamed on a healthy reward later

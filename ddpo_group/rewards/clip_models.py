@@ -71,13 +71,7 @@ def load_clip_model(model, reward: str, field: str = "clip_model", model_class: 
         return model
     import transformers
 
-    from ddpo_group.hub import HubUnreachableError, check_hub
-
-    try:
-        check_hub(model, f"reward_kwargs.{reward}.{field}")  # a hub that never answers: one line, not minutes
-    except HubUnreachableError as exc:
-        raise RewardNotReadyError(str(exc), reward=reward) from None
-
+    check_reward_hub(model, reward, field)
     try:
         return getattr(transformers, model_class).from_pretrained(model)
     except (OSError, ValueError) as exc:
@@ -90,6 +84,17 @@ def load_clip_model(model, reward: str, field: str = "clip_model", model_class: 
         ) from exc
 
 
+def check_reward_hub(spec, reward: str, field: str) -> None:
+    """Before a reward loads hub id `spec` (its keyword argument `field`): a hub that never answers is
+    RewardNotReadyError in one line (``hub.check_hub``), not minutes of huggingface_hub's retries."""
+    from ddpo_group.hub import HubUnreachableError, check_hub
+
+    try:
+        check_hub(spec, f"reward_kwargs.{reward}.{field}")
+    except HubUnreachableError as exc:
+        raise RewardNotReadyError(str(exc), reward=reward) from None
+
+
 def _from_pretrained(source, loader: str, what: str, reward: str, field: str):
     """`source` if it is already a loaded object, else `transformers.<loader>.from_pretrained(source)`; a source that
     cannot be loaded is RewardNotReadyError naming the reward's keyword argument `field`."""
@@ -97,6 +102,7 @@ def _from_pretrained(source, loader: str, what: str, reward: str, field: str):
         return source
     import transformers
 
+    check_reward_hub(source, reward, field)
     try:
         return getattr(transformers, loader).from_pretrained(source)
     except (OSError, ValueError) as exc:

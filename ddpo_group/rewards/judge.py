@@ -228,6 +228,9 @@ class TransformersJudge:
                                       "reward_kwargs.vlm_judge.model (hub id or directory)", reward="vlm_judge")
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
+        from ddpo_group.rewards.clip_models import check_reward_hub
+
+        check_reward_hub(self.model_spec, "vlm_judge", "model")
         try:
             processor = AutoProcessor.from_pretrained(self.model_spec)
             model = AutoModelForImageTextToText.from_pretrained(self.model_spec, dtype=self.dtype)

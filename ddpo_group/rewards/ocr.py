@@ -224,6 +224,9 @@ class GotOcr2Recogniser(Recogniser):
             return
         from transformers import AutoProcessor, GotOcr2ForConditionalGeneration
 
+        from ddpo_group.rewards.clip_models import check_reward_hub
+
+        check_reward_hub(self.model_spec, "ocr", "model")
         try:
             processor = AutoProcessor.from_pretrained(self.model_spec)
             model = GotOcr2ForConditionalGeneration.from_pretrained(self.model_spec, dtype=self.dtype)

@@ -97,6 +97,11 @@ class Mask2FormerDetector:
             if not isinstance(processor, (str, os.PathLike)) and not callable(processor):
                 raise ValueError("Mask2FormerDetector: a model given as an object needs processor= (an image "
                                  "processor or the path of its preprocessor_config.json's directory)")
+            from ddpo_group.rewards.clip_models import check_reward_hub
+
+            for spec in (model, processor):
+                if isinstance(spec, str):
+                    check_reward_hub(spec, "geneval", "detector_model")
             try:
                 if isinstance(model, (str, os.PathLike)):
                     model = transformers.Mask2FormerForUniversalSegmentation.from_pretrained(model)
