@@ -104,9 +104,9 @@ def load_text(path: str) -> list[PromptRecord]:
     return [PromptRecord(line, {}) for line in lines if line and not line.startswith("#")]
 
 
-def load_jsonl(path: str) -> list[PromptRecord]:
-    """One JSON record a line (blank lines skipped); errors name the file and the 1-based line."""
-    records = []
+def jsonl_items(path: str, error=ValueError, hint: str = ""):
+    """(item, where) of each line of a JSON-lines file (blank lines skipped, a UTF-8 BOM allowed); `where` is
+    "PATH, line N" (1-based); a line that is not JSON raises `error` naming it, with `hint` appended."""
     with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -115,9 +115,13 @@ def load_jsonl(path: str) -> list[PromptRecord]:
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from exc
-            records.append(_file_record(item, where, path))
-    return records
+                raise error(f"{where}: invalid JSON ({exc.msg}){hint}") from None
+            yield item, where
+
+
+def load_jsonl(path: str) -> list[PromptRecord]:
+    """One JSON record a line (blank lines skipped); errors name the file and the 1-based line."""
+    return [_file_record(item, where, path) for item, where in jsonl_items(path)]
 
 
 def load_json(path: str) -> list[PromptRecord]:

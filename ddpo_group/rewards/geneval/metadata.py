@@ -28,7 +28,6 @@ equals "B right of A" ("above" / "below" likewise) (``record_identity``).
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -94,17 +93,10 @@ def read_metadata(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise GenEvalFormatError(f"GenEval metadata file {path!r} does not exist; give GenEval's "
                                  "prompts/evaluation_metadata.jsonl or a file in its format")
-    records = []
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {lineno}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise GenEvalFormatError(f"{where}: invalid JSON ({exc.msg}); one GenEval record a line") from None
-            records.append(check_record(item, where))
+    from ddpo_group.prompts import jsonl_items
+
+    records = [check_record(item, where) for item, where in
+               jsonl_items(path, GenEvalFormatError, "; one GenEval record a line")]
     if not records:
         raise GenEvalFormatError(f"GenEval metadata file {path!r} has no records")
     return records
