@@ -34,6 +34,8 @@ DECLARED = {
                                "train.learning_rate"} | (NO_KL - {"train.beta"}),
     # the main job trained at the 2 noisiest steps (train.early_steps' default is 2)
     "tiny_early_window": {"train.timestep_selection"},
+    # the main job with noise and training in a 4-step SDE window; lr 5e-5 from issue 35's sweep
+    "tiny_window4": {"sample.sde_window_size", "train.learning_rate"},
     # forward-process objectives without KL; AWM's lr 1e-4 from its sweep
     "tiny_nft": {"train.objective", "forward.num_timesteps"} | NO_KL,
     "tiny_awm": {"train.objective", "forward.num_timesteps", "train.learning_rate"} | NO_KL,

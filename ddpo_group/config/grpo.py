@@ -18,6 +18,7 @@ is read against the ones it derives from (tiny_* from tiny, the task presets fro
     tiny_awm        advantage-weighted matching (forward process, PPO ratio of matching losses) on the main job's task
     tiny_group_ppo_sampled  tiny_group_ppo_alg2 training one random step per segment (weighted) instead of its endpoint
     tiny_early_window  the main job trained only at the 2 noisiest steps (Flow-GRPO-Fast / MixGRPO style)
+    tiny_window4    the main job with noise and training in a 4-step SDE window, lr 5e-5 (issue 35's best critic-free arm)
     tiny_hacking    reward hacking on show: trains on JPEG incompressibility, watches shapes_alignment (gold)
     test            the random-weight tiny pipeline, a few seconds; for tests and smoke checks
     sd35            GRPO + KL on SD3.5-Medium (flow matching, SDE steps) with Flow-GRPO's settings, one GPU
@@ -43,7 +44,7 @@ is read against the ones it derives from (tiny_* from tiny, the task presets fro
     sd35_nft_geneval  DiffusionNFT's GenEval recipe on SD3.5-Medium (sd35_nft with the geneval reward)
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
-tiny_early_window, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
+tiny_early_window, tiny_window4, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
 prompts, sampler steps, group size, epochs and evaluation, so their evaluations compare with the main job's
 (tests/test_variants.py checks the changed fields; README "Configs" gives each one's measured result). A learning
 rate differs from the main job's 2e-4 only where a measured sweep chose it, and the variant's docstring says so.
@@ -246,6 +247,16 @@ def tiny_group_ppo_sampled():
     (weighted by its length) instead of the endpoint: it differs from tiny_group_ppo_alg2 only in the trained step."""
     config = tiny_group_ppo_alg2()
     config.train.timestep_selection = "segment_sample"
+    return config
+
+
+def tiny_window4():
+    """The main job (GRPO + KL) with the sampler's noise and the training in a 4-step SDE window at the noisiest
+    steps (deterministic DDIM steps after it), lr 5e-5: the best critic-free arm of issue 35's comparison
+    (docs/critic.md section 4; 1e-4 was worse in its sweep)."""
+    config = tiny()
+    config.sample.sde_window_size = 4
+    config.train.learning_rate = 5e-5
     return config
 
 
@@ -593,6 +604,7 @@ VARIANTS = {
     "tiny_one_prompt": tiny_one_prompt,
     "tiny_ddpo": tiny_ddpo,
     "tiny_group_ppo": tiny_group_ppo,
+    "tiny_window4": tiny_window4,
     "tiny_group_ppo_alg2": tiny_group_ppo_alg2,
     "tiny_gae": tiny_gae,
     "tiny_nft": tiny_nft,
