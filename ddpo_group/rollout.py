@@ -122,9 +122,10 @@ def check_group_noise(config):
     from ddpo_group.config_check import ConfigError
 
     s = config.sample
-    if s.group_noise not in GROUP_NOISES:
-        raise ConfigError(f"config.sample.group_noise={s.group_noise!r} is not one of {list(GROUP_NOISES)}")
-    if s.group_noise == "shared" and s.eta == 0:
+    group_noise = s.get("group_noise", "independent")  # a config written before the field existed: independent
+    if group_noise not in GROUP_NOISES:
+        raise ConfigError(f"config.sample.group_noise={group_noise!r} is not one of {list(GROUP_NOISES)}")
+    if group_noise == "shared" and s.eta == 0:
         raise ConfigError(
             "config.sample.group_noise='shared' with sample.eta=0 samples every trajectory of a group alike (no "
             "stochastic step to spread them, so every advantage is 0): set sample.eta > 0 or group_noise='independent'"
@@ -172,7 +173,7 @@ def sample_epoch(policy, prompts, reward_runner, config, accelerator, epoch, met
             int(np.random.default_rng([config.seed, epoch, batch_index, acc.process_index]).integers(2**62))
         )
         sources = source_images(records, s.resolution)  # an editing run's source images, None otherwise
-        shared = {"initial_generator": group_generators(config, epoch, local)} if s.group_noise == "shared" else {}
+        shared = {"initial_generator": group_generators(config, epoch, local)} if s.get("group_noise") == "shared" else {}
         with acc.autocast():
             trajectories = policy.sample(
                 [r.prompt for r in records], num_steps=s.num_steps, guidance_scale=s.guidance_scale, eta=levels,
