@@ -10,9 +10,12 @@ once):
 
     sampling      num_samples x T                  every step of every trajectory, ODE steps included (a group
                                                    sharing its prefix still computes it once per trajectory)
-    training      num_samples x unet_steps_per_sample   forward + backward passes, each counted as one call
+    training      num_samples x unet_steps_per_sample x --inner-epochs   forward + backward passes, each one call
     reference     the training count, when the run logged ref/kl (a no-grad forward of pi_ref per trained step)
-    recompute     the training count, when the run logged time/old_log_probs (the pass that recomputes pi_old)
+    recompute     the pass that recomputes pi_old for the micro-batches after the first optimizer step:
+                  num_samples x train/recompute_steps_per_sample when logged; for runs logged before that
+                  metric, the training count x (1 - 1/S), S = the epoch's optimizer steps (the change of
+                  train/global_step + train/skipped_steps), the micro-batches being equal
     model calls   the sum of the four
     reward calls  num_samples + critic/anchor_decodes x num_processes (the anchor decodes and scores x0_hat at each
                   step it values); the ValueNetwork's own calls (a small conv net) are in the seconds only
@@ -52,30 +55,47 @@ def load_runs(paths):
     return runs
 
 
-def epoch_calls(row):
-    """(model calls, reward calls) of one training epoch's metrics row (module docstring)."""
+def epoch_calls(row, steps=None, optimizer_steps=None, inner_epochs=1):
+    """(model calls, reward calls) of one training epoch's metrics row (module docstring). steps: the run's number
+    of denoising steps for a row without steps/trained (a critic warm-up epoch, a forward objective's epoch);
+    optimizer_steps: the epoch's optimizer steps, for a row without train/recompute_steps_per_sample."""
     n = row["num_samples"]
-    steps = len(row["steps/trained"])
-    trained = n * row["train/unet_steps_per_sample"]
+    steps = len(row.get("steps/trained") or []) or steps or 0
+    trained = n * row.get("train/unet_steps_per_sample", 0.0) * inner_epochs
     model = n * steps + trained
     model += trained if "ref/kl" in row else 0
-    model += trained if "time/old_log_probs" in row else 0
+    if "train/recompute_steps_per_sample" in row:
+        model += n * row["train/recompute_steps_per_sample"]
+    elif "time/old_log_probs" in row and optimizer_steps:
+        model += trained * (1.0 - 1.0 / optimizer_steps)
     rewards = n + row.get("critic/anchor_decodes", 0) * row.get("num_processes", 1)
     return model, rewards
 
 
-def run_curve(rows):
+def training_calls(rows, inner_epochs=1):
+    """[(epoch, (model calls, reward calls))] of a run's training rows, in epoch order (module docstring)."""
+    training = sorted((r for r in rows if "reward_mean" in r), key=lambda r: r["epoch"])
+    steps = max((len(r.get("steps/trained") or []) for r in training), default=0)
+    out, before = [], 0.0
+    for row in training:
+        done = row.get("train/global_step", 0) + row.get("train/skipped_steps", 0)
+        out.append((row["epoch"], epoch_calls(row, steps, done - before, inner_epochs)))
+        before = done
+    return out
+
+
+def run_curve(rows, inner_epochs=1):
     """[(epoch k, eval reward, model calls, reward calls, training seconds)] of one run's evaluations."""
     training = sorted((r for r in rows if "reward_mean" in r), key=lambda r: r["epoch"])
+    calls = training_calls(rows, inner_epochs)
     out = []
     for row in rows:
         if "eval/reward_mean" not in row:
             continue
         k = row["epoch"]
-        before = [r for r in training if r["epoch"] < k]
-        calls = [epoch_calls(r) for r in before]
-        seconds = before[-1]["bench/wall_seconds"] if before else 0.0
-        out.append((k, row["eval/reward_mean"], sum(c[0] for c in calls), sum(c[1] for c in calls), seconds))
+        before = [c for epoch, c in calls if epoch < k]
+        seconds = [r for r in training if r["epoch"] < k][-1]["bench/wall_seconds"] if before else 0.0
+        out.append((k, row["eval/reward_mean"], sum(c[0] for c in before), sum(c[1] for c in before), seconds))
     return out
 
 
@@ -101,9 +121,10 @@ def _spread(values):
             "n": len(values)}
 
 
-def compare(runs, free, grpo, critic, target=0.75):
+def compare(runs, free, grpo, critic, target=0.75, inner_epochs=1):
     """The table's numbers and the targets' verdicts (module docstring)."""
-    curves = {label: {seed: run_curve(rows) for seed, rows in by_seed.items()} for label, by_seed in runs.items()}
+    curves = {label: {seed: run_curve(rows, inner_epochs) for seed, rows in by_seed.items()}
+              for label, by_seed in runs.items()}
     free_finals = [c[-1][1] for c in curves[free].values()]
     free_final = _median(free_finals)
     free_std = statistics.stdev(free_finals) if len(free_finals) > 1 else 0.0
@@ -116,7 +137,7 @@ def compare(runs, free, grpo, critic, target=0.75):
         reach_free = [first_reaching(c, free_final) for c in by_seed.values()]
         fractions = [reach[s][1] / grpo_seconds[s] for s in by_seed
                      if reach[s] is not None and grpo_seconds.get(s)]
-        per_epoch = [epoch_calls(r) for rows in runs[label].values() for r in rows if "reward_mean" in r]
+        per_epoch = [c for rows in runs[label].values() for _, c in training_calls(rows, inner_epochs)]
         arms[label] = {
             "seeds": sorted(by_seed),
             "final": _spread(finals),
@@ -210,6 +231,8 @@ def main(argv=None):
     parser.add_argument("--grpo", default="grpo_kl", help="label of the GRPO + KL main job (the time target)")
     parser.add_argument("--critic", required=True, help="comma-separated labels of the arms with a critic")
     parser.add_argument("--target", type=float, default=0.75)
+    parser.add_argument("--inner-epochs", type=int, default=1, help="train.num_inner_epochs of the runs (the logged "
+                        "unet_steps_per_sample is per pass over the samples)")
     parser.add_argument("--output", required=True, help="JSON path; the table also goes beside it as .md")
     args = parser.parse_args(argv)
     runs = load_runs(args.runs)
@@ -217,7 +240,7 @@ def main(argv=None):
     missing = [label for label in [args.free, *critic] if label not in runs]
     if missing:
         sys.exit(f"critic_compute: no runs labelled {missing} in {args.runs} (labels there: {sorted(runs)})")
-    result = compare(runs, args.free, args.grpo, critic, args.target)
+    result = compare(runs, args.free, args.grpo, critic, args.target, args.inner_epochs)
     result["command"] = "python benchmarks/critic_compute.py " + " ".join(argv if argv is not None else sys.argv[1:])
     markdown = render(result)
     print(markdown)

@@ -585,6 +585,9 @@ def main(argv=None):
                         failures.append(f"{arch} {dtype_name} {name}: approx_kl / clipfrac not exactly 0 at lr {args.lr:g}")
                     if v["skipped_steps"]:
                         failures.append(f"{arch} {dtype_name} {name}: {v['skipped_steps']} optimizer step(s) skipped")
+                    if not v["optimizer_steps_per_epoch"]:  # every step skipped, the loss scaler's included
+                        failures.append(f"{arch} {dtype_name} {name}: no optimizer step taken (fp16 loss scaler "
+                                        f"skipped {v['scaler_skipped_steps']}, final scale {v['grad_scale']})")
                 if "grpo" in [ALIASES.get(n, n) for n in args.variants.split(",")] and args.optimizer_steps > 1:
                     # the same GRPO runs with one optimizer step per epoch (no recompute pass): the memory baseline
                     fresh_peak(args.device)

@@ -224,6 +224,9 @@ class StepwiseUpdate:
             old_start = time.perf_counter()
             self.recompute_old_log_probs(samples, plan[first_window:])
             metrics["time/old_log_probs"] = time.perf_counter() - old_start
+            # its no-grad forwards in trajectory-steps per sample (benchmarks/critic_compute.py counts them)
+            metrics["train/recompute_steps_per_sample"] = (
+                sum(mb.step_idx.numel() for mb in plan[first_window:]) / len(samples.prompts))
         measure_grads = bool(t.grad_share_every) and epoch % t.grad_share_every == 0
         stats = UpdateStats(tr, samples.mask.shape[1], measure_grads)
         with stats.grad_share if measure_grads else contextlib.nullcontext():
