@@ -91,6 +91,25 @@ def lora_round_trip(tmp_path, variant, build_pipeline, sample):
     return config, trainer, run_dir, trained
 
 
+def tiny_clip_model(seed=0, **config):
+    """A random tiny CLIPModel (eval mode) over the tiny tokenizer's vocabulary, 32 px images; `config`: more
+    CLIPConfig fields (e.g. logit_scale_init_value)."""
+    import torch
+    from transformers import CLIPConfig, CLIPModel
+
+    from ddpo_group.diffusion.tiny import tiny_tokenizer_vocab
+
+    torch.manual_seed(seed)
+    return CLIPModel(CLIPConfig(
+        text_config=dict(vocab_size=len(tiny_tokenizer_vocab()[0]), hidden_size=32, intermediate_size=37,
+                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=16,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=1),
+        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=37,
+                           num_hidden_layers=1, num_attention_heads=2),
+        projection_dim=16, **config,
+    )).eval()
+
+
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]

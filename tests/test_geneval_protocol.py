@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from helpers import load_script, make_config, pil_jpeg_kb
+from helpers import load_script, make_config, pil_jpeg_kb, tiny_clip_model
 from PIL import Image
 
 from ddpo_group.protocol_report import protocol_tables_html
@@ -259,20 +259,9 @@ def test_the_mask2former_detector_loads_from_a_directory_and_post_processes(tiny
 
 
 def tiny_clip_parts():
-    from transformers import CLIPConfig, CLIPModel
+    from ddpo_group.diffusion.tiny import build_tiny_tokenizer
 
-    from ddpo_group.diffusion.tiny import build_tiny_tokenizer, tiny_tokenizer_vocab
-
-    torch.manual_seed(0)
-    config = CLIPConfig(
-        text_config=dict(vocab_size=len(tiny_tokenizer_vocab()[0]), hidden_size=32, intermediate_size=37,
-                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=16,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=1),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=37,
-                           num_hidden_layers=1, num_attention_heads=2),
-        projection_dim=16,
-    )
-    return CLIPModel(config).eval(), build_tiny_tokenizer()
+    return tiny_clip_model(0), build_tiny_tokenizer()
 
 
 def test_the_clip_colour_classifier_is_zero_shot_over_the_templates():

@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from ddpo_group.diffusion.policy import policy_for
-from ddpo_group.diffusion.tiny import build_tiny_pipeline, build_tiny_tokenizer, tiny_tokenizer_vocab
+from ddpo_group.diffusion.tiny import build_tiny_pipeline, build_tiny_tokenizer
 from ddpo_group.evaluation import evaluate
 from ddpo_group.prompts import load_prompts
 from ddpo_group.rewards import CombinedReward, RewardError, RewardNotReadyError, build_reward_fn, get_reward
 from ddpo_group.rewards.optional import group_ranks
 from ddpo_group.trainer import train
-from helpers import PYTHON, ROOT, free_port, make_config, read_dump, read_json, read_metrics, subprocess_env
+from helpers import (PYTHON, ROOT, free_port, make_config, read_dump, read_json, read_metrics, subprocess_env,
+                     tiny_clip_model)
 
 PLUGIN = os.path.join(ROOT, "tests", "group_reward_plugin.py")
 BRIGHTNESS, RANK = f"{PLUGIN}:brightness", f"{PLUGIN}:brightness_rank"
@@ -202,18 +203,7 @@ def test_group_wise_rewards_on_one_and_two_processes(tmp_path):
 # ---- PickScore: Flow-GRPO's value, and pickscore_rank on it ----
 
 def tiny_clip(seed=0, logit_scale=2.5):
-    from transformers import CLIPConfig, CLIPModel
-
-    torch.manual_seed(seed)
-    config = CLIPConfig(
-        text_config=dict(vocab_size=len(tiny_tokenizer_vocab()[0]), hidden_size=32, intermediate_size=37,
-                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=16,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=1),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=37,
-                           num_hidden_layers=1, num_attention_heads=2),
-        projection_dim=16, logit_scale_init_value=logit_scale,
-    )
-    return CLIPModel(config).eval()
+    return tiny_clip_model(seed, logit_scale_init_value=logit_scale)
 
 
 def tiny_image_processor():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import pil_jpeg_kb
+from helpers import pil_jpeg_kb, tiny_clip_model
 
 from ddpo_group.rewards import (
     AsyncRewardRunner,
@@ -47,20 +47,7 @@ def test_jpeg_compressibility_is_negated_jpeg_size():
     np.testing.assert_array_equal(rewards, -pil_jpeg_kb(pixels))
 
 def tiny_clip(seed=0):
-    from transformers import CLIPConfig, CLIPModel
-
-    from ddpo_group.diffusion.tiny import tiny_tokenizer_vocab
-
-    torch.manual_seed(seed)
-    config = CLIPConfig(
-        text_config=dict(vocab_size=len(tiny_tokenizer_vocab()[0]), hidden_size=32, intermediate_size=37,
-                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=16,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=1),
-        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=37,
-                           num_hidden_layers=1, num_attention_heads=2),
-        projection_dim=16,
-    )
-    return CLIPModel(config).eval()
+    return tiny_clip_model(seed)
 
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory):
