@@ -99,9 +99,9 @@ class Mask2FormerDetector:
                                  "processor or the path of its preprocessor_config.json's directory)")
             from ddpo_group.rewards.clip_models import check_reward_hub
 
-            for spec in (model, processor):
-                if isinstance(spec, str):
-                    check_reward_hub(spec, "geneval", "detector_model")
+            # the hub asked once per distinct id (the reward's processor is its detector_model's)
+            for spec in dict.fromkeys(spec for spec in (model, processor) if isinstance(spec, str)):
+                check_reward_hub(spec, "geneval", "detector_model")
             try:
                 if isinstance(model, (str, os.PathLike)):
                     model = transformers.Mask2FormerForUniversalSegmentation.from_pretrained(model)
