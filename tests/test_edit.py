@@ -54,6 +54,20 @@ def _sources(seed=9, n=2):
     return torch.rand(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
 
+def _assert_resumed_lora_equals(tmp_path, variant, straight, common):
+    """A run of `variant` stopped after epoch 1 and resumed to epoch 2 ends with the LoRA weights of the run made
+    straight through (`straight`), bit for bit."""
+    stopped = train(make_config(tmp_path, variant=variant, run_name="parts", num_epochs=1, **common))
+    Trainer(make_config(tmp_path, variant=variant, run_name="parts", resume_from=stopped, **common),
+            overrides=["num_epochs", "resume_from"]).run()
+
+    def lora(run):
+        return load_file(os.path.join(run, "checkpoints", "checkpoint_2", "lora", "pytorch_lora_weights.safetensors"))
+
+    end, again = lora(straight), lora(stopped)
+    assert set(end) == set(again) and all(torch.equal(end[k], again[k]) for k in end)
+
+
 def test_the_shipped_sources_are_the_shapes_world_renders_their_records_name():
     records = load_prompts("shapes_edits.jsonl")
     assert len(records) == 4
@@ -197,15 +211,7 @@ def test_lora_of_an_edit_run_loads_into_a_fresh_pipeline_and_a_resumed_run_ends_
     assert (trained - images(policy_for(build_tiny_flux_kontext_pipeline(seed=0)))).abs().max() > 1e-4
     assert (loaded - trained).abs().max() < 1e-5
 
-    stopped = train(make_config(tmp_path, variant="tiny_flux_kontext", run_name="parts", num_epochs=1, **common))
-    Trainer(make_config(tmp_path, variant="tiny_flux_kontext", run_name="parts", resume_from=stopped, **common),
-            overrides=["num_epochs", "resume_from"]).run()
-
-    def lora(run):
-        return load_file(os.path.join(run, "checkpoints", "checkpoint_2", "lora", "pytorch_lora_weights.safetensors"))
-
-    end, again = lora(straight), lora(stopped)
-    assert set(end) == set(again) and all(torch.equal(end[k], again[k]) for k in end)
+    _assert_resumed_lora_equals(tmp_path, "tiny_flux_kontext", straight, common)
 
 
 @pytest.mark.parametrize("overrides", [dict(train__objective="nft", forward__num_timesteps=2),
@@ -382,12 +388,4 @@ def test_a_qwen_edit_run_trains_exactly_on_policy_exports_lora_and_resumes(tmp_p
     assert (trained - images(policy_for(build_tiny_qwen_image_edit_pipeline(seed=0)))).abs().max() > 1e-4
     assert (loaded - trained).abs().max() < 1e-5
 
-    stopped = train(make_config(tmp_path, variant="tiny_qwen_image_edit", run_name="parts", num_epochs=1, **common))
-    Trainer(make_config(tmp_path, variant="tiny_qwen_image_edit", run_name="parts", resume_from=stopped, **common),
-            overrides=["num_epochs", "resume_from"]).run()
-
-    def lora(run):
-        return load_file(os.path.join(run, "checkpoints", "checkpoint_2", "lora", "pytorch_lora_weights.safetensors"))
-
-    end, again = lora(straight), lora(stopped)
-    assert set(end) == set(again) and all(torch.equal(end[k], again[k]) for k in end)
+    _assert_resumed_lora_equals(tmp_path, "tiny_qwen_image_edit", straight, common)
