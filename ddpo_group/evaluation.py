@@ -187,6 +187,28 @@ def _scored(reward_fn, images, prompts, metadata, timeout, should_stop, **kwargs
         runner.shutdown(wait=False)  # a reward that never returns is left in its daemon thread
 
 
+def tag_table(records, info) -> dict:
+    """A protocol's table by tag from an evaluation's per-image verdicts: for every reward info key
+    "<reward>/correct" (the geneval reward's GenEval verdicts) and records whose metadata have a "tag",
+    {"eval/<reward>/<tag>": fraction of the tag's images correct, "eval/<reward>/overall": the unweighted mean
+    over the tags}, GenEval's table (summary_scores.py); {} when the records carry no tags."""
+    tags = [record.metadata.get("tag") for record in records]
+    if not any(isinstance(tag, str) for tag in tags):
+        return {}
+    table = {}
+    for key, values in info.items():
+        reward, _, field = key.rpartition("/")
+        if field != "correct":
+            continue
+        scores = {}
+        for tag in dict.fromkeys(t for t in tags if isinstance(t, str)):
+            rows = [i for i, t in enumerate(tags) if t == tag]
+            scores[tag] = float(np.mean(np.asarray(values)[rows]))
+            table[f"eval/{reward}/{tag}"] = scores[tag]
+        table[f"eval/{reward}/overall"] = float(np.mean(list(scores.values())))
+    return table
+
+
 def gold_reward_fn(eval_rewards, device=None, reward_frames=4):
     """The CombinedReward of the evaluation-only rewards of config.eval_rewards (None when it names none): one
     component per spec, named as training reward components are (the short name, the spec when two collide);
@@ -216,6 +238,7 @@ class Evaluator:
     def __call__(self, epoch, metrics, policy, model, should_stop=None):
         """Evaluate `model` (the weights after `epoch` epochs) into `metrics`: eval/reward_mean, eval/reward_std,
         eval/<component>, eval/reward_info/<reward>/<key> (the mean of the rewards' per-image info numbers),
+        eval/<reward>/<tag> and eval/<reward>/overall (GenEval's table of tagged prompts, ``tag_table``),
         eval/grid, time/eval, and per gold reward of config.eval_rewards eval/gold/<name>_mean,
         _std and _diverged; nothing when `should_stop` interrupted it (a stop signal)."""
         config, acc = self.config, self.accelerator
@@ -237,6 +260,7 @@ class Evaluator:
             metrics[f"eval/{name}"] = value
         for name, values in result["info"].items():
             metrics[f"eval/reward_info/{name}"] = float(np.nanmean(values))
+        metrics.update(tag_table(self.prompts, result["info"]))
         for name, values in result["gold"].items():
             metrics[gold_key(name)] = float(np.mean(values))
             metrics[gold_key(name, "std")] = float(np.std(values))

@@ -42,6 +42,9 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "cyan": (0, 255, 255),
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+# Shapes drawn only in the scenes world (ddpo_group/scenes.py); the 108 prompts above use SHAPES alone.
+SCENE_ONLY_SHAPES: tuple[str, ...] = ("diamond", "cross", "ring", "star", "semicircle")
+ALL_SHAPES: tuple[str, ...] = SHAPES + SCENE_ONLY_SHAPES
 BACKGROUNDS: dict[str, tuple[int, int, int]] = {
     "white": (255, 255, 255),
     "black": (0, 0, 0),
@@ -121,32 +124,90 @@ def shapes_prompts() -> list[dict]:
     return [{"prompt": spec.prompt, **dataclasses.asdict(spec)} for spec in all_specs()]
 
 
-def shape_coverage(shape: str, area: float, center: tuple[float, float], size: int, supersample: int = _SUPERSAMPLE) -> np.ndarray:
+def shape_coverage(shape: str, area: float, center: tuple[float, float], size: int, supersample: int = _SUPERSAMPLE,
+                   window: int | None = None) -> np.ndarray:
     """Anti-aliased coverage mask of a shape, float64 (size, size) in [0, 1].
 
-    ``area`` is in pixels, ``center`` = (cx, cy) the centre of the bounding box in pixel
-    coordinates (pixel (i, j) spans [j, j+1) x [i, i+1)). Coverage of a pixel = the
-    fraction of its ``supersample**2`` sub-pixel centres inside the shape.
+    ``area`` is in pixels, ``center`` = (cx, cy) in pixel coordinates (pixel (i, j) spans [j, j+1) x [i, i+1)):
+    the centre of the bounding box for circle, square and triangle, the centroid for the scene-only shapes
+    (``scene_shape_inside``). Coverage of a pixel = the fraction of its ``supersample**2`` sub-pixel centres
+    inside the shape. ``window``: a half-width in pixels; only the pixels within it of the centre are computed
+    (the same values), the rest are 0 (for shapes known to fit in it: faster on a large canvas).
     """
-    if shape not in SHAPES:
-        raise ValueError(f"shape={shape!r} is not one of {list(SHAPES)}")
-    fine = size * supersample
-    coords = (np.arange(fine) + 0.5) / supersample
-    y, x = np.meshgrid(coords, coords, indexing="ij")
+    if shape not in ALL_SHAPES:
+        raise ValueError(f"shape={shape!r} is not one of {list(ALL_SHAPES)}")
     cx, cy = center
+    if window is None:
+        rows = cols = slice(0, size)
+    else:
+        rows = slice(max(0, int(cy) - window), min(size, int(cy) + window + 1))
+        cols = slice(max(0, int(cx) - window), min(size, int(cx) + window + 1))
+    y, x = np.meshgrid((np.arange(rows.start * supersample, rows.stop * supersample) + 0.5) / supersample,
+                       (np.arange(cols.start * supersample, cols.stop * supersample) + 0.5) / supersample, indexing="ij")
     if shape == "circle":
         radius = np.sqrt(area / np.pi)
         inside = (x - cx) ** 2 + (y - cy) ** 2 <= radius**2
     elif shape == "square":
         half = np.sqrt(area) / 2
         inside = (np.abs(x - cx) <= half) & (np.abs(y - cy) <= half)
-    else:
+    elif shape == "triangle":
         side = np.sqrt(2 * area)
         top, bottom = cy - side / 2, cy + side / 2
         # half-width grows linearly from 0 at the apex to side/2 at the base
         half_width = (y - top) / side * (side / 2)
         inside = (y >= top) & (y <= bottom) & (np.abs(x - cx) <= half_width)
-    return inside.reshape(size, supersample, size, supersample).mean(axis=(1, 3))
+    else:
+        inside = scene_shape_inside(shape, area, x - cx, y - cy)
+    height, width = rows.stop - rows.start, cols.stop - cols.start
+    coverage = inside.reshape(height, supersample, width, supersample).mean(axis=(1, 3))
+    if window is None:
+        return coverage
+    full = np.zeros((size, size))
+    full[rows, cols] = coverage
+    return full
+
+
+RING_INNER = 0.55  # inner radius / outer radius of a ring
+STAR_INNER = 0.5  # inner radius / outer radius of the five-pointed star
+
+
+def scene_shape_inside(shape: str, area: float, dx: np.ndarray, dy: np.ndarray) -> np.ndarray:
+    """Whether the points at offsets (dx, dy) from the centroid lie inside a scene-only shape of ``area`` pixels
+    (image y grows downwards). Each shape's size follows from its area:
+
+        diamond     half-diagonal h, |dx| + |dy| <= h,                       area = 2 h^2
+        cross       arms of half-length L and half-width w = L / 3 (a plus),  area = 8 L w - 4 w^2 = 20 L^2 / 9
+        ring        outer radius R, inner radius RING_INNER R,               area = pi R^2 (1 - RING_INNER^2)
+        star        five points up, radii alternating R and STAR_INNER R every 36 degrees,
+                                                                             area = 5 R (STAR_INNER R) sin 36deg
+        semicircle  radius R, flat side down, centroid 4 R / (3 pi) above it, area = pi R^2 / 2
+    """
+    if shape == "diamond":
+        return np.abs(dx) + np.abs(dy) <= np.sqrt(area / 2)
+    if shape == "cross":
+        arm = np.sqrt(9 * area / 20)
+        half_width = arm / 3
+        return ((np.abs(dx) <= half_width) & (np.abs(dy) <= arm)) | ((np.abs(dy) <= half_width) & (np.abs(dx) <= arm))
+    if shape == "ring":
+        outer = np.sqrt(area / (np.pi * (1 - RING_INNER**2)))
+        r2 = dx**2 + dy**2
+        return (r2 <= outer**2) & (r2 >= (RING_INNER * outer) ** 2)
+    if shape == "star":
+        outer = np.sqrt(area / (5 * STAR_INNER * np.sin(np.pi / 5)))
+        # polar angle from the upward axis, folded into one 72-degree sector symmetric about a point
+        angle = np.mod(np.arctan2(dx, -dy) + np.pi / 5, 2 * np.pi / 5) - np.pi / 5
+        r = np.hypot(dx, dy)
+        # the edge from the point (R, 0) to the notch (STAR_INNER R, 36deg): inside when on the centre's side
+        px, py = r * np.cos(np.abs(angle)), r * np.sin(np.abs(angle))
+        ax, ay = outer, 0.0
+        bx, by = STAR_INNER * outer * np.cos(np.pi / 5), STAR_INNER * outer * np.sin(np.pi / 5)
+        cross_z = (bx - ax) * (py - ay) - (by - ay) * (px - ax)
+        return cross_z >= 0
+    if shape == "semicircle":
+        radius = np.sqrt(2 * area / np.pi)
+        flat = 4 * radius / (3 * np.pi)  # the flat side lies this far below the centroid
+        return (dy <= flat) & (dx**2 + (dy - flat) ** 2 <= radius**2)
+    raise ValueError(f"shape={shape!r} is not one of {list(SCENE_ONLY_SHAPES)}")
 
 
 def shape_extent(shape: str, area: float) -> float:

@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import sys
 import time
 
@@ -55,12 +56,30 @@ from ddpo_group.diffusion.tiny import build_tiny_pipeline  # noqa: E402
 from ddpo_group.rewards.shapes import shapes_alignment  # noqa: E402
 from ddpo_group.shapes import sample_dataset, shapes_prompts  # noqa: E402
 
-DEFAULT_OUTPUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ddpo_group", "assets", "tiny_shapes")
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASSETS_DIR = os.path.join(ROOT_DIR, "ddpo_group", "assets")
+DEFAULT_OUTPUT_DIR = os.path.join(ASSETS_DIR, "tiny_shapes")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="where the pipeline directory is written")
+    parser.add_argument("--world", choices=("shapes", "scenes"), default="shapes",
+                        help="shapes: one shape per 32-px image (tiny-shapes); scenes: 1-4 shapes per 64-px image with "
+                             "GenEval captions (tiny-scenes, tiny-scenes-sd3)")
+    parser.add_argument("--arch", choices=("sd", "sd3"), default="sd",
+                        help="sd: UNet + DDIM (StableDiffusionPipeline); sd3: MMDiT flow matching (scenes world only)")
+    parser.add_argument("--output-dir", default=None,
+                        help="where the pipeline directory is written (default: ddpo_group/assets/tiny_shapes, "
+                             "tiny_scenes or tiny_scenes_sd3)")
+    parser.add_argument("--state-dir", default=None,
+                        help="scenes world: where the resumable state goes (default runs/pretrain_scenes_ARCH)")
+    parser.add_argument("--max-minutes", type=float, default=0.0,
+                        help="scenes world: stop after this many minutes, the state saved; the same command goes on "
+                             "(0: no limit)")
+    parser.add_argument("--checkpoint-every", type=int, default=250, help="scenes world: steps between saved states")
+    parser.add_argument("--vae-from", default=None,
+                        help="scenes world: take the VAE of this pipeline directory instead of training one")
+    parser.add_argument("--vae-crop", type=int, default=32, help="scenes world: the VAE trains on crops of this size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dataset-size", type=int, default=20000, help="rendered (image, prompt) pairs")
     parser.add_argument("--vae-steps", type=int, default=1500)
@@ -83,6 +102,15 @@ def parse_args(argv=None):
                              "on a shared CPU; 0 keeps torch's default")
     parser.add_argument("--quick", action="store_true", help="seconds-long smoke run (tiny step counts)")
     args = parser.parse_args(argv)
+    scenes = args.world == "scenes"
+    if args.arch == "sd3" and not scenes:
+        parser.error("--arch sd3 is for --world scenes (the shapes world's tiny-shapes is a UNet)")
+    if scenes:  # the scenes world's defaults where the shapes world's were not overridden
+        for name, value in SCENES_DEFAULTS[args.arch].items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
+    elif args.output_dir is None:
+        args.output_dir = DEFAULT_OUTPUT_DIR
     if args.quick:
         args.dataset_size, args.vae_steps, args.unet_steps = 64, 3, 3
         args.vae_batch_size, args.batch_size, args.warmup_steps = 8, 8, 1
@@ -93,6 +121,15 @@ def parse_args(argv=None):
     if not 0.0 <= args.cond_dropout < 1.0:
         raise ValueError(f"--cond-dropout must be in [0, 1), got {args.cond_dropout}")
     return args
+
+
+# The scenes world's defaults (see docs/scenes.md for the measured times on this machine).
+SCENES_DEFAULTS = {
+    "sd3": {"dataset_size": 20000, "vae_steps": 2000, "unet_steps": 10000, "batch_size": 32, "unet_lr": 1e-3,
+            "eval_steps": 20, "eval_images_per_prompt": 4, "guidance_scale": 4.5},
+    "sd": {"dataset_size": 20000, "vae_steps": 2000, "unet_steps": 8000, "batch_size": 32, "unet_lr": 1e-3,
+           "eval_steps": 20, "eval_images_per_prompt": 4, "guidance_scale": 5.0},
+}
 
 
 def lr_lambda(warmup_steps: int, total_steps: int):
@@ -271,7 +308,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return _pretrain(args)
+        return _pretrain_scenes(args) if args.world == "scenes" else _pretrain(args)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -324,6 +361,315 @@ def _pretrain(args) -> dict:
         summary += f" | shapes_alignment {evaluation['shapes_alignment_mean']:.3f}"
     print(summary)
     print(f"saved to {args.output_dir}")
+    return log
+
+
+# The scenes world (--world scenes): 64-px scenes of one to four shapes, GenEval captions, resumable.
+
+SCENES_DEFAULT_OUTPUT = {"sd3": "tiny_scenes_sd3", "sd": "tiny_scenes"}
+
+
+def atomic_save(obj, path: str) -> None:
+    """torch.save to a temporary beside `path`, then rename: a stop mid-write leaves the old file whole."""
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def flow_text_embeddings(pipeline, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SD3's conditioning as StableDiffusion3Pipeline.encode_prompt builds it without T5: each CLIP's
+    penultimate hidden states side by side (B, L, 64), then L zero tokens for the absent T5; pooled: the two
+    projections side by side (B, 64)."""
+    first = pipeline.text_encoder(ids, output_hidden_states=True)
+    second = pipeline.text_encoder_2(ids, output_hidden_states=True)
+    hidden = torch.cat([first.hidden_states[-2], second.hidden_states[-2]], dim=-1)
+    width = pipeline.transformer.config.joint_attention_dim
+    hidden = F.pad(hidden, (0, width - hidden.shape[-1]))
+    hidden = torch.cat([hidden, torch.zeros_like(hidden)], dim=1)
+    return hidden, torch.cat([first[0], second[0]], dim=-1)
+
+
+def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, generator) -> torch.Tensor:
+    """One batch's loss on scaled latents z0 (module docstring): epsilon prediction (sd) or flow matching (sd3)."""
+    noise = torch.randn(z0.shape, generator=generator)
+    n = z0.shape[0]
+    if arch == "sd":
+        timesteps = torch.randint(0, pipeline.scheduler.config.num_train_timesteps, (n,), generator=generator)
+        abar = pipeline.scheduler.alphas_cumprod.to(torch.float32)[timesteps].view(-1, 1, 1, 1)
+        noisy = abar.sqrt() * z0 + (1 - abar).sqrt() * noise
+        prediction = pipeline.unet(noisy, timesteps, pipeline.text_encoder(ids)[0]).sample
+        return F.mse_loss(prediction, noise)
+    sigma = torch.sigmoid(torch.randn(n, generator=generator)).view(-1, 1, 1, 1)  # logit-normal(0, 1)
+    noisy = (1 - sigma) * z0 + sigma * noise
+    hidden, pooled = flow_text_embeddings(pipeline, ids)
+    prediction = pipeline.transformer(noisy, encoder_hidden_states=hidden, pooled_projections=pooled,
+                                      timestep=sigma.view(-1) * 1000).sample
+    return F.mse_loss(prediction, noise - z0)
+
+
+class Stopped(Exception):
+    """The time budget ran out; the state is saved and the same command resumes."""
+
+
+def _scenes_paths(args):
+    output = args.output_dir or os.path.join(ASSETS_DIR, SCENES_DEFAULT_OUTPUT[args.arch])
+    state = args.state_dir or os.path.join(ROOT_DIR, "runs", f"pretrain_scenes_{args.arch}")
+    return output, state
+
+
+def _scenes_data(args, state_dir, pipeline):
+    """(images uint8 (N, 64, 64, 3), prompt rows (N,), unique prompts): rendered once, cached in the state dir."""
+    from ddpo_group.scenes import sample_dataset
+
+    path = os.path.join(state_dir, "data.npz")
+    if os.path.exists(path):
+        data = np.load(path, allow_pickle=False)
+        return data["images"], torch.from_numpy(data["rows"]), [str(p) for p in data["prompts"]]
+    images, prompts = sample_dataset(args.dataset_size, seed=args.seed)
+    unique = sorted(set(prompts))
+    row_of = {p: i for i, p in enumerate(unique)}
+    rows = np.asarray([row_of[p] for p in prompts], dtype=np.int64)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, images=images, rows=rows, prompts=np.asarray(unique))
+    os.replace(tmp, path)
+    return images, torch.from_numpy(rows), unique
+
+
+def _load_state(state_dir):
+    path = os.path.join(state_dir, "state.pt")
+    return torch.load(path, weights_only=False) if os.path.exists(path) else None
+
+
+def _train_scenes_vae(pipeline, images, args, state_dir, deadline) -> dict:
+    """Stage 1 on random 32x32 crops of the 64-px scenes (the VAE is convolutional; a crop costs a quarter)."""
+    vae = pipeline.vae
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.vae_steps))
+    generator = torch.Generator().manual_seed(args.seed)
+    start_step, smooth, seconds = 0, {}, 0.0
+    state = _load_state(state_dir)
+    if state is not None and state["stage"] == "vae":
+        vae.load_state_dict(state["vae"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["generator"])
+        start_step, smooth, seconds = state["step"], state["smooth"], state["seconds"]
+    crop = args.vae_crop
+    size = images.shape[1]
+    vae.train()
+    began = time.time()
+    progress = tqdm(range(start_step, args.vae_steps), desc="vae", dynamic_ncols=True, mininterval=2.0,
+                    initial=start_step, total=args.vae_steps)
+
+    def save(step):
+        atomic_save({"stage": "vae", "step": step, "vae": vae.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict(), "generator": generator.get_state(), "smooth": smooth,
+                     "seconds": seconds + time.time() - began}, os.path.join(state_dir, "state.pt"))
+
+    for step in progress:
+        if time.time() > deadline:
+            save(step)
+            raise Stopped(f"vae step {step}")
+        idx = torch.randint(0, images.shape[0], (args.vae_batch_size,), generator=generator)
+        top, left = (int(v) for v in torch.randint(0, size - crop + 1, (2,), generator=generator))
+        x = torch.from_numpy(images[idx.numpy()][:, top : top + crop, left : left + crop]).permute(0, 3, 1, 2)
+        x = x.float() / 127.5 - 1.0
+        posterior = vae.encode(x).latent_dist
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+        mse = F.mse_loss(vae.decode(z).sample, x)
+        kl = posterior.kl().mean() / z[0].numel()
+        loss = mse + args.kl_weight * kl
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        for key, value in (("loss", loss.item()), ("mse", mse.item()), ("kl", kl.item())):
+            smooth[key] = value if key not in smooth else 0.98 * smooth[key] + 0.02 * value
+        progress.set_postfix(mse=f"{smooth['mse']:.4f}", refresh=False)
+        if (step + 1) % args.checkpoint_every == 0:
+            save(step + 1)
+    vae.eval()
+    return {**smooth, "seconds": seconds + time.time() - began, "steps": args.vae_steps, "crop": crop}
+
+
+@torch.no_grad()
+def _scenes_latents(vae, images, chunk=64):
+    means, stds = [], []
+    for i in tqdm(range(0, len(images), chunk), desc="encode", dynamic_ncols=True, mininterval=2.0):
+        x = torch.from_numpy(images[i : i + chunk]).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        posterior = vae.encode(x).latent_dist
+        means.append(posterior.mean)
+        stds.append(posterior.std)
+    return torch.cat(means), torch.cat(stds)
+
+
+def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir, deadline, previous) -> dict:
+    """Stage 2 (module docstring), resumable; the EMA weights are copied into the models at the end."""
+    denoiser = pipeline.transformer if args.arch == "sd3" else pipeline.unet
+    encoders = [pipeline.text_encoder] + ([pipeline.text_encoder_2] if args.arch == "sd3" else [])
+    modules = [denoiser] + encoders
+    params = [p for m in modules for p in m.parameters()]
+    ema_params = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, lr=args.unet_lr, weight_decay=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.unet_steps))
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    latent_mean, latent_std = latents
+    start_step, smooth, seconds = 0, None, 0.0
+    if previous is not None and previous["stage"] == "denoiser":
+        for module, weights in zip(modules, previous["modules"]):
+            module.load_state_dict(weights)
+        for ema, saved in zip(ema_params, previous["ema"]):
+            ema.copy_(saved)
+        optimizer.load_state_dict(previous["optimizer"])
+        scheduler.load_state_dict(previous["scheduler"])
+        generator.set_state(previous["generator"])
+        start_step, smooth, seconds = previous["step"], previous["smooth"], previous["seconds"]
+    scaling = pipeline.vae.config.scaling_factor
+    shift = pipeline.vae.config.shift_factor or 0.0
+    empty_row = prompt_ids.shape[0] - 1
+    for module in modules:
+        module.train()
+    began = time.time()
+
+    def save(step):
+        atomic_save({"stage": "denoiser", "step": step, "vae": pipeline.vae.state_dict(),
+                     "vae_config": dict(pipeline.vae.config), "modules": [m.state_dict() for m in modules],
+                     "ema": ema_params, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                     "generator": generator.get_state(), "smooth": smooth, "seconds": seconds + time.time() - began,
+                     "vae_stats": previous.get("vae_stats") if previous else None},
+                    os.path.join(state_dir, "state.pt"))
+
+    progress = tqdm(range(start_step, args.unet_steps), desc=args.arch, dynamic_ncols=True, mininterval=2.0,
+                    initial=start_step, total=args.unet_steps)
+    for step in progress:
+        if time.time() > deadline:
+            save(step)
+            raise Stopped(f"{args.arch} step {step}")
+        idx = torch.randint(0, latent_mean.shape[0], (args.batch_size,), generator=generator)
+        z = latent_mean[idx] + latent_std[idx] * torch.randn(latent_mean[idx].shape, generator=generator)
+        z0 = (z - shift) * scaling
+        batch_rows = rows[idx].clone()
+        batch_rows[torch.rand(args.batch_size, generator=generator) < args.cond_dropout] = empty_row
+        loss = denoiser_loss(pipeline, args.arch, z0, prompt_ids[batch_rows], generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        ema_update(ema_params, params, args.ema_decay, step)
+        smooth = loss.item() if smooth is None else 0.99 * smooth + 0.01 * loss.item()
+        progress.set_postfix(loss=f"{smooth:.4f}", refresh=False)
+        if (step + 1) % args.checkpoint_every == 0:
+            save(step + 1)
+    save(args.unet_steps)
+    with torch.no_grad():
+        for ema, p in zip(ema_params, params):
+            p.copy_(ema)
+    for module in modules:
+        module.eval()
+    return {"loss": smooth, "seconds": seconds + time.time() - began, "steps": args.unet_steps}
+
+
+@torch.no_grad()
+def evaluate_scenes(pipeline, args) -> dict:
+    """GenEval's six-tag table of the pipeline on the held-out set (assets/prompts/geneval_scenes.jsonl),
+    ``eval_images_per_prompt`` images per record, the exact shapes-world detector."""
+    from ddpo_group.rewards.geneval.metadata import read_metadata
+    from ddpo_group.rewards.geneval.protocol import GenEvalScorer, format_table, summarize
+    from ddpo_group.rewards.geneval.shapes_scenes import ShapesColorClassifier, ShapesDetector
+    from ddpo_group.scenes import evaluation_prompts_path
+
+    records = [r for r in read_metadata(evaluation_prompts_path()) for _ in range(args.eval_images_per_prompt)]
+    generator = torch.Generator().manual_seed(args.seed + 2)
+    start = time.time()
+    kwargs = {} if args.arch == "sd3" else {"eta": args.eta}
+    images = []
+    for i in tqdm(range(0, len(records), 50), desc="eval", dynamic_ncols=True):
+        batch = [r["prompt"] for r in records[i : i + 50]]
+        output = pipeline(batch, num_inference_steps=args.eval_steps, guidance_scale=args.guidance_scale,
+                          generator=generator, output_type="np", **kwargs)
+        images.append((np.clip(output.images, 0, 1) * 255).round().astype(np.uint8))
+    images = np.concatenate(images)
+    results = GenEvalScorer(ShapesDetector(), ShapesColorClassifier()).score(images, records)
+    summary = summarize(results)
+    print(format_table(summary))
+    if args.samples_path:
+        save_grid(torch.from_numpy(images[:: args.eval_images_per_prompt][:64]).permute(0, 3, 1, 2).float() / 255,
+                  args.samples_path, columns=8)
+    return {"num_inference_steps": args.eval_steps, "guidance_scale": args.guidance_scale,
+            "eta": args.eta if args.arch == "sd" else None, "images_per_prompt": args.eval_images_per_prompt,
+            "seconds": time.time() - start, "overall": summary["overall"],
+            "tags": {tag: row["score"] for tag, row in summary["tags"].items()}, "summary": summary}
+
+
+def _pretrain_scenes(args) -> dict:
+    from ddpo_group.diffusion.tiny import build_tiny_scenes_pipeline
+    from ddpo_group.scenes import SCENE_WORDS
+
+    output_dir, state_dir = _scenes_paths(args)
+    os.makedirs(state_dir, exist_ok=True)
+    deadline = time.time() + args.max_minutes * 60 if args.max_minutes else math.inf
+    torch.manual_seed(args.seed)
+    pipeline = build_tiny_scenes_pipeline(SCENE_WORDS, args.arch, seed=args.seed)
+    start = time.time()
+    images, rows, unique_prompts = _scenes_data(args, state_dir, pipeline)
+    prompt_ids = pipeline.tokenizer(unique_prompts + [""], padding="max_length",
+                                    max_length=pipeline.tokenizer.model_max_length, truncation=True,
+                                    return_tensors="pt").input_ids
+    data_seconds = time.time() - start
+    state = _load_state(state_dir)
+    try:
+        if state is not None and state["stage"] == "denoiser":
+            pipeline.vae.load_state_dict(state["vae"])
+            pipeline.vae.register_to_config(scaling_factor=state["vae_config"]["scaling_factor"],
+                                            shift_factor=state["vae_config"]["shift_factor"])
+            vae_stats = state["vae_stats"]
+        elif args.vae_from:
+            from diffusers import AutoencoderKL
+
+            trained = AutoencoderKL.from_pretrained(os.path.join(args.vae_from, "vae"), local_files_only=True)
+            pipeline.vae.load_state_dict(trained.state_dict())
+            vae_stats = {"from": os.path.relpath(os.path.abspath(args.vae_from), ROOT_DIR)}
+        else:
+            vae_stats = _train_scenes_vae(pipeline, images, args, state_dir, deadline)
+        latents_path = os.path.join(state_dir, "latents.pt")
+        if os.path.exists(latents_path) and state is not None and state["stage"] == "denoiser":
+            latent_mean, latent_std = torch.load(latents_path)
+        else:
+            latent_mean, latent_std = _scenes_latents(pipeline.vae, images)
+            atomic_save((latent_mean, latent_std), latents_path)
+            sample = latent_mean + latent_std * torch.randn(latent_mean.shape, generator=torch.Generator().manual_seed(args.seed))
+            # SD3 / FLUX convention: latents = (z - shift) * scaling with unit variance; SD: no shift
+            shift = float(sample.mean()) if args.arch == "sd3" else None
+            scaling = float(1.0 / (sample - (shift or 0.0)).std())
+            pipeline.vae.register_to_config(scaling_factor=scaling, shift_factor=shift)
+            state = {"stage": "denoiser", "step": 0, "vae_stats": vae_stats, "fresh": True}
+        del images
+        unet_stats = _train_scenes_denoiser(pipeline, args, (latent_mean, latent_std), rows, prompt_ids, state_dir,
+                                            deadline, None if state.get("fresh") else state)
+    except Stopped as stop:
+        print(f"stopped at {stop} after --max-minutes {args.max_minutes}; the state is in {state_dir}: "
+              "run the same command again to go on")
+        return {"stopped": str(stop)}
+    os.makedirs(output_dir, exist_ok=True)
+    pipeline.save_pretrained(output_dir, safe_serialization=True)
+    evaluation = evaluate_scenes(pipeline, args) if args.eval_steps > 0 else None
+    log = {
+        "world": "scenes", "arch": args.arch, "seed": args.seed, "quick": args.quick,
+        "torch_threads": torch.get_num_threads(), "dataset_size": args.dataset_size, "data_seconds": data_seconds,
+        "machine": platform.processor() or platform.machine(),
+        "vae": {**(vae_stats or {}), "batch_size": args.vae_batch_size, "lr": args.vae_lr, "kl_weight": args.kl_weight},
+        "scaling_factor": pipeline.vae.config.scaling_factor, "shift_factor": pipeline.vae.config.shift_factor,
+        "denoiser": {**unet_stats, "batch_size": args.batch_size, "lr": args.unet_lr, "cond_dropout": args.cond_dropout,
+                     "ema_decay": args.ema_decay},
+        "evaluation": evaluation,
+    }
+    tmp = os.path.join(output_dir, "pretrain_log.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(log, f, indent=2)
+    os.replace(tmp, os.path.join(output_dir, "pretrain_log.json"))
+    print(f"saved to {output_dir}")
     return log
 
 

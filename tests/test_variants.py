@@ -124,10 +124,15 @@ def test_a_learning_rate_other_than_the_main_jobs_is_named_in_the_docstring():
             assert written in grpo.VARIANTS[variant].__doc__, (variant, written)
 
 
+# The scenes world's main jobs (docs/scenes.md): another task and model, with Flow-GRPO's recipe (tiny_scenes) and the
+# main job's method on the UNet (tiny_scenes_sd); their methods are compared among themselves, not with tiny's.
+SCENES_TASKS = {"tiny_scenes", "tiny_scenes_sd"}
+
+
 def test_every_tiny_variant_that_changes_the_method_is_declared():
     tiny = flat(grpo.tiny())
     for name in grpo.VARIANTS:
-        if name.startswith("tiny_") and name not in DECLARED:
+        if name.startswith("tiny_") and name not in DECLARED and name not in SCENES_TASKS:
             method_changes = [f for f in changed(flat(grpo.get_config(name)), tiny) if ALGORITHM_FIELDS.match(f)]
             assert not method_changes, f"{name} changes {method_changes}: declare it in DECLARED"
 
@@ -180,3 +185,18 @@ def test_task_variant_differs_from_tiny_only_in_its_declared_task_fields(variant
     differ = changed(flat(grpo.get_config(variant)), flat(grpo.tiny())) - {"variant"}
     assert differ == TASK_DECLARED[variant]
     assert all(TASK_FIELDS.match(field) for field in differ)
+
+
+@pytest.mark.parametrize("variant,model", [("tiny_scenes", "tiny-scenes-sd3"), ("tiny_scenes_sd", "tiny-scenes")])
+def test_scenes_main_jobs_train_on_generated_prompts_and_evaluate_on_the_held_out_set(variant, model):
+    config = grpo.get_config(variant)
+    assert config.pretrained.model == model
+    assert config.reward_fn == "geneval" and dict(config.reward_kwargs["geneval"]) == {"detector": "shapes",
+                                                                                        "score": "partial"}
+    assert config.prompt_fn == "ddpo_group.scenes:scene_training_prompts"
+    assert config.eval_prompt_fn == "geneval_scenes.jsonl" and config.eval_freq > 0
+    # the two differ only by the model and what its family samples and trains with
+    flow, unet = flat(grpo.get_config("tiny_scenes")), flat(grpo.get_config("tiny_scenes_sd"))
+    assert changed(unet, flow) - {"variant"} == {
+        "pretrained.model", "sample.eta", "sample.sde_type", "sample.guidance_scale", "sample.max_sequence_length",
+        "sample.resolution", "train.kl_type", "train.beta", "train.skip_last_steps"}

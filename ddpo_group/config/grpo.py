@@ -40,6 +40,9 @@ is read against the ones it derives from (tiny_* from tiny, the task presets fro
     qwen_image_edit GRPO image editing on Qwen-Image-Edit (true CFG 4) with Flow-Factory's settings, LoRA r64, one GPU
     tiny_qwen_image_edit  a random-weight tiny Qwen-Image-Edit editing the shipped shapes-world sources, seconds
     tiny_geneval    the main job's model and method trained with the geneval reward (exact shapes detector), CPU, minutes
+    tiny_scenes     the second main job: Flow-GRPO's GenEval recipe on the shipped flow model tiny-scenes-sd3 (1-4 shapes
+                    per 64-px scene, GenEval's six tags), evaluated on the held-out geneval_scenes.jsonl, CPU, minutes
+    tiny_scenes_sd  the same task and evaluation on the shipped UNet + DDIM scenes model tiny-scenes (GRPO + KL)
     sd35_geneval    Flow-GRPO's GenEval recipe on SD3.5-Medium: the geneval reward (partial score), generated prompts
     sd35_nft_geneval  DiffusionNFT's GenEval recipe on SD3.5-Medium (sd35_nft with the geneval reward)
 
@@ -821,9 +824,69 @@ def sd35_nft_geneval():
 VARIANTS.update({"tiny_geneval": tiny_geneval, "sd35_geneval": sd35_geneval, "sd35_nft_geneval": sd35_nft_geneval})
 
 
+def tiny_scenes():
+    """The second main job: Flow-GRPO's GenEval recipe (yifan123/flow_grpo config/grpo.py geneval_sd3: the geneval
+    partial score, generated GenEval prompts without the evaluation set's, the "sde" sampler with noise level 0.7,
+    10 steps, CFG 4.5, KL 0.04 on Flow-GRPO's scale, the last step never trained) scaled to the shipped flow model
+    tiny-scenes-sd3 (64-px scenes of one to four shapes, docs/scenes.md): the whole 0.9M-parameter transformer
+    trained (no LoRA), 8 images per prompt, 64 per epoch, lr 2e-4 and clip range 1e-2 as the main job, the exact
+    shapes-world detector for Mask2Former + CLIP. Evaluated every 10 epochs on the held-out set
+    (assets/prompts/geneval_scenes.jsonl, 150 records, 2 fixed-noise images each): eval/geneval/<tag> and
+    eval/geneval/overall are GenEval's table; scripts/evaluate.py --protocol geneval gives it with 4 images."""
+    config = _tiny_common(base.get_config())
+    config.pretrained.model = "tiny-scenes-sd3"
+    config.reward_fn = "geneval"
+    config.reward_kwargs["geneval"] = {"detector": "shapes", "score": "partial"}
+    config.prompt_fn = "ddpo_group.scenes:scene_training_prompts"
+    config.prompt_fn_kwargs = {"n_per_tag": 100, "seed": 0}
+    config.eval_prompt_fn = "geneval_scenes.jsonl"
+    config.eval_freq = 10
+    config.eval_images_per_prompt = 2
+    config.eval_batch_size = 100
+    config.num_epochs = 40
+    config.save_freq = 20
+    config.log_images_every = 10
+    config.sample.num_steps = 10
+    config.sample.eta = 0.7
+    config.sample.sde_type = "sde"
+    config.sample.guidance_scale = 4.5
+    config.sample.resolution = 64
+    config.sample.max_sequence_length = 16
+    config.sample.group_size = 8
+    config.train.learning_rate = 2e-4
+    config.train.clip_range = 1e-2
+    config.algorithm.adv_estimator = "grpo"
+    config.train.use_reference_model = True
+    config.train.use_kl_loss = True
+    config.train.beta = 0.04
+    config.train.kl_type = "flow_grpo"
+    config.train.skip_last_steps = 1
+    return config
+
+
+def tiny_scenes_sd():
+    """tiny_scenes's task, prompts, reward and evaluation on the shipped UNet + DDIM scenes model tiny-scenes, with
+    the main job's method (GRPO + KL, DDIM with eta 1, guidance 5 as its pretraining's evaluation); the family
+    where DDPO and Algorithm 2 run."""
+    config = tiny_scenes()
+    config.pretrained.model = "tiny-scenes"
+    config.sample.eta = 1.0
+    config.sample.sde_type = ""
+    config.sample.guidance_scale = 5.0
+    config.sample.max_sequence_length = 0
+    config.sample.resolution = 0
+    config.train.kl_type = "gaussian"
+    config.train.beta = 0.01  # the main job's KL weight on its (Gaussian) scale
+    config.train.skip_last_steps = 0
+    return config
+
+
+VARIANTS.update({"tiny_scenes": tiny_scenes, "tiny_scenes_sd": tiny_scenes_sd})
+
 def get_config(name="sd15"):
     if name not in VARIANTS:
         raise ValueError(f"unknown config variant {name!r} in config/grpo.py; choose one of {sorted(VARIANTS)}")
     config = VARIANTS[name]()
     config.variant = name  # kept in the run's config.json: the report's headline names the variant
     return config
+

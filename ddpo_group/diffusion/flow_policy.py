@@ -14,6 +14,7 @@ FLUX.1-dev has no CFG: ``guidance_scale`` is its distilled guidance embedding.
 """
 
 import inspect
+import json
 import math
 import os
 
@@ -42,19 +43,27 @@ from ddpo_group.diffusion.lora import add_lora
 LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
-def load_pretrained(pipeline_class, model, revision, torch_dtype, offline_builders):
+def load_pretrained(pipeline_class, model, revision, torch_dtype, offline_builders, absent_components=()):
     """`pipeline_class` from an offline name (`offline_builders`: name -> builder), a directory or a hub id;
     ValueError naming the model and the offline choices when it cannot be loaded. A builder that takes
-    ``torch_dtype`` (the full-size random architectures) creates its weights in it: no float32 copy first."""
+    ``torch_dtype`` (the full-size random architectures) creates its weights in it: no float32 copy first.
+    `absent_components`: optional components that a local directory may lack (save_pretrained leaves a None
+    component out of model_index.json, and from_pretrained then refuses the directory): loaded as None."""
     if model in offline_builders:
         build = offline_builders[model]
         takes_dtype = "torch_dtype" in inspect.signature(build).parameters
         return (build(torch_dtype=torch_dtype) if takes_dtype else build()).to(dtype=torch_dtype)
     local = os.path.isdir(os.path.expanduser(model))
     local_files_only = local or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    absent = {}
+    index = os.path.join(os.path.expanduser(model), "model_index.json")
+    if local and os.path.isfile(index):
+        with open(index) as f:
+            listed = json.load(f)
+        absent = {name: None for name in absent_components if listed.get(name) in (None, [None, None])}
     try:
         pipeline = pipeline_class.from_pretrained(
-            os.path.expanduser(model), revision=revision, dtype=torch_dtype, local_files_only=local_files_only
+            os.path.expanduser(model), revision=revision, dtype=torch_dtype, local_files_only=local_files_only, **absent
         )
     except Exception as err:
         raise ValueError(

@@ -12,12 +12,38 @@ from diffusers import DDIMScheduler, StableDiffusionPipeline
 
 from ddpo_group.diffusion.tiny import build_sd15_random_pipeline, build_tiny_pipeline
 
-TINY_SHAPES_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_shapes"
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+TINY_SHAPES_DIR = ASSETS_DIR / "tiny_shapes"
+# The scenes world's shipped models (scripts/pretrain_tiny.py --world scenes --arch sd | sd3): name -> directory
+SHIPPED_SCENES = {"tiny-scenes": ASSETS_DIR / "tiny_scenes", "tiny-scenes-sd3": ASSETS_DIR / "tiny_scenes_sd3"}
 
 OFFLINE_HINT = (
     "To run offline, use the tiny model (`--config config/grpo.py:tiny`, model 'tiny' or 'tiny-shapes') "
     "or pass a local directory written by StableDiffusionPipeline.save_pretrained."
 )
+
+
+def shipped_dir(model: str) -> Path:
+    """The directory of a shipped scenes model ("tiny-scenes", "tiny-scenes-sd3"); ValueError saying how to make
+    it when it is missing."""
+    path = SHIPPED_SCENES[model]
+    if not (path / "model_index.json").is_file():
+        arch = "sd3" if model.endswith("sd3") else "sd"
+        raise ValueError(f"model {model!r}: the pretrained scenes model is missing from {path}; create it with "
+                         f"`python scripts/pretrain_tiny.py --world scenes --arch {arch}`")
+    return path
+
+
+def load_tiny_scenes_sd3(torch_dtype=torch.float32):
+    """The shipped flow-matching scenes model "tiny-scenes-sd3" (a StableDiffusion3Pipeline without T5)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipeline = StableDiffusion3Pipeline.from_pretrained(
+        str(shipped_dir("tiny-scenes-sd3")), text_encoder_3=None, tokenizer_3=None, dtype=torch_dtype,
+        local_files_only=True,
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
 
 
 def _finish(pipeline, torch_dtype):
@@ -40,6 +66,7 @@ def load_pipeline(model, revision=None, torch_dtype=torch.float32, local_files_o
     model:
         "tiny"         random tiny pipeline (``build_tiny_pipeline()``), offline;
         "tiny-shapes"  the pretrained shapes-world tiny model shipped in ddpo_group/assets/tiny_shapes;
+        "tiny-scenes"  the pretrained scenes-world UNet shipped in ddpo_group/assets/tiny_scenes;
         "random-sd15"  SD 1.5's architecture with random weights (``build_sd15_random_pipeline``), offline:
                        for speed and memory checks on GPUs (benchmarks/gpu_check.py);
         a directory    written by ``StableDiffusionPipeline.save_pretrained``;
@@ -50,7 +77,7 @@ def load_pipeline(model, revision=None, torch_dtype=torch.float32, local_files_o
     """
     if not isinstance(model, str | os.PathLike) or not str(model):
         raise ValueError(
-            f"model must be 'tiny', 'tiny-shapes', 'random-sd15', a local directory or a hub id, got {model!r}"
+            f"model must be 'tiny', 'tiny-shapes', 'tiny-scenes', 'random-sd15', a local directory or a hub id, got {model!r}"
         )
     model = str(model)
     if model == "tiny":
@@ -64,6 +91,8 @@ def load_pipeline(model, revision=None, torch_dtype=torch.float32, local_files_o
                 "create it with `python scripts/pretrain_tiny.py`, or use model 'tiny' (random weights)."
             )
         return _finish(_from_pretrained(str(TINY_SHAPES_DIR), torch_dtype, local_files_only=True), torch_dtype)
+    if model == "tiny-scenes":
+        return _finish(_from_pretrained(str(shipped_dir(model)), torch_dtype, local_files_only=True), torch_dtype)
 
     path = Path(model).expanduser()
     if path.is_dir():

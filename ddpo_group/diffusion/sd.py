@@ -314,7 +314,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
     """SD 1.x / 2.x, the tiny shapes-world model and any StableDiffusionPipeline with a DDIM scheduler."""
     shard_blocks = ("down_blocks", "mid_block", "up_blocks")  # the UNet's resolution levels
 
-    offline_models = ("tiny", "tiny-shapes", "random-sd15")
+    offline_models = ("tiny", "tiny-shapes", "tiny-scenes", "random-sd15")
     pipeline_class_names = ("StableDiffusionPipeline",)
 
     def __init__(self, pipeline):
@@ -327,7 +327,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
 
     @classmethod
     def load(cls, model, revision=None, torch_dtype=None):
-        """``load_pipeline``: "tiny", "tiny-shapes", "random-sd15", a directory or a hub id; DDIM scheduler.
+        """``load_pipeline``: "tiny", "tiny-shapes", "tiny-scenes", "random-sd15", a directory or a hub id; DDIM scheduler.
 
         Loaded in float32 whatever torch_dtype says: `prepare` casts the frozen parts, and a fully
         fine-tuned UNet keeps float32 master weights.

@@ -8,6 +8,7 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
+from ddpo_group.diffusion.loading import load_tiny_scenes_sd3
 from ddpo_group.diffusion.tiny import build_tiny_sd3_pipeline, build_tiny_tokenizer, created_in, seeded
 
 # SD3.5-Medium's published configs (stabilityai/stable-diffusion-3.5-medium: transformer/, vae/, scheduler/):
@@ -34,14 +35,16 @@ class StableDiffusion3Policy(FlowMatchingPolicy):
 
     pipeline_class = StableDiffusion3Pipeline
     pipeline_class_names = ("StableDiffusion3Pipeline",)
-    offline_models = ("tiny-sd3", "random-sd35")
+    offline_models = ("tiny-sd3", "tiny-scenes-sd3", "random-sd35")
     default_max_sequence_length = 256
     patch_multiple = 2
 
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):
-        builders = {"tiny-sd3": build_tiny_sd3_pipeline, "random-sd35": build_random_sd35_pipeline}
-        return load_pretrained(StableDiffusion3Pipeline, model, revision, torch_dtype, builders)
+        builders = {"tiny-sd3": build_tiny_sd3_pipeline, "tiny-scenes-sd3": load_tiny_scenes_sd3,
+                    "random-sd35": build_random_sd35_pipeline}
+        return load_pretrained(StableDiffusion3Pipeline, model, revision, torch_dtype, builders,
+                               absent_components=("text_encoder_3", "tokenizer_3"))
 
     @property
     def latent_channels(self):

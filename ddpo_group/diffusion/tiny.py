@@ -468,3 +468,67 @@ def build_random_sdxl_pipeline(seed=0, torch_dtype=torch.float32):
     scheduler = tiny_component_configs(len(tokenizer))["scheduler"]
     return _sdxl_pipeline(unet, vae, text_encoder, text_encoder_2, tokenizer, build_tiny_tokenizer(model_max_length=77),
                           scheduler)
+
+
+SCENES_IMAGE_SIZE = 64
+SCENES_MAX_LENGTH = 16  # tokens: the longest scenes prompt ("a photo of a magenta semicircle and a yellow star") has 12
+
+
+def scenes_component_configs(vocab_size):
+    """The scenes models' architecture (``scripts/pretrain_tiny.py --world scenes``): 64x64 images, the tiny VAE's
+    three blocks (scale factor 4, 4x16x16 latents), a 16-token CLIP text encoder of width 32 (two for SD3), and
+
+        sd    UNet2DConditionModel, blocks (32, 64, 64) with attention at 8x8 and 4x4 (none at 16x16: 4x the cost)
+        sd3   SD3Transformer2DModel, patch 2 (64 image tokens), 6 joint blocks of 4 heads x 16
+    """
+    base = tiny_component_configs(vocab_size)
+    return {
+        "vae": dict(base["vae"], sample_size=SCENES_IMAGE_SIZE),
+        "text_encoder": dict(base["text_encoder"], max_position_embeddings=SCENES_MAX_LENGTH),
+        "scheduler": base["scheduler"],
+        "unet": {
+            "sample_size": SCENES_IMAGE_SIZE // 4, "in_channels": 4, "out_channels": 4, "layers_per_block": 1,
+            "block_out_channels": (32, 64, 64),
+            "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            "cross_attention_dim": 32, "attention_head_dim": 4, "norm_num_groups": 8,
+        },
+        "transformer": {
+            "sample_size": SCENES_IMAGE_SIZE // 4, "patch_size": 2, "in_channels": 4, "out_channels": 4,
+            "num_layers": 6, "attention_head_dim": 16, "num_attention_heads": 4, "joint_attention_dim": 64,
+            "caption_projection_dim": 64, "pooled_projection_dim": 64, "pos_embed_max_size": SCENES_IMAGE_SIZE // 4,
+        },
+    }
+
+
+def build_tiny_scenes_pipeline(words, arch="sd3", seed=0):
+    """The scenes world's tiny pipeline with random weights drawn from ``seed`` (CPU, float32), built offline:
+    arch "sd3" a StableDiffusion3Pipeline (two 16-token CLIP encoders, no T5, FlowMatchEulerDiscreteScheduler
+    shift 3.0, the VAE with SD3's scaling and shift), "sd" a StableDiffusionPipeline with DDIM. ``words``: the
+    tokenizer's whole words (``ddpo_group.scenes.SCENE_WORDS``; this layer does not import the world). The
+    pretrained copies are the shipped ``tiny-scenes-sd3`` and ``tiny-scenes``."""
+    tokenizer = build_tiny_tokenizer(words, model_max_length=SCENES_MAX_LENGTH)
+    configs = scenes_component_configs(len(tokenizer))
+    if arch == "sd":
+        return _random_sd_pipeline(configs, tokenizer, seed)
+    if arch != "sd3":
+        raise ValueError(f"arch={arch!r} is not one of 'sd', 'sd3'")
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
+
+    def clip():
+        config = CLIPTextConfig(**configs["text_encoder"], projection_dim=32)
+        return CLIPTextModelWithProjection(config).eval()
+
+    with seeded(seed):
+        transformer = SD3Transformer2DModel(**configs["transformer"])
+        vae = _tiny_flow_vae(configs)
+        text_encoder, text_encoder_2 = clip(), clip()
+    pipeline = StableDiffusion3Pipeline(
+        transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=vae.eval(), text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+        tokenizer_2=build_tiny_tokenizer(words, model_max_length=SCENES_MAX_LENGTH), text_encoder_3=None,
+        tokenizer_3=None,
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline

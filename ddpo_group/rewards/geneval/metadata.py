@@ -135,22 +135,50 @@ def record_identity(record: dict) -> tuple:
     return record["tag"], tuple(sorted(clauses, key=repr)), tuple(sorted(relations)), tuple(exclude)
 
 
-def _single_object(rng, classes, colors, max_count):
-    name = classes[rng.integers(len(classes))]
+def single_object_record(name: str) -> dict:
     return {"tag": "single_object", "include": [{"class": name, "count": 1}], "prompt": f"a photo of {with_article(name)}"}
 
 
-def _two_object(rng, classes, colors, max_count):
-    a, b = (classes[i] for i in rng.choice(len(classes), size=2, replace=False))
+def two_object_record(a: str, b: str) -> dict:
     return {"tag": "two_object", "include": [{"class": a, "count": 1}, {"class": b, "count": 1}],
             "prompt": f"a photo of {with_article(a)} and {with_article(b)}"}
 
 
-def _counting(rng, classes, colors, max_count):
-    name = classes[rng.integers(len(classes))]
-    n = int(rng.integers(2, max_count, endpoint=True))
+def counting_record(name: str, n: int) -> dict:
     return {"tag": "counting", "include": [{"class": name, "count": n}], "exclude": [{"class": name, "count": n + 1}],
             "prompt": f"a photo of {NUMBER_WORDS[n]} {plural(name)}"}
+
+
+def colors_record(name: str, color: str) -> dict:
+    return {"tag": "colors", "include": [{"class": name, "count": 1, "color": color}],
+            "prompt": f"a photo of {with_article(color)} {name}"}
+
+
+def position_record(a: str, relation: str, b: str) -> dict:
+    """"a photo of a {a} {relation} a {b}": clauses [b, a at `relation` of clause 0]."""
+    return {"tag": "position",
+            "include": [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [relation, 0]}],
+            "prompt": f"a photo of {with_article(a)} {relation} {with_article(b)}"}
+
+
+def color_attr_record(a: str, color_a: str, b: str, color_b: str) -> dict:
+    return {"tag": "color_attr",
+            "include": [{"class": a, "count": 1, "color": color_a}, {"class": b, "count": 1, "color": color_b}],
+            "prompt": f"a photo of {with_article(color_a)} {a} and {with_article(color_b)} {b}"}
+
+
+def _single_object(rng, classes, colors, max_count):
+    return single_object_record(classes[rng.integers(len(classes))])
+
+
+def _two_object(rng, classes, colors, max_count):
+    a, b = (classes[i] for i in rng.choice(len(classes), size=2, replace=False))
+    return two_object_record(a, b)
+
+
+def _counting(rng, classes, colors, max_count):
+    name = classes[rng.integers(len(classes))]
+    return counting_record(name, int(rng.integers(2, max_count, endpoint=True)))
 
 
 def _colorable(classes):
@@ -160,25 +188,19 @@ def _colorable(classes):
 def _colors(rng, classes, colors, max_count):
     names = _colorable(classes)
     name, color = names[rng.integers(len(names))], colors[rng.integers(len(colors))]
-    return {"tag": "colors", "include": [{"class": name, "count": 1, "color": color}],
-            "prompt": f"a photo of {with_article(color)} {name}"}
+    return colors_record(name, color)
 
 
 def _position(rng, classes, colors, max_count):
     a, b = (classes[i] for i in rng.choice(len(classes), size=2, replace=False))
-    relation = POSITIONS[rng.integers(len(POSITIONS))]
-    return {"tag": "position",
-            "include": [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [relation, 0]}],
-            "prompt": f"a photo of {with_article(a)} {relation} {with_article(b)}"}
+    return position_record(a, POSITIONS[rng.integers(len(POSITIONS))], b)
 
 
 def _color_attr(rng, classes, colors, max_count):
     names = _colorable(classes)
     a, b = (names[i] for i in rng.choice(len(names), size=2, replace=False))
     ca, cb = (colors[i] for i in rng.choice(len(colors), size=2, replace=False))
-    return {"tag": "color_attr",
-            "include": [{"class": a, "count": 1, "color": ca}, {"class": b, "count": 1, "color": cb}],
-            "prompt": f"a photo of {with_article(ca)} {a} and {with_article(cb)} {b}"}
+    return color_attr_record(a, ca, b, cb)
 
 
 GENERATORS = {"single_object": _single_object, "two_object": _two_object, "counting": _counting,

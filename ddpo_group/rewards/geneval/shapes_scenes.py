@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from ddpo_group.rewards.geneval.protocol import Detection
-from ddpo_group.shapes import BACKGROUNDS, COLORS, SHAPES, parse_prompt, shape_coverage
+from ddpo_group.shapes import ALL_SHAPES, BACKGROUNDS, COLORS, SHAPES, parse_prompt, shape_coverage
 
 ALPHA_MIN = 0.5
 RESIDUAL_MAX = 0.15
@@ -54,8 +54,8 @@ def render_scene(objects, background: str = "white", size: int = 64) -> np.ndarr
     """The scene as uint8 (size, size, 3): image = coverage * colour + (1 - coverage) * image, object by object."""
     image = np.broadcast_to(np.asarray(BACKGROUNDS[background], dtype=np.float64), (size, size, 3)).copy()
     for obj in objects:
-        if obj.shape not in SHAPES or obj.color not in COLORS:
-            raise ValueError(f"scene object {obj}: shape must be one of {list(SHAPES)}, colour one of {list(COLORS)}")
+        if obj.shape not in ALL_SHAPES or obj.color not in COLORS:
+            raise ValueError(f"scene object {obj}: shape must be one of {list(ALL_SHAPES)}, colour one of {list(COLORS)}")
         coverage = shape_coverage(obj.shape, obj.area, obj.center, size)[..., None]
         image = coverage * np.asarray(COLORS[obj.color], dtype=np.float64) + (1.0 - coverage) * image
     return np.clip(np.rint(image), 0, 255).astype(np.uint8)
@@ -118,14 +118,15 @@ def _dilate(mask: np.ndarray) -> np.ndarray:
 
 def classify_shape(weight: np.ndarray) -> str:
     """The shape whose template (same area and centroid) has the highest soft IoU with `weight` (H, W):
-    IoU = sum min(w, t) / sum max(w, t); the triangle's centroid lies h / 6 below its box centre (apex up)."""
+    IoU = sum min(w, t) / sum max(w, t), over the shapes of both worlds (``shapes.ALL_SHAPES``); the triangle's
+    centroid lies h / 6 below its box centre (apex up), the scene-only shapes are drawn about their centroid."""
     height, width = weight.shape
     size = max(height, width)
     area = float(weight.sum())
     rows, cols = np.mgrid[0:height, 0:width] + 0.5
     cy, cx = float((weight * rows).sum() / area), float((weight * cols).sum() / area)
-    best, best_iou = SHAPES[0], -1.0
-    for shape in SHAPES:
+    best, best_iou = ALL_SHAPES[0], -1.0
+    for shape in ALL_SHAPES:
         center_y = cy - math.sqrt(2 * area) / 6 if shape == "triangle" else cy
         template = shape_coverage(shape, area, (cx, center_y), size)[:height, :width]
         iou = float(np.minimum(weight, template).sum() / np.maximum(weight, template).sum())
@@ -137,7 +138,7 @@ def classify_shape(weight: np.ndarray) -> str:
 class ShapesDetector:
     """The exact detector of shapes-world scenes (module docstring); classes = the shapes."""
 
-    classes = SHAPES
+    classes = ALL_SHAPES
 
     def __init__(self, min_area: int = 4):
         self.min_area = min_area
