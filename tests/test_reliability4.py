@@ -1,0 +1,93 @@
+"""Issue 43, the fourth fault audit (the report and the run directory): each bad outcome it found, as a test that
+failed before its fix, numbered as in the issue."""
+
+import base64
+import json
+import os
+import shlex
+import shutil
+
+import numpy as np
+import pytest
+
+from ddpo_group.cli import inspect_main
+from ddpo_group.grids import save_epoch_samples
+from ddpo_group.report.page import build_report, write_report
+
+
+def write_run(path, rows, config=None):
+    """A run directory as the trainer writes it: metrics.jsonl (and config.json)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def data_uri(data, kind="png"):
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode("ascii")
+
+
+# R. a run whose name, labels or prompts hold $...$ gets its report (matplotlib would read them as mathtext, and
+# text such as "$_$" or "$\\foo$" is no mathtext it can parse)
+def test_a_run_named_with_dollar_signs_gets_its_report(tmp_path, capsys):
+    rows = [{"epoch": e, "reward_mean": 0.1 * e, "reward_std": 0.1, "reward/a$_$b": 0.2, "eval/reward_mean": 0.3 + e,
+             "eval/gold/g$\\foo$_mean": 0.5 - 0.1 * e, "reward_info/r$^$/p$q$": 0.1, "time/sample": 1.0,
+             "steps/approx_kl": [0.1 * e, 0.2]} for e in range(3)]
+    run = write_run(tmp_path / "a$b$c", rows, {"num_epochs": 3, "reward_fn": "$f$"})
+    other = write_run(tmp_path / "x$^$y", rows, {"num_epochs": 3, "variant": "v$_$w"})
+    prompts = ["$x^2$ a red circle", "a $_$ square"]
+    save_epoch_samples(run, 2, np.random.default_rng(0).random((4, 3, 8, 8)), [p for p in prompts for _ in range(2)],
+                       [0.1, 0.2, 0.3, 0.4], np.zeros(4), group_size=2)
+    assert inspect_main([str(run)]) == 0, capsys.readouterr().err
+    report = (run / "report.html").read_text()
+    assert "a$b$c" in report and "$x^2$ a red circle" in report and "g$\\foo$" in report
+    assert inspect_main([str(run), "--compare", str(other)]) == 0, capsys.readouterr().err
+    assert "v$_$w" in (run / "report_vs_x$^$y.html").read_text()
+
+
+# 12. a malformed protocol_NAME.json leaves its protocol out with a note naming the file; the report goes on
+@pytest.mark.parametrize("name,document", [
+    ("geneval", '{"tags": [1, 2], "overall": 0.5}'), ("geneval", '{"tags": {"colors": 3}}'),
+    ("geneval", '{"tags": {"colors": {"score": "high"}}}'), ("geneval", '{"overall": 1' + '0' * 400 + '}'),
+    ("ocr", '{"mean": 1e400}'), ("ocr", '{"mean": 0.5, "std": 1' + '0' * 400 + '}'), ("ocr", '[1, 2]'),
+    ("ocr", '"text"'), ("ocr", '{"mean": 0.5'), ("geneval", ''),
+])
+def test_a_malformed_protocol_file_is_left_out_with_a_note(tmp_path, name, document):
+    run = write_run(tmp_path / "run", [{"epoch": 0, "reward_mean": 0.5}])
+    good, bad = run / "checkpoints" / "checkpoint_1", run / "checkpoints" / "checkpoint_2"
+    good.mkdir(parents=True)
+    bad.mkdir()
+    (good / "protocol_geneval.json").write_text(json.dumps({"overall": 0.625, "tags": {"colors": {"score": 0.75}}}))
+    (good / "protocol_ocr.json").write_text(json.dumps({"mean": 0.25, "std": 0.125, "num_images": 8}))
+    (bad / f"protocol_{name}.json").write_text(document)
+    report = write_report(run).read_text()
+    assert "<td>0.625</td>" in report and "<td>0.750</td>" in report and "<td>0.250</td>" in report
+    assert f"left out: {os.path.join('checkpoints', 'checkpoint_2', f'protocol_{name}.json')}" in report
+    assert "<tr><td>2</td>" not in report  # nothing of the malformed file is shown
+
+
+# 14. the commands printed at the end of a run paste into a shell whole, a logdir with spaces and quotes included
+def test_the_printed_commands_keep_a_path_with_spaces_whole(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from ddpo_group.metrics_log import MetricsLog
+    from ddpo_group.run_dir import STOPPED_FILE, RunDir
+    from helpers import make_config
+
+    logdir = tmp_path / "my runs" / "it's here"
+    path = str(logdir / "r")
+    config = make_config(logdir, log_images_every=0, num_epochs=3)
+    AcceleratorState._reset_state()
+    run_dir = RunDir(path)
+    lines = MetricsLog(config, Accelerator(cpu=True), run_dir).summary(3, 1.0, os.path.join(path, "checkpoints"))
+    commands = {line.split(":", 1)[0]: shlex.split(line.split(":", 1)[1], comments=True) for line in lines
+                if line.startswith(("report:", "compare:", "resume:"))}
+    assert commands["report"][-1] == path
+    assert commands["compare"][-5:] == [path, "--compare", "OTHER_RUN_DIR", "--names", "A,B"]
+    assert commands["resume"] == [f"--config.resume_from={path}", "--config.num_epochs=N"]
+    os.makedirs(path)
+    run_dir.mark_stopped(2, 15)
+    with open(os.path.join(path, STOPPED_FILE)) as f:
+        assert shlex.split(json.load(f)["resume"]) == [f"--config.resume_from={path}"]
