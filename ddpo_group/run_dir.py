@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import zipfile
 
@@ -180,7 +181,7 @@ class RunDir:
         """stopped.json: a signal stopped the run before num_epochs, and how to resume it."""
         write_json_atomic(self.file(STOPPED_FILE), {
             "epoch": epoch, "signal": signum, "time": datetime.datetime.now().isoformat(),
-            "resume": f"--config.resume_from={self.path}",
+            "resume": f"--config.resume_from={shlex.quote(self.path)}",  # pasted into a shell whole
         })
 
     def debug_path(self, epoch, rank):

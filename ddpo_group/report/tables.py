@@ -6,6 +6,7 @@ prompts whose samples are shown.
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -105,7 +106,7 @@ def run_status(run: RunData) -> tuple[str, str]:
         return "failed", f"FAILED{where}: {failed.get('error', 'no reason recorded')}{when} (failed.json)"
     if run.stopped is not None:
         stopped = run.stopped
-        resume = stopped.get("resume") or f"--config.resume_from={run.path}"
+        resume = stopped.get("resume") or f"--config.resume_from={shlex.quote(str(run.path))}"
         return "stopped", (f"stopped by signal {stopped.get('signal')} after epoch {stopped.get('epoch')} "
                            f"(stopped.json); resume with {resume}")
     if isinstance(planned, int) and done < planned:
