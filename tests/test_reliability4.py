@@ -28,6 +28,73 @@ def data_uri(data, kind="png"):
     return f"data:image/{kind};base64," + base64.b64encode(data).decode("ascii")
 
 
+# 1. the report reads only files inside the run directory (links resolved); whatever a run names outside it is
+# left out with a note, never embedded
+def _secret(path, source):
+    """A file outside the run: a real image (so that a reader would embed it) with a marker appended."""
+    path.write_bytes(source.read_bytes() + b"SECRET-MARKER")
+    return path
+
+
+def _assert_not_leaked(report, *secrets):
+    assert "SECRET-MARKER" not in report
+    for secret in secrets:
+        for kind in ("png", "webp"):
+            assert data_uri(secret.read_bytes(), kind) not in report
+
+
+def test_the_report_never_embeds_a_file_an_editing_run_names_outside_it(tmp_path):
+    run = write_run(tmp_path / "run", [{"epoch": 0, "reward_mean": 0.5}])
+    rng = np.random.default_rng(0)
+    save_epoch_samples(run, 0, rng.random((4, 3, 8, 8)), ["p", "p", "q", "q"], [0.1, 0.2, 0.3, 0.4], np.zeros(4),
+                       group_size=2, sources=rng.random((4, 3, 8, 8)))
+    samples = run / "samples"
+    secret = _secret(tmp_path / "secret.png", samples / "epoch_0000" / "000.png")
+    (samples / "inner.png").symlink_to(secret)  # a link inside the run that leads out of it
+    document = json.loads((samples / "epoch_0000.json").read_text())
+    names = ["../../secret.png", str(secret), "inner.png", "epoch_0000/000.png"]
+    for record, name in zip(document["records"], names):
+        record["source_image"], record["image"] = name, names[(names.index(name) + 1) % 4]
+    (samples / "epoch_0000.json").write_text(json.dumps(document))
+    report = write_report(run).read_text()
+    _assert_not_leaked(report, secret)
+    assert data_uri((samples / "epoch_0000" / "000.png").read_bytes()) in report  # the run's own image is shown
+    for name in names[:3]:
+        assert f"not shown: {name} is outside the run directory" in report
+
+
+def test_the_report_never_embeds_a_video_grid_named_outside_the_run(tmp_path):
+    from ddpo_group.grids import save_animation
+    from PIL import Image
+
+    run = write_run(tmp_path / "run", [{"epoch": 0, "reward_mean": 0.5}])
+    samples = run / "samples"
+    samples.mkdir()
+    save_animation([Image.new("RGB", (8, 8), (9, 9, 9))] * 2, tmp_path / "clip.webp")
+    secret = _secret(tmp_path / "secret.webp", tmp_path / "clip.webp")
+    for epoch, grid in enumerate([str(secret), "../../secret.webp"]):
+        (samples / f"epoch_{epoch:04d}.json").write_text(json.dumps(
+            {"epoch": epoch, "group_size": 1, "grid": grid, "video": True, "records": []}))
+    report = write_report(run).read_text()
+    _assert_not_leaked(report, secret)
+    assert f"not shown: {secret} is outside the run directory" in report
+    assert "not shown: ../../secret.webp is outside the run directory" in report
+
+
+@pytest.mark.parametrize("name", ["config.json", "metrics.jsonl", "failed.json", "stopped.json", "resumes.jsonl"])
+def test_the_report_never_reads_a_run_file_that_links_out_of_the_run(tmp_path, name):
+    run = write_run(tmp_path / "run", [{"epoch": 0, "reward_mean": 0.5}], {"num_epochs": 1})
+    (run / "failed.json").write_text(json.dumps({"epoch": 0, "error": "own failure"}))
+    secret = tmp_path / "secret.json"
+    line = json.dumps({"epoch": 0, "error": "SECRET-MARKER", "reward_mean": 0.125, "SECRET-MARKER": 1})
+    secret.write_text(line + "\n" if name.endswith(".jsonl") else line)
+    (run / name).unlink(missing_ok=True)
+    (run / name).symlink_to(secret)
+    report = write_report(run).read_text()
+    assert "SECRET-MARKER" not in report and "0.125" not in report
+    assert "links to files outside the run directory" in report and name in report
+
+
 # R. a run whose name, labels or prompts hold $...$ gets its report (matplotlib would read them as mathtext, and
 # text such as "$_$" or "$\\foo$" is no mathtext it can parse)
 def test_a_run_named_with_dollar_signs_gets_its_report(tmp_path, capsys):

@@ -99,9 +99,9 @@ def read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
 
 
-def _read_marker(path: Path) -> dict | None:
+def _read_marker(path: Path | None) -> dict | None:
     """failed.json / stopped.json as a dict, None when absent; an unreadable one still says the run ended so."""
-    if not path.is_file():
+    if path is None or not path.is_file():
         return None
     try:
         document = read_json(path)
@@ -133,24 +133,35 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
         raise ValueError(f"run directory {path} does not exist; {RUN_DIR_HELP}")
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory; {RUN_DIR_HELP}")
+    root = path.resolve()
+    outside = [name for name in ("metrics.jsonl", "config.json", "failed.json", "stopped.json", "resumes.jsonl")
+               if os.path.lexists(path / name) and not _inside(path / name, root)]
+
+    def own(name: str) -> Path | None:
+        """The run's file `name`, None when it is a link out of the run directory (left out, and said)."""
+        return None if name in outside else path / name
+
     metrics_path = path / "metrics.jsonl"
-    failed, stopped = _read_marker(path / "failed.json"), _read_marker(path / "stopped.json")
+    failed, stopped = _read_marker(own("failed.json")), _read_marker(own("stopped.json"))
     torn = []
-    if metrics_path.is_file():
+    if own("metrics.jsonl") is not None and metrics_path.is_file():
         metrics = read_metrics(metrics_path, torn=torn)
-    elif failed is not None or stopped is not None:
+    elif failed is not None or stopped is not None or "metrics.jsonl" in outside:
         metrics = []
     else:
         raise ValueError(f"{metrics_path} not found; {RUN_DIR_HELP}")
-    config_path = path / "config.json"
-    config = read_json(config_path) if config_path.is_file() else None
+    config_path = own("config.json")
+    config = read_json(config_path) if config_path is not None and config_path.is_file() else None
     if config is not None and not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    resumes = own("resumes.jsonl")
     run = RunData(path=path, config=config, metrics=metrics, failed=failed, stopped=stopped,
-                  resumes=_read_resumes(path / "resumes.jsonl"), torn_metrics_line=torn[0] if torn else None)
+                  resumes=_read_resumes(resumes) if resumes is not None else [],
+                  torn_metrics_line=torn[0] if torn else None, outside=outside)
     samples_dir = path / "samples"
-    root = path.resolve()
-    if samples_dir.is_dir():
+    if samples_dir.is_dir() and not _inside(samples_dir, root):
+        run.outside.append("samples")
+    elif samples_dir.is_dir():
         for entry in sorted(samples_dir.iterdir()):
             if not _inside(entry, root):
                 # a link out of the run directory: the report reads the run's own files only
@@ -281,6 +292,16 @@ def finite(value: Any) -> float | None:
     except OverflowError:
         return None
     return value if math.isfinite(value) else None
+
+
+def inside_run(path: str | os.PathLike, run_dir: str | os.PathLike) -> bool:
+    """Whether `path` (links resolved) lies inside the run directory `run_dir`: the one rule of every reader of
+    the report (a file a run names elsewhere, or a link out of it, is never read: a shared run would leak its
+    reader's files)."""
+    try:
+        return _inside(Path(path), Path(run_dir).resolve())
+    except (OSError, RuntimeError):
+        return False
 
 
 def _inside(path: Path, root: Path) -> bool:
