@@ -232,9 +232,10 @@ class RunDir:
         acc.wait_for_everyone()
         return final
 
-    def load_checkpoint(self, acc, weight_copies, sharded=None):
+    def load_checkpoint(self, acc, weight_copies, sharded=None, truncate_metrics=True):
         """Load the resumed checkpoint: accelerator state, then each weight copy; on the main process drop the
-        metrics rows of the epochs the run will redo. Returns the checkpoint's trainer_state.json."""
+        metrics rows of the epochs the run will redo (truncate_metrics=False: a run with nothing to do keeps
+        them all). Returns the checkpoint's trainer_state.json."""
         checkpoint, state = self.resume_checkpoint, self.resume_state
         check_sharded_checkpoint(checkpoint, sharded)
         try:
@@ -266,7 +267,7 @@ class RunDir:
                     f"could not load the {name.replace('_', ' ')} {path}: {err}; delete checkpoint {checkpoint} or "
                     "point config.resume_from at an earlier checkpoint_N"
                 ) from err
-        if acc.is_main_process:
+        if acc.is_main_process and truncate_metrics:
             _truncate_metrics(self.file(METRICS_FILE), int(state["epoch"]))
         logger.info("resumed from %s at epoch %d", checkpoint, int(state["epoch"]))
         return state

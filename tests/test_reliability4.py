@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,6 +112,30 @@ def test_a_run_named_with_dollar_signs_gets_its_report(tmp_path, capsys):
     assert "a$b$c" in report and "$x^2$ a red circle" in report and "g$\\foo$" in report
     assert inspect_main([str(run), "--compare", str(other)]) == 0, capsys.readouterr().err
     assert "v$_$w" in (run / "report_vs_x$^$y.html").read_text()
+
+
+# 2. resuming a finished run with nothing to do (a requeued job, the printed resume command) changes nothing
+def test_resuming_a_finished_run_with_nothing_to_do_changes_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    from ddpo_group.report.run import read_metrics
+    from ddpo_group.trainer import train
+    from helpers import ROOT, cheap, make_config, subprocess_env
+
+    run_dir = train(make_config(tmp_path, **cheap(eval_freq=1, eval_images_per_prompt=1)))
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    assert [row.get("eval_only", False) for row in rows] == [False, True]  # the final evaluation's row is there
+    files = sorted(p for p in Path(run_dir).rglob("*") if p.is_file())
+    before = {p: p.read_bytes() for p in files}
+    assert Path(run_dir, "finished.json") in before
+    train(make_config(tmp_path, resume_from=run_dir, **cheap(eval_freq=1, eval_images_per_prompt=1)))
+    result = subprocess.run([sys.executable, "scripts/train.py", f"--config.resume_from={run_dir}"], cwd=ROOT,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "nothing to do" in result.stderr + result.stdout
+    assert sorted(p for p in Path(run_dir).rglob("*") if p.is_file()) == files
+    assert {p: p.read_bytes() for p in files} == before
 
 
 # 12. a malformed protocol_NAME.json leaves its protocol out with a note naming the file; the report goes on
