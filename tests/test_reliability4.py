@@ -138,6 +138,106 @@ def test_resuming_a_finished_run_with_nothing_to_do_changes_nothing(tmp_path):
     assert {p: p.read_bytes() for p in files} == before
 
 
+# 3. overwrite removes only what a run wrote: the user's files inside samples/ and checkpoints/ are kept and named,
+# and a mark copied into a user's folder proves nothing (the mark records the config.json its run wrote)
+def _started_run(tmp_path):
+    from ddpo_group.run_dir import RunDir
+    from helpers import make_config
+
+    run_dir, config = RunDir.resolve(make_config(tmp_path))
+    run_dir.start(config, first_epoch=0)
+    return run_dir
+
+
+def _files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def test_overwrite_keeps_and_names_the_files_a_user_put_inside_samples_and_checkpoints(tmp_path, caplog):
+    from ddpo_group.run_dir import RunDir, write_json_atomic
+    from helpers import make_config
+
+    run_dir = _started_run(tmp_path)
+    run = Path(run_dir.path)
+    run_dir.append_metrics({"epoch": 0})
+    rng = np.random.default_rng(0)
+    for prefix in ("epoch", "eval"):
+        save_epoch_samples(run, 0, rng.random((2, 3, 8, 8)), ["p", "p"], [0.1, 0.2], np.zeros(2), group_size=2,
+                           prefix=prefix)
+    (run / "checkpoints" / "checkpoint_1").mkdir(parents=True)
+    (run / "checkpoints" / "checkpoint_1" / "trainer_state.json").write_text("{}")
+    (run / "debug").mkdir()
+    write_json_atomic(str(run / "debug" / "epoch_0000_rank0.json"), {"rank": 0})
+    mine = {"samples/cat.jpg": b"my photo", "samples/epoch_0000/my_note.txt": b"mine too",
+            "checkpoints/best_by_hand/weights.bin": b"my weights", "checkpoints/README.txt": b"read me",
+            "debug/notes.md": b"my notes", "notes.txt": b"mine"}
+    for name, data in mine.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_bytes(data)
+    run_dir.release()
+    again, config = RunDir.resolve(make_config(tmp_path, overwrite=True))
+    with caplog.at_level("WARNING", logger="ddpo_group"):
+        again.start(config, first_epoch=0)
+    again.release()
+    left = _files(run)
+    assert {name: left[name] for name in mine} == mine
+    assert sorted(set(left) - set(mine)) == [".ddpo_group_run", "config.json"]  # the new run's, nothing of the old
+    assert sorted(os.listdir(run / "samples" / "epoch_0000")) == ["my_note.txt"]
+    notes = [r.getMessage() for r in caplog.records if "kept" in r.getMessage()]
+    assert len(notes) == 1 and "\n" not in notes[0]
+    for name in ("samples/cat.jpg", "samples/epoch_0000/my_note.txt", "checkpoints/best_by_hand",
+                 "checkpoints/README.txt", "debug/notes.md", "notes.txt"):  # a folder of the user's by its name
+        assert name in notes[0]
+
+
+@pytest.mark.parametrize("mark", ["copied", "older version"])
+def test_overwrite_refuses_a_folder_whose_mark_did_not_write_its_config(tmp_path, mark):
+    from ddpo_group.config_check import ConfigError
+    from ddpo_group.run_dir import RUN_MARK, RunDir
+    from helpers import make_config
+
+    source = _started_run(tmp_path / "elsewhere")
+    source.release()
+    folder = tmp_path / "logs" / "mine"
+    (folder / "samples").mkdir(parents=True)
+    (folder / "samples" / "epoch_0000.png").write_bytes(b"my picture")
+    (folder / "config.json").write_text('{"my": "settings"}')
+    if mark == "copied":
+        shutil.copy(os.path.join(source.path, RUN_MARK), folder / RUN_MARK)
+    else:  # the mark an older version wrote: it records no config.json
+        (folder / RUN_MARK).write_text('{"created_by": "ddpo_group", "time": "2025-01-01T00:00:00"}')
+    before = _files(folder)
+    for resolve in (True, False):  # RunDir.start refuses too, whatever resolved it
+        with pytest.raises(ConfigError) as info:
+            config = make_config(tmp_path / "logs", run_name="mine", overwrite=True)
+            if resolve:
+                RunDir.resolve(config)
+            else:
+                RunDir(str(folder)).start(config, first_epoch=0)
+        message = str(info.value)
+        assert message.startswith("config.overwrite=True refuses to delete") and str(folder) in message
+        assert RUN_MARK in message and "config.json" in message and "\n" not in message
+    assert _files(folder) == before and sorted(os.listdir(folder)) == [RUN_MARK, "config.json", "samples"]
+
+
+def test_a_copied_mark_does_not_make_a_users_folder_a_run(tmp_path):
+    from ddpo_group.config_check import ConfigError
+    from ddpo_group.run_dir import RUN_MARK, RunDir
+    from helpers import make_config
+
+    source = _started_run(tmp_path / "elsewhere")
+    source.release()
+    folder = tmp_path / "logs" / "mine"
+    (folder / "samples").mkdir(parents=True)
+    (folder / "samples" / "epoch_0000.png").write_bytes(b"my picture")
+    shutil.copy(os.path.join(source.path, RUN_MARK), folder / RUN_MARK)
+    before = _files(folder)
+    with pytest.raises(ConfigError, match="is not empty") as info:
+        RunDir.resolve(make_config(tmp_path / "logs", run_name="mine"))
+    assert "samples" in str(info.value) and "\n" not in str(info.value)
+    assert _files(folder) == before
+
+
 # 12. a malformed protocol_NAME.json leaves its protocol out with a note naming the file; the report goes on
 @pytest.mark.parametrize("name,document", [
     ("geneval", '{"tags": [1, 2], "overall": 0.5}'), ("geneval", '{"tags": {"colors": 3}}'),
