@@ -645,8 +645,9 @@ def _refuse_an_earlier_run(run_dir, overwrite):
     if not _mark_matches_config(run_dir):
         raise ConfigError(
             f"config.overwrite=True refuses to delete {run_dir}: its mark {RUN_MARK} does not name the config.json "
-            "there (a mark copied from another run, or one written by an older version), so the files a run wrote "
-            "cannot be told from yours; pick another config.run_name or config.logdir, or delete it yourself"
+            "there (a mark copied from another run, one written by an older version, or a config.json edited by "
+            "hand), so the files a run wrote cannot be told from yours; pick another config.run_name or "
+            "config.logdir, or delete it yourself"
         )
 
 

@@ -259,6 +259,19 @@ def test_a_malformed_protocol_file_is_left_out_with_a_note(tmp_path, name, docum
     assert "<tr><td>2</td>" not in report  # nothing of the malformed file is shown
 
 
+def test_a_malformed_evaluation_json_is_left_out_with_a_note(tmp_path):
+    run = write_run(tmp_path / "run", [{"epoch": 0, "reward_mean": 0.5}])
+    for name, text in (("checkpoint_1", json.dumps({"mean": 0.375, "num_prompts": 2, "images_per_prompt": 4})),
+                       ("checkpoint_2", '{"mean": 0.5'), ("checkpoint_3", "[1, 2]"),
+                       ("checkpoint_best", json.dumps({"mean": 0.25}))):
+        (run / "checkpoints" / name).mkdir(parents=True)
+        (run / "checkpoints" / name / "evaluation.json").write_text(text)
+    report = write_report(run).read_text()
+    assert "<td>checkpoint_1</td><td>0.375</td>" in report and "0.25" not in report
+    for name in ("checkpoint_2", "checkpoint_3"):
+        assert f"left out: {os.path.join('checkpoints', name, 'evaluation.json')}" in report
+
+
 # 14. the commands printed at the end of a run paste into a shell whole, a logdir with spaces and quotes included
 def test_the_printed_commands_keep_a_path_with_spaces_whole(tmp_path):
     from accelerate import Accelerator

@@ -33,6 +33,7 @@ _SAMPLE_JSON = re.compile(r"^epoch_(\d+)\.json$")
 _SAMPLE_PNG = re.compile(r"^epoch_(\d+)\.png$")
 _EVAL_PNG = re.compile(r"^eval_(\d+)\.png$")
 _EVAL_JSON = re.compile(r"^eval_(\d+)\.json$")
+_CHECKPOINT = re.compile(r"^checkpoint_\d+$")
 SMOOTHING = 5  # epochs in the training reward's moving average and in the summary's windows
 
 
@@ -53,6 +54,7 @@ class RunData:
     resumes: list[dict] = field(default_factory=list)  # resumes.jsonl rows
     torn_metrics_line: int | None = None  # metrics.jsonl's last line, cut off mid-write and left out
     outside: list[str] = field(default_factory=list)  # run files (links) that lead outside the run directory: not read
+    malformed: list[str] = field(default_factory=list)  # "path (why)" of optional files that cannot be shown: left out
     name: str = ""  # label in legends and headings; the folder name by default
 
     def __post_init__(self):
@@ -175,12 +177,20 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
             elif match := _EVAL_JSON.match(entry.name):
                 run.eval_files[int(match.group(1))] = entry
     for evaluation in sorted(path.glob("checkpoints/checkpoint_*/evaluation.json")):
+        if not _CHECKPOINT.match(evaluation.parent.name):
+            continue
         if not _inside(evaluation, root):
             run.outside.append(str(evaluation.relative_to(path)))
             continue
-        document = read_json(evaluation)
+        try:  # scripts/evaluate.py's result: one that cannot be read is left out, the report goes on
+            document = read_json(evaluation)
+        except (OSError, ValueError) as err:
+            run.malformed.append(f"{evaluation.relative_to(path)} ({type(err).__name__})")
+            continue
         if isinstance(document, dict):
             run.evaluations[evaluation.parent.name] = document
+        else:
+            run.malformed.append(f"{evaluation.relative_to(path)} (a JSON {type(document).__name__}, not an object)")
     return run
 
 

@@ -189,6 +189,8 @@ def headline_section(runs: Sequence[RunData], sources: Sequence[SampleSource | N
         if run.outside:
             banners += (f'<p class="status earlier">{esc(run.name)}: left out, links to files outside the run directory '
                         f'(the report reads the run\'s own files only): {esc(", ".join(run.outside))}</p>')
+        for item in run.malformed:
+            banners += f'<p class="status earlier">{esc(run.name)}: left out: {esc(item)}</p>'
     fields = [headline(run, source) for run, source in zip(runs, sources)]
     header = f'<tr><th></th>{"".join(f"<th>{esc(run.name)}</th>" for run in runs)}</tr>' if len(runs) > 1 else ""
     rows = "".join(
