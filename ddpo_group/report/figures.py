@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import math
-import re
 import textwrap
 from typing import Sequence
 
@@ -36,19 +35,14 @@ def _keys_in_order(runs: Sequence[RunData]) -> list[str]:
     return components + scalars + prefixed + rest
 
 
-_UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
-
-
 def literal_text(fig) -> None:
-    """Escape every `$` in the figure's texts: run names, metric keys, reward names and prompts are the user's,
+    """Draw every text of the figure as written: run names, metric keys, reward names and prompts are the user's,
     and matplotlib reads text between two `$` as mathtext (a name such as "a$_$b" is no formula: the figure
     would fail to draw)."""
     from matplotlib.text import Text
 
     for text in fig.findobj(Text):
-        content = text.get_text()
-        if "$" in content:
-            text.set_text(_UNESCAPED_DOLLAR.sub(r"\\$", content))
+        text.set_parse_math(False)
 
 
 def _figure_png(fig) -> bytes:
