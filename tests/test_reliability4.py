@@ -13,7 +13,7 @@ import pytest
 
 from ddpo_group.cli import inspect_main
 from ddpo_group.grids import save_epoch_samples
-from ddpo_group.report.page import build_report, write_report
+from ddpo_group.report.page import write_report
 
 
 def write_run(path, rows, config=None):
@@ -94,24 +94,6 @@ def test_the_report_never_reads_a_run_file_that_links_out_of_the_run(tmp_path, n
     report = write_report(run).read_text()
     assert "SECRET-MARKER" not in report and "0.125" not in report
     assert "links to files outside the run directory" in report and name in report
-
-
-# R. a run whose name, labels or prompts hold $...$ gets its report (matplotlib would read them as mathtext, and
-# text such as "$_$" or "$\\foo$" is no mathtext it can parse)
-def test_a_run_named_with_dollar_signs_gets_its_report(tmp_path, capsys):
-    rows = [{"epoch": e, "reward_mean": 0.1 * e, "reward_std": 0.1, "reward/a$_$b": 0.2, "eval/reward_mean": 0.3 + e,
-             "eval/gold/g$\\foo$_mean": 0.5 - 0.1 * e, "reward_info/r$^$/p$q$": 0.1, "time/sample": 1.0,
-             "steps/approx_kl": [0.1 * e, 0.2]} for e in range(3)]
-    run = write_run(tmp_path / "a$b$c", rows, {"num_epochs": 3, "reward_fn": "$f$"})
-    other = write_run(tmp_path / "x$^$y", rows, {"num_epochs": 3, "variant": "v$_$w"})
-    prompts = ["$x^2$ a red circle", "a $_$ square"]
-    save_epoch_samples(run, 2, np.random.default_rng(0).random((4, 3, 8, 8)), [p for p in prompts for _ in range(2)],
-                       [0.1, 0.2, 0.3, 0.4], np.zeros(4), group_size=2)
-    assert inspect_main([str(run)]) == 0, capsys.readouterr().err
-    report = (run / "report.html").read_text()
-    assert "a$b$c" in report and "$x^2$ a red circle" in report and "g$\\foo$" in report
-    assert inspect_main([str(run), "--compare", str(other)]) == 0, capsys.readouterr().err
-    assert "v$_$w" in (run / "report_vs_x$^$y.html").read_text()
 
 
 # 2. resuming a finished run with nothing to do (a requeued job, the printed resume command) changes nothing
@@ -296,3 +278,21 @@ def test_the_printed_commands_keep_a_path_with_spaces_whole(tmp_path):
     run_dir.mark_stopped(2, 15)
     with open(os.path.join(path, STOPPED_FILE)) as f:
         assert shlex.split(json.load(f)["resume"]) == [f"--config.resume_from={path}"]
+
+
+# R. a run whose name, labels or prompts hold $...$ gets its report (matplotlib would read them as mathtext, and
+# text such as "$_$" or "$\\foo$" is no mathtext it can parse)
+def test_a_run_named_with_dollar_signs_gets_its_report(tmp_path, capsys):
+    rows = [{"epoch": e, "reward_mean": 0.1 * e, "reward_std": 0.1, "reward/a$_$b": 0.2, "eval/reward_mean": 0.3 + e,
+             "eval/gold/g$\\foo$_mean": 0.5 - 0.1 * e, "reward_info/r$^$/p$q$": 0.1, "time/sample": 1.0,
+             "steps/approx_kl": [0.1 * e, 0.2]} for e in range(3)]
+    run = write_run(tmp_path / "a$b$c", rows, {"num_epochs": 3, "reward_fn": "$f$"})
+    other = write_run(tmp_path / "x$^$y", rows, {"num_epochs": 3, "variant": "v$_$w"})
+    prompts = ["$x^2$ a red circle", "a $_$ square"]
+    save_epoch_samples(run, 2, np.random.default_rng(0).random((4, 3, 8, 8)), [p for p in prompts for _ in range(2)],
+                       [0.1, 0.2, 0.3, 0.4], np.zeros(4), group_size=2)
+    assert inspect_main([str(run)]) == 0, capsys.readouterr().err
+    report = (run / "report.html").read_text()
+    assert "a$b$c" in report and "$x^2$ a red circle" in report and "g$\\foo$" in report
+    assert inspect_main([str(run), "--compare", str(other)]) == 0, capsys.readouterr().err
+    assert "v$_$w" in (run / "report_vs_x$^$y.html").read_text()
