@@ -128,15 +128,18 @@ def edit_pairs_html(run_dir: str, epoch: int | None = None, max_pairs: int = 16)
     with samples when `epoch` is None), each with its prompt and reward; "" for a run without source images.
 
     Reads samples/epoch_XXXX.json (written by grids.save_epoch_samples with sources) and embeds the PNGs it names
-    as data URIs, so the fragment stands alone. For ddpo_group/inspect.py's report (a section after the sample
-    grids)."""
+    as data URIs, so the fragment stands alone; a file outside the run directory (links resolved) is never read,
+    its place says so. For ddpo_group/inspect.py's report (a section after the sample grids)."""
     import base64
     import glob
     import html
     import json
 
+    from ddpo_group.report.run import inside_run
+
     samples = os.path.join(run_dir, "samples")
     documents = sorted(glob.glob(os.path.join(samples, "epoch_[0-9][0-9][0-9][0-9].json")))
+    documents = [d for d in documents if inside_run(d, run_dir)]  # load_run names the others in the report
     if epoch is not None:
         documents = [d for d in documents if d.endswith(f"epoch_{epoch:04d}.json")]
     if not documents:
@@ -148,6 +151,8 @@ def edit_pairs_html(run_dir: str, epoch: int | None = None, max_pairs: int = 16)
         return ""
 
     def image(rel):
+        if not inside_run(os.path.join(samples, str(rel)), run_dir):
+            return f'<span class="missing">not shown: {html.escape(str(rel))} is outside the run directory</span>'
         with open(os.path.join(samples, rel), "rb") as f:
             data = base64.b64encode(f.read()).decode("ascii")
         return f'<img src="data:image/png;base64,{data}" style="width:128px;image-rendering:pixelated">'

@@ -401,21 +401,30 @@ def save_epoch_samples(
 def video_samples_html(run_dir: str | os.PathLike, prefix: str = "epoch", max_grids: int = 2) -> str:
     """The report's fragment for a video run: the last `max_grids` animated grids of samples/{prefix}_XXXX.json
     (those marked "video") inlined as data URIs under a heading, each captioned with its epoch; "" when the run
-    has no video samples (an image run: the report's own grids show it)."""
+    has no video samples (an image run: the report's own grids show it). A grid outside the run directory (links
+    resolved) is never read: its place says so."""
     import base64
     import html
+
+    from ddpo_group.report.run import inside_run
 
     samples_dir = Path(run_dir) / "samples"
     documents = []
     for path in sorted(samples_dir.glob(f"{prefix}_*.json")):
+        if not inside_run(path, run_dir):  # load_run names it in the report
+            continue
         with open(path, encoding="utf-8") as f:
             document = json.load(f)
-        if document.get("video") and document.get("grid") and (samples_dir / document["grid"]).is_file():
+        if document.get("video") and document.get("grid") and (samples_dir / str(document["grid"])).is_file():
             documents.append(document)
     if not documents:
         return ""
     parts = [f"<h2>{'Evaluation' if prefix == 'eval' else 'Sample'} videos</h2>"]
     for document in documents[-max_grids:]:
+        if not inside_run(samples_dir / str(document["grid"]), run_dir):
+            parts.append(f'<p class="missing">epoch {html.escape(str(document["epoch"]))}: not shown: '
+                         f'{html.escape(str(document["grid"]))} is outside the run directory</p>')
+            continue
         data = base64.b64encode((samples_dir / document["grid"]).read_bytes()).decode("ascii")
         caption = html.escape(f"epoch {document['epoch']} ({document['grid']}, animated WebP)")
         parts.append(f'<figure><img src="data:image/webp;base64,{data}" alt="{caption}"><figcaption>{caption}'

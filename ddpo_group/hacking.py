@@ -166,6 +166,10 @@ def plot_proxy_vs_gold(runs, name: str, title: str | None = None) -> bytes:
     gold_lines = gold_ax.get_legend_handles_labels()
     fig.legend(lines[0] + gold_lines[0], lines[1] + gold_lines[1], fontsize=6, loc="outside lower center",
                ncol=2, frameon=False)
+    from matplotlib.text import Text
+
+    for text in fig.findobj(Text):  # reward and run names drawn as written, never as mathtext ("a$_$b" is none)
+        text.set_parse_math(False)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)
     return buffer.getvalue()

@@ -12,6 +12,7 @@ process sends its numbers to the trackers (Accelerate logs from the main process
 
 import os
 import resource
+import shlex
 import sys
 
 import torch
@@ -37,15 +38,15 @@ def phase_text(seconds):
 def inspect_command():
     """The report command as it runs from where the user stands: the ddpo-group-inspect beside this Python (e.g.
     .venv/bin/ddpo-group-inspect, relative when under the working directory), else `python scripts/inspect_run.py`
-    of the checkout, else the bare name (an activated environment)."""
+    of the checkout, else the bare name (an activated environment); quoted for the shell."""
     here = os.path.dirname(sys.executable)
     script = os.path.join(here, "ddpo-group-inspect")
     if os.path.isfile(script):
         relative = os.path.relpath(script)
-        return relative if not relative.startswith("..") else script
+        return shlex.quote(relative if not relative.startswith("..") else script)
     checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "inspect_run.py")
     if os.path.isfile(checkout):
-        return f"{sys.executable} {os.path.relpath(checkout)}"
+        return shlex.join([sys.executable, os.path.relpath(checkout)])
     return "ddpo-group-inspect"
 
 
@@ -164,11 +165,12 @@ class MetricsLog:
             lines.append(f"eval reward: {first:.4f} (epoch {first_epoch}) -> {last:.4f} (epoch {last_epoch}); "
                          f"best {best:.4f} (epoch {best_epoch})")
         weights = "lora" if config.use_lora else "the trained model"
+        quoted = shlex.quote(path)  # the commands paste into a shell whole, whatever the path holds
         lines += [
             f"run directory: {path}" + (f"; {weights} in {checkpoint}" if checkpoint else ""),
-            f"report:  {inspect_command()} {path}   (writes {os.path.join(path, 'report.html')})",
-            f"compare: {inspect_command()} {path} --compare OTHER_RUN_DIR --names A,B",
-            f"resume:  --config.resume_from={path} --config.num_epochs=N",
+            f"report:  {inspect_command()} {quoted}   # writes {os.path.join(path, 'report.html')}",
+            f"compare: {inspect_command()} {quoted} --compare OTHER_RUN_DIR --names A,B",
+            f"resume:  --config.resume_from={quoted} --config.num_epochs=N",
         ]
         return lines
 

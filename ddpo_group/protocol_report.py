@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import os
 import re
 
@@ -19,9 +20,15 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
 _PROTOCOL_RE = re.compile(r"^protocol_(\w+)\.json$")
 
 
-def read_protocol_results(run_dir: str) -> dict[str, list[tuple[int, dict]]]:
-    """{protocol: [(checkpoint step, its summary), ...] oldest first} of a run; unreadable files are skipped."""
+def read_protocol_results(run_dir: str, left_out: list | None = None) -> dict[str, list[tuple[int, dict]]]:
+    """{protocol: [(checkpoint step, its summary), ...] oldest first} of a run.
+
+    A file that cannot be shown is skipped, and (path relative to the run, why) appended to `left_out`: one that
+    is unreadable, not a summary (`malformed`), or outside the run directory (a link out of it: the report reads
+    the run's own files only)."""
+    left_out = [] if left_out is None else left_out
     root = os.path.join(run_dir, "checkpoints")
+    real_run = os.path.realpath(run_dir)
     found: dict[str, list] = {}
     names = [n for n in os.listdir(root) if _CHECKPOINT_RE.match(n)] if os.path.isdir(root) else []
     for name in sorted(names, key=lambda n: int(_CHECKPOINT_RE.match(n)[1])):
@@ -30,17 +37,56 @@ def read_protocol_results(run_dir: str) -> dict[str, list[tuple[int, dict]]]:
             match = _PROTOCOL_RE.match(file)
             if not match:
                 continue
+            path = os.path.join(folder, file)
+            relative = os.path.relpath(path, run_dir)
+            if os.path.commonpath([real_run, os.path.realpath(path)]) != real_run:
+                left_out.append((relative, "outside the run directory"))
+                continue
             try:
-                with open(os.path.join(folder, file)) as f:
+                with open(path, encoding="utf-8") as f:
                     summary = json.load(f)
-            except (OSError, ValueError):
+            except (OSError, ValueError) as err:
+                left_out.append((relative, f"unreadable: {type(err).__name__}"))
+                continue
+            problem = malformed(match[1], summary)
+            if problem:
+                left_out.append((relative, problem))
                 continue
             found.setdefault(match[1], []).append((int(_CHECKPOINT_RE.match(name)[1]), summary))
     return found
 
 
+def malformed(protocol: str, summary) -> str | None:
+    """Why `summary` is not a protocol summary the tables can show (None when it is one): an object whose shown
+    fields, where present, are finite numbers (or null); for GenEval "tags" an object of {"score": ...} objects."""
+    if not isinstance(summary, dict):
+        return f"a JSON {type(summary).__name__}, not an object"
+    fields = {key: summary.get(key) for key in ("overall", "correct_images", "correct_prompts", "mean", "std")}
+    if protocol == "geneval":
+        tags = summary.get("tags", {})
+        if not isinstance(tags, dict) or not all(isinstance(t, dict) for t in tags.values()):
+            return '"tags" is not an object of {"score": ...} objects'
+        fields.update({f"tags.{tag}.score": value.get("score") for tag, value in tags.items()})
+    for key, value in fields.items():
+        if value is not None and _number(value) is None:
+            return f"{key} is {str(value)[:40]}, not a finite number"
+    return None
+
+
+def _number(value) -> float | None:
+    """`value` as a finite float (not a bool), else None: an integer too large for a float is None too."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
 def _cell(value, percent=False) -> str:
-    if not isinstance(value, (int, float)):
+    value = _number(value)
+    if value is None:
         return "<td>-</td>"
     return f"<td>{value:.1%}</td>" if percent else f"<td>{value:.3f}</td>"
 
@@ -65,9 +111,12 @@ def _mean_table(rows) -> str:
 
 
 def protocol_tables_html(run_dir: str) -> str:
-    """One <h2> and <table> per protocol evaluated on the run's checkpoints; "" when there is none."""
-    parts = []
-    for protocol, rows in sorted(read_protocol_results(run_dir).items()):
+    """One <h2> and <table> per protocol evaluated on the run's checkpoints, and a note naming each protocol file
+    left out (`read_protocol_results`); "" when there is none."""
+    parts, left_out = [], []
+    for protocol, rows in sorted(read_protocol_results(run_dir, left_out).items()):
         table = _geneval_table(rows) if protocol == "geneval" else _mean_table(rows)
         parts.append(f'<h2>Protocol {html.escape(protocol)}</h2>\n<table class="protocol">\n{table}\n</table>')
+    parts += [f'<p class="leftout">Protocol results left out: {html.escape(path)} ({html.escape(why)})</p>'
+              for path, why in left_out]
     return "\n".join(parts)

@@ -12,8 +12,10 @@
     RUN_DIR/failed.json          the run stopped on an error (moved into resumes.jsonl when it resumes)
     RUN_DIR/resumes.jsonl        one row per resume that changed settings or followed a failure
     RUN_DIR/.lock                held (fcntl) by the live run, removed when it ends
-    RUN_DIR/.ddpo_group_run      this library's mark, written when it creates the run directory: overwrite removes
-                                 only a marked directory, and in it only the entries listed in RUN_ENTRIES
+    RUN_DIR/.ddpo_group_run      this library's mark, written when the run starts, with the sha256 of the config.json
+                                 it wrote: overwrite removes only a directory whose mark matches its config.json,
+                                 and in it only what a run writes (RUN_ENTRIES; in samples/, checkpoints/ and
+                                 debug/ only the names the run gives its files there, `_remove_run_entries`)
     RUN_DIR/finished.json        the run reached its end (num_epochs, final checkpoint); absent while it runs, and
                                  after a stop, a failure or a process that was killed or exited mid-run
     RUN_DIR/samples/, RUN_DIR/debug/, RUN_DIR/tensorboard/   sample grids, debug dumps, tracker files
@@ -35,6 +37,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import zipfile
 
@@ -132,9 +135,12 @@ class RunDir:
         self.lock()  # not while the earlier run is live; held from here to the run's end
         if overwrite:
             _remove_run_entries(self.path)
-        if not os.path.exists(self.file(RUN_MARK)):
-            write_json_atomic(self.file(RUN_MARK), {"created_by": "ddpo_group", "time": datetime.datetime.now().isoformat()})
         write_json_atomic(self.file(CONFIG_FILE), config.to_dict())
+        # the mark names the config.json its run wrote: a mark copied elsewhere proves nothing there
+        mark = _read_mark(self.path)
+        write_json_atomic(self.file(RUN_MARK), {
+            "created_by": "ddpo_group", "time": mark.get("time") or datetime.datetime.now().isoformat(),
+            "config_sha256": _sha256(self.file(CONFIG_FILE))})
         for name in (STOPPED_FILE, FINISHED_FILE):  # a run that goes on is no longer stopped, nor finished
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.file(name))
@@ -180,7 +186,7 @@ class RunDir:
         """stopped.json: a signal stopped the run before num_epochs, and how to resume it."""
         write_json_atomic(self.file(STOPPED_FILE), {
             "epoch": epoch, "signal": signum, "time": datetime.datetime.now().isoformat(),
-            "resume": f"--config.resume_from={self.path}",
+            "resume": f"--config.resume_from={shlex.quote(self.path)}",  # pasted into a shell whole
         })
 
     def debug_path(self, epoch, rank):
@@ -231,9 +237,10 @@ class RunDir:
         acc.wait_for_everyone()
         return final
 
-    def load_checkpoint(self, acc, weight_copies, sharded=None):
+    def load_checkpoint(self, acc, weight_copies, sharded=None, truncate_metrics=True):
         """Load the resumed checkpoint: accelerator state, then each weight copy; on the main process drop the
-        metrics rows of the epochs the run will redo. Returns the checkpoint's trainer_state.json."""
+        metrics rows of the epochs the run will redo (truncate_metrics=False: a run with nothing to do keeps
+        them all). Returns the checkpoint's trainer_state.json."""
         checkpoint, state = self.resume_checkpoint, self.resume_state
         check_sharded_checkpoint(checkpoint, sharded)
         try:
@@ -265,7 +272,7 @@ class RunDir:
                     f"could not load the {name.replace('_', ' ')} {path}: {err}; delete checkpoint {checkpoint} or "
                     "point config.resume_from at an earlier checkpoint_N"
                 ) from err
-        if acc.is_main_process:
+        if acc.is_main_process and truncate_metrics:
             _truncate_metrics(self.file(METRICS_FILE), int(state["epoch"]))
         logger.info("resumed from %s at epoch %d", checkpoint, int(state["epoch"]))
         return state
@@ -601,16 +608,19 @@ def _refuse_a_directory_not_a_run(run_dir, config):
             f"{where}: {shown} lies inside the run directory {outer}, whose files a new run would mix with (and an "
             "overwrite of that run would delete); give a config.logdir outside every run directory"
         )
-    if not os.path.isdir(run_dir) or os.path.isfile(os.path.join(run_dir, RUN_MARK)) or _holds_a_run(run_dir):
+    if not os.path.isdir(run_dir) or _holds_a_run(run_dir):
         return
     try:
-        entries = sorted(os.listdir(run_dir))
+        # a run's mark (and lock) alone: a run that stopped before writing its config; a copied mark proves nothing
+        entries = sorted(n for n in os.listdir(run_dir) if n not in (RUN_MARK, LOCK_FILE))
     except OSError as err:
         raise ConfigError(f"{where}: cannot read {shown} ({err.strerror or err}); pick another config.run_name") from None
     if entries:
+        why = (f"its {RUN_MARK} mark names no config.json there"
+               if os.path.lexists(os.path.join(run_dir, RUN_MARK)) else f"no {RUN_MARK} mark")
         raise ConfigError(
             f"{where}: {shown} is not empty ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}) and is not "
-            f"a ddpo-group run (no {RUN_MARK} mark): a new run would mix its files with these; pick another "
+            f"a ddpo-group run ({why}): a new run would mix its files with these; pick another "
             "config.run_name or config.logdir, or give an empty directory"
         )
 
@@ -632,11 +642,70 @@ def _refuse_an_earlier_run(run_dir, overwrite):
             f"{RUN_MARK} that ddpo-group writes into the run directories it creates (not a run, or one written by "
             "an older version); pick another config.run_name or config.logdir, or delete it yourself"
         )
+    if not _mark_matches_config(run_dir):
+        raise ConfigError(
+            f"config.overwrite=True refuses to delete {run_dir}: its mark {RUN_MARK} does not name the config.json "
+            "there (a mark copied from another run, one written by an older version, or a config.json edited by "
+            "hand), so the files a run wrote cannot be told from yours; pick another config.run_name or "
+            "config.logdir, or delete it yourself"
+        )
+
+
+# The names a run gives its files inside its folders (grids.save_epoch_samples, RunDir.save_checkpoint,
+# MetricsLog.dump_debug), with the temporaries of their atomic writes; anything else there is the user's.
+_SAMPLE_FILE_RE = re.compile(r"^(epoch|eval)_\d{4,}\.(png|webp|json)$")
+_SAMPLE_DIR_RE = re.compile(r"^(epoch|eval)_\d{4,}$")
+_SAMPLE_IMAGE_RE = re.compile(r"^\d{3,}(_source)?\.(png|webp)$")
+_ATOMIC_TMP_RE = re.compile(r"^\..+\.\d+\.[0-9a-f]{32}\.tmp$")  # grids.atomic_write
+_CHECKPOINT_DIR_RE = re.compile(r"^(\.tmp_)?checkpoint_\d+$")
+_DEBUG_FILE_RE = re.compile(r"^epoch_\d{4,}_rank\d+\.json(\.tmp\d+)?$")
+
+
+def _run_writes(folder, name, is_dir):
+    """Whether `name` (a directory when is_dir) inside the run's `folder` (relative: "samples", "samples/epoch_0003",
+    "checkpoints", "debug") is a name the run gives what it writes there; None: descend, judge its entries."""
+    if folder == "samples":
+        return None if is_dir and _SAMPLE_DIR_RE.match(name) else (
+            not is_dir and bool(_SAMPLE_FILE_RE.match(name) or _ATOMIC_TMP_RE.match(name)))
+    if folder.startswith("samples/"):
+        return not is_dir and bool(_SAMPLE_IMAGE_RE.match(name) or _ATOMIC_TMP_RE.match(name))
+    if folder == "checkpoints":
+        return is_dir and bool(_CHECKPOINT_DIR_RE.match(name))  # a checkpoint is the run's as a whole
+    if folder == "debug":
+        return not is_dir and bool(_DEBUG_FILE_RE.match(name))
+    return False
+
+
+def _remove(path):
+    """Remove a file, a link (never what it points to) or a directory tree."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def _remove_written(run_dir, folder, kept):
+    """Remove what the run wrote inside run_dir/folder (`_run_writes`), the folder too once it is empty; append the
+    others (paths relative to run_dir) to `kept`."""
+    path = os.path.join(run_dir, folder)
+    for name in sorted(os.listdir(path)):
+        entry = os.path.join(path, name)
+        is_dir = os.path.isdir(entry) and not os.path.islink(entry)
+        verdict = _run_writes(folder, name, is_dir)
+        if verdict is None:
+            _remove_written(run_dir, f"{folder}/{name}", kept)
+        elif verdict:
+            _remove(entry)
+        else:
+            kept.append(f"{folder}/{name}")
+    if not os.listdir(path):
+        os.rmdir(path)
 
 
 def _remove_run_entries(run_dir):
-    """Remove what a run wrote into `run_dir` (RUN_ENTRIES, reports, temporary files), keeping its lock and mark and
-    every other file (logged): the caller holds the run's lock."""
+    """Remove what a run wrote into `run_dir` (RUN_ENTRIES, reports, temporary files; inside samples/, checkpoints/
+    and debug/ only the names the run writes there, `_run_writes`; the trackers' tensorboard/ and wandb/ whole),
+    keeping its lock and mark and every other file, named in one logged line: the caller holds the run's lock."""
     kept = []
     for name in sorted(os.listdir(run_dir)):
         path = os.path.join(run_dir, name)
@@ -644,12 +713,40 @@ def _remove_run_entries(run_dir):
             continue
         if name not in RUN_ENTRIES and not _RUN_ENTRY_RE.match(name):
             kept.append(name)
-        elif os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
+        elif name in ("samples", "checkpoints", "debug") and os.path.isdir(path) and not os.path.islink(path):
+            _remove_written(run_dir, name, kept)
         else:
-            os.remove(path)
+            _remove(path)
     if kept:
-        logger.warning("overwrite: %s kept %s (not written by a run)", run_dir, ", ".join(kept[:10]))
+        more = f" and {len(kept) - 10} more" if len(kept) > 10 else ""
+        logger.warning("overwrite: %s kept %s%s (not written by a run)", run_dir, ", ".join(kept[:10]), more)
+
+
+def _sha256(path):
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _read_mark(run_dir):
+    """The run's mark as a dict ({} when absent or unreadable)."""
+    try:
+        with open(os.path.join(run_dir, RUN_MARK)) as f:
+            mark = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return mark if isinstance(mark, dict) else {}
+
+
+def _mark_matches_config(run_dir):
+    """Whether the mark names the config.json beside it (its sha256): the mark was written by the run whose files
+    these are, not copied there, nor written by an older version that did not record it."""
+    digest = _read_mark(run_dir).get("config_sha256")
+    try:
+        return isinstance(digest, str) and _sha256(os.path.join(run_dir, CONFIG_FILE)) == digest
+    except OSError:
+        return False
 
 
 def _lock_run_dir(run_dir):

@@ -125,15 +125,19 @@ class Trainer:
         self.scaler_skipped_steps = 0  # fp16: steps the GradScaler skipped while it lowered its scale
         self._saved_at = None  # (epoch, global_step) of the checkpoint on disk that holds the current state
         self._checkpoint = self.files.resume_checkpoint
+        # A resume whose checkpoint already holds num_epochs (a requeued job, the printed resume command) has nothing
+        # to do, and changes nothing: its metrics rows, finished.json and config.json stay as the run left them.
+        self.nothing_to_do = bool(self.files.resume_state) and int(self.files.resume_state["epoch"]) >= config.num_epochs
         if self.files.resume_checkpoint:
-            state = self.files.load_checkpoint(acc, self._weight_copies(), sharded=self.sharded_state)
+            state = self.files.load_checkpoint(acc, self._weight_copies(), sharded=self.sharded_state,
+                                               truncate_metrics=not self.nothing_to_do)
             self.first_epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
             self.skipped_steps = int(state.get("skipped_steps", 0))
             self.scaler_skipped_steps = int(state.get("scaler_skipped_steps", 0))
             self.advantages.load_state_dict(state)
             self._saved_at = (self.first_epoch, self.global_step)
         # Written once everything above is accepted: a run that cannot start leaves no directory behind.
-        if acc.is_main_process:
+        if acc.is_main_process and not self.nothing_to_do:
             self.files.start(config, self.first_epoch)
         acc.wait_for_everyone()
         self.control = RunControl(acc)
@@ -143,7 +147,7 @@ class Trainer:
         """Run epochs first_epoch .. num_epochs - 1, evaluate the final weights, write the final checkpoint;
         a stop signal ends the run after the current phase (stopped.json), an error marks it (failed.json)."""
         config, acc = self.config, self.accelerator
-        if self.first_epoch >= config.num_epochs:
+        if self.nothing_to_do:
             logger.warning("nothing to do: the run already has %d of num_epochs=%d epochs", self.first_epoch, config.num_epochs)
             self.reward_runner.shutdown()
             self.files.release()

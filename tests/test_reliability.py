@@ -97,8 +97,9 @@ def test_resume_with_only_resume_from_uses_the_stored_config(finished_run, tmp_p
 
 def test_an_allowed_change_is_applied_and_recorded(finished_run, tmp_path):
     run_dir = _copy(finished_run, tmp_path)
-    given = make_config(tmp_path, num_epochs=2, resume_from=str(run_dir), train__learning_rate=1e-3,
-                        resume_allow_changes=True)
+    # from checkpoint_1: an epoch left to do (a finished run resumed with nothing to do changes nothing, issue 43)
+    given = make_config(tmp_path, num_epochs=2, resume_from=str(run_dir / "checkpoints" / "checkpoint_1"),
+                        train__learning_rate=1e-3, resume_allow_changes=True)
     trainer = Trainer(given, overrides=["resume_from", "train.learning_rate", "resume_allow_changes"])
     assert trainer.config.train.learning_rate == 1e-3
     record = json.loads((run_dir / "resumes.jsonl").read_text())

@@ -35,10 +35,21 @@ def _keys_in_order(runs: Sequence[RunData]) -> list[str]:
     return components + scalars + prefixed + rest
 
 
+def literal_text(fig) -> None:
+    """Draw every text of the figure as written: run names, metric keys, reward names and prompts are the user's,
+    and matplotlib reads text between two `$` as mathtext (a name such as "a$_$b" is no formula: the figure
+    would fail to draw)."""
+    from matplotlib.text import Text
+
+    for text in fig.findobj(Text):
+        text.set_parse_math(False)
+
+
 def _figure_png(fig) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
+    literal_text(fig)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)
     return buffer.getvalue()

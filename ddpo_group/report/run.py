@@ -33,6 +33,7 @@ _SAMPLE_JSON = re.compile(r"^epoch_(\d+)\.json$")
 _SAMPLE_PNG = re.compile(r"^epoch_(\d+)\.png$")
 _EVAL_PNG = re.compile(r"^eval_(\d+)\.png$")
 _EVAL_JSON = re.compile(r"^eval_(\d+)\.json$")
+_CHECKPOINT = re.compile(r"^checkpoint_\d+$")
 SMOOTHING = 5  # epochs in the training reward's moving average and in the summary's windows
 
 
@@ -53,6 +54,7 @@ class RunData:
     resumes: list[dict] = field(default_factory=list)  # resumes.jsonl rows
     torn_metrics_line: int | None = None  # metrics.jsonl's last line, cut off mid-write and left out
     outside: list[str] = field(default_factory=list)  # run files (links) that lead outside the run directory: not read
+    malformed: list[str] = field(default_factory=list)  # "path (why)" of optional files that cannot be shown: left out
     name: str = ""  # label in legends and headings; the folder name by default
 
     def __post_init__(self):
@@ -99,9 +101,9 @@ def read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
 
 
-def _read_marker(path: Path) -> dict | None:
+def _read_marker(path: Path | None) -> dict | None:
     """failed.json / stopped.json as a dict, None when absent; an unreadable one still says the run ended so."""
-    if not path.is_file():
+    if path is None or not path.is_file():
         return None
     try:
         document = read_json(path)
@@ -133,24 +135,35 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
         raise ValueError(f"run directory {path} does not exist; {RUN_DIR_HELP}")
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory; {RUN_DIR_HELP}")
+    root = path.resolve()
+    outside = [name for name in ("metrics.jsonl", "config.json", "failed.json", "stopped.json", "resumes.jsonl")
+               if os.path.lexists(path / name) and not _inside(path / name, root)]
+
+    def own(name: str) -> Path | None:
+        """The run's file `name`, None when it is a link out of the run directory (left out, and said)."""
+        return None if name in outside else path / name
+
     metrics_path = path / "metrics.jsonl"
-    failed, stopped = _read_marker(path / "failed.json"), _read_marker(path / "stopped.json")
+    failed, stopped = _read_marker(own("failed.json")), _read_marker(own("stopped.json"))
     torn = []
-    if metrics_path.is_file():
+    if own("metrics.jsonl") is not None and metrics_path.is_file():
         metrics = read_metrics(metrics_path, torn=torn)
-    elif failed is not None or stopped is not None:
+    elif failed is not None or stopped is not None or "metrics.jsonl" in outside:
         metrics = []
     else:
         raise ValueError(f"{metrics_path} not found; {RUN_DIR_HELP}")
-    config_path = path / "config.json"
-    config = read_json(config_path) if config_path.is_file() else None
+    config_path = own("config.json")
+    config = read_json(config_path) if config_path is not None and config_path.is_file() else None
     if config is not None and not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    resumes = own("resumes.jsonl")
     run = RunData(path=path, config=config, metrics=metrics, failed=failed, stopped=stopped,
-                  resumes=_read_resumes(path / "resumes.jsonl"), torn_metrics_line=torn[0] if torn else None)
+                  resumes=_read_resumes(resumes) if resumes is not None else [],
+                  torn_metrics_line=torn[0] if torn else None, outside=outside)
     samples_dir = path / "samples"
-    root = path.resolve()
-    if samples_dir.is_dir():
+    if samples_dir.is_dir() and not _inside(samples_dir, root):
+        run.outside.append("samples")
+    elif samples_dir.is_dir():
         for entry in sorted(samples_dir.iterdir()):
             if not _inside(entry, root):
                 # a link out of the run directory: the report reads the run's own files only
@@ -164,12 +177,20 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
             elif match := _EVAL_JSON.match(entry.name):
                 run.eval_files[int(match.group(1))] = entry
     for evaluation in sorted(path.glob("checkpoints/checkpoint_*/evaluation.json")):
+        if not _CHECKPOINT.match(evaluation.parent.name):
+            continue
         if not _inside(evaluation, root):
             run.outside.append(str(evaluation.relative_to(path)))
             continue
-        document = read_json(evaluation)
+        try:  # scripts/evaluate.py's result: one that cannot be read is left out, the report goes on
+            document = read_json(evaluation)
+        except (OSError, ValueError) as err:
+            run.malformed.append(f"{evaluation.relative_to(path)} ({type(err).__name__})")
+            continue
         if isinstance(document, dict):
             run.evaluations[evaluation.parent.name] = document
+        else:
+            run.malformed.append(f"{evaluation.relative_to(path)} (a JSON {type(document).__name__}, not an object)")
     return run
 
 
@@ -281,6 +302,16 @@ def finite(value: Any) -> float | None:
     except OverflowError:
         return None
     return value if math.isfinite(value) else None
+
+
+def inside_run(path: str | os.PathLike, run_dir: str | os.PathLike) -> bool:
+    """Whether `path` (links resolved) lies inside the run directory `run_dir`: the one rule of every reader of
+    the report (a file a run names elsewhere, or a link out of it, is never read: a shared run would leak its
+    reader's files)."""
+    try:
+        return _inside(Path(path), Path(run_dir).resolve())
+    except (OSError, RuntimeError):
+        return False
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -6,6 +6,7 @@ prompts whose samples are shown.
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -105,7 +106,7 @@ def run_status(run: RunData) -> tuple[str, str]:
         return "failed", f"FAILED{where}: {failed.get('error', 'no reason recorded')}{when} (failed.json)"
     if run.stopped is not None:
         stopped = run.stopped
-        resume = stopped.get("resume") or f"--config.resume_from={run.path}"
+        resume = stopped.get("resume") or f"--config.resume_from={shlex.quote(str(run.path))}"
         return "stopped", (f"stopped by signal {stopped.get('signal')} after epoch {stopped.get('epoch')} "
                            f"(stopped.json); resume with {resume}")
     if isinstance(planned, int) and done < planned:
@@ -188,6 +189,8 @@ def headline_section(runs: Sequence[RunData], sources: Sequence[SampleSource | N
         if run.outside:
             banners += (f'<p class="status earlier">{esc(run.name)}: left out, links to files outside the run directory '
                         f'(the report reads the run\'s own files only): {esc(", ".join(run.outside))}</p>')
+        for item in run.malformed:
+            banners += f'<p class="status earlier">{esc(run.name)}: left out: {esc(item)}</p>'
     fields = [headline(run, source) for run, source in zip(runs, sources)]
     header = f'<tr><th></th>{"".join(f"<th>{esc(run.name)}</th>" for run in runs)}</tr>' if len(runs) > 1 else ""
     rows = "".join(
