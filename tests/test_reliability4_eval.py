@@ -1,0 +1,66 @@
+"""Issue 43, the fourth fault audit: scripts/evaluate.py and the code under it (the evaluation, the protocols,
+GenEval, the OCR reward, edit sources). Each bad outcome it found, as a test that failed before its fix, numbered
+as in the issue; G: GenEval's rules against the official evaluator's code."""
+
+import numpy as np
+import torch
+
+from ddpo_group.rewards.geneval.protocol import Detection, keep_confident, numpy_argsort
+from ddpo_group.rewards.geneval.shapes_scenes import SceneObject as O
+from ddpo_group.rewards.geneval.shapes_scenes import render_scene
+from ddpo_group.rewards.registry import get_reward
+
+# G. GenEval's choice of detections as its evaluate_images.py makes it (float32 scores, numpy 1.23's argsort)
+def box_at(x, score=1.0):
+    return Detection((x, 0.0, x + 8.0, 8.0), score)
+
+
+def test_equal_scores_are_taken_in_reverse_detector_order_up_to_16():
+    # numpy 1.23 insertion-sorts at most 16 values: stable, so argsort(scores)[::-1] reverses equal scores
+    found = [box_at(x) for x in range(5)]
+    assert [d.box[0] for d in keep_confident({"circle": found}, "single_object")["circle"]] == [4, 3, 2, 1, 0]
+    # 0.5, 0.8, 0.5, 0.8: stable ascending order 0, 2, 1, 3; reversed 3, 1, 2, 0
+    mixed = [box_at(0, 0.5), box_at(1, 0.8), box_at(2, 0.5), box_at(3, 0.8)]
+    assert [d.box[0] for d in keep_confident({"circle": mixed}, "colors")["circle"]] == [3, 1, 2, 0]
+    assert numpy_argsort([1.0, 1.0, 0.0, 0.0]) == [2, 3, 0, 1]
+
+
+def test_eighteen_equal_scores_follow_numpys_quicksort_partition():
+    # 18 equal values: one partition of [0, 17]. Median of 0, 8, 17 swaps nothing; the pivot (index 8) goes to
+    # position 16; i and j meet in the middle swapping (1, 15) ... (7, 9); the pivot comes back to position 8:
+    # 0, 15, 14, ..., 9, 8, 7, ..., 1, 16, 17; both sides (<= 16 long) are insertion-sorted: unchanged.
+    expected = [0, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 16, 17]
+    assert numpy_argsort([1.0] * 18) == expected
+    kept = keep_confident({"circle": [box_at(x) for x in range(18)]}, "single_object")["circle"]
+    assert [d.box[0] for d in kept] == expected[::-1][:16]  # 17, 16, 1, 2, ..., 14
+
+
+def test_the_shapes_world_checks_the_colour_of_the_last_detected_object():
+    # the shapes detector lists objects by palette colour (red before blue), every score 1.0: GenEval checks the
+    # blue square for "a blue square", so the image is correct (the red square was checked before)
+    reward = get_reward("geneval", detector="shapes", score="correct")
+    scene = render_scene([O("square", "blue", (48, 32), 120), O("square", "red", (16, 32), 120)])
+    record = {"tag": "colors", "include": [{"class": "square", "count": 1, "color": "blue"}]}
+    pixels = torch.from_numpy(scene[None]).permute(0, 3, 1, 2).float() / 255
+    rewards, _ = reward(pixels, ["a blue square"], [record])
+    assert rewards.tolist() == [1.0]
+    # "a square left of a circle": the blue square (right of the circle) is the one checked: wrong
+    scene = render_scene([O("square", "red", (10, 32), 64), O("circle", "green", (32, 32), 64),
+                          O("square", "blue", (54, 32), 64)])
+    record = {"tag": "position", "include": [{"class": "circle", "count": 1},
+                                             {"class": "square", "count": 1, "position": ["left of", 0]}]}
+    pixels = torch.from_numpy(scene[None]).permute(0, 3, 1, 2).float() / 255
+    result = reward.results(pixels, ["a square left of a circle"], [record])[0]
+    assert result["correct"] is False and "expected square left of target, found right of" in result["reason"]
+
+
+def test_a_score_of_float32_point_three_is_not_above_the_threshold():
+    # float32(0.3) = 0.300000011920928955078125; GenEval compares its float32 scores with 0.3 in float32, where
+    # 0.3 is that same number: not greater, dropped. The next float32 above it passes.
+    at = float(np.float32(0.3))
+    above = float(np.nextafter(np.float32(0.3), np.float32(1)))
+    assert at > 0.3  # in float64 it would pass
+    kept = keep_confident({"circle": [box_at(0, at), box_at(1, above)]}, "single_object")
+    assert [d.box[0] for d in kept["circle"]] == [1]
+    # a float64 score that rounds to float32(0.9) is not above the counting threshold either
+    assert keep_confident({"circle": [box_at(0, 0.9000000001)]}, "counting") == {}
