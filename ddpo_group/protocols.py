@@ -81,7 +81,13 @@ class GenEvalProtocol:
     images_per_prompt = 4
 
     def __init__(self, device=None, **options):
+        from ddpo_group.rewards.geneval.reward import check_options
+
         options.pop("score", None)
+        try:
+            check_options(options, protocol=True)  # named as the option it came from, before any model loads
+        except ValueError as err:
+            raise ProtocolError(f"protocol 'geneval': {err}") from None
         self.reward = _registered_reward(self.name, "geneval", device, options)
 
     def load_records(self, source, prompt_kwargs=None) -> list[PromptRecord]:

@@ -2,13 +2,108 @@
 GenEval, the OCR reward, edit sources). Each bad outcome it found, as a test that failed before its fix, numbered
 as in the issue; G: GenEval's rules against the official evaluator's code."""
 
-import numpy as np
-import torch
+import json
+import os
+import shutil
+import struct
+import threading
+import zlib
 
+import numpy as np
+import pytest
+import torch
+from helpers import cheap, load_script, make_config
+from PIL import Image
+
+from ddpo_group.protocols import ProtocolError, get_protocol, read_geneval_folder
 from ddpo_group.rewards.geneval.protocol import Detection, keep_confident, numpy_argsort
 from ddpo_group.rewards.geneval.shapes_scenes import SceneObject as O
 from ddpo_group.rewards.geneval.shapes_scenes import render_scene
-from ddpo_group.rewards.registry import get_reward
+from ddpo_group.rewards.registry import get_reward, register_reward
+
+SINGLE = {"tag": "single_object", "include": [{"class": "circle", "count": 1}], "prompt": "a circle"}
+
+
+@pytest.fixture(scope="module")
+def evaluate_script():
+    return load_script("scripts/evaluate.py")
+
+
+def geneval_folder(path, images_of_prompts, record=SINGLE):
+    """GenEval's layout by hand: NNNNN/metadata.jsonl and NNNNN/samples/NNNN.png, one list of uint8 images per
+    prompt."""
+    for i, images in enumerate(images_of_prompts):
+        samples = path / f"{i:05d}" / "samples"
+        samples.mkdir(parents=True)
+        (path / f"{i:05d}" / "metadata.jsonl").write_text(json.dumps(record))
+        for j, image in enumerate(images):
+            Image.fromarray(image).save(samples / f"{j:04d}.png")
+    return path
+
+
+def circle(size=64):
+    return render_scene([O("circle", "red", (size / 2, size / 2), size * size / 8)], size=size)
+
+
+def square(size=64):
+    return render_scene([O("square", "blue", (size / 2, size / 2), size * size / 8)], size=size)
+
+
+def bomb_png(path, side=20000):
+    """A PNG whose header claims side x side pixels (400 M at 20000: over twice PIL's MAX_IMAGE_PIXELS) and whose
+    data is a few bytes: what a decompression bomb looks like to Image.open, which reads the header only."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)  # 8-bit grayscale
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0"))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def exit_line(evaluate_script, argv):
+    with pytest.raises(SystemExit) as info:
+        evaluate_script.run(argv)
+    line = str(info.value.code)
+    assert "\n" not in line and "Traceback" not in line, line
+    return line
+
+
+# 7. GenEval's numeric options are checked when the reward is built and when --protocol-option is parsed
+BAD_OPTIONS = [
+    ("threshold", 30), ("threshold", float("nan")), ("threshold", "abc"), ("threshold", 1.0), ("threshold", -0.1),
+    ("counting_threshold", 90), ("counting_threshold", True), ("max_objects", -1), ("max_objects", 0),
+    ("max_objects", 2.5), ("max_objects", True), ("position_margin", -0.1), ("position_margin", float("inf")),
+    ("jpeg_quality", True), ("jpeg_quality", 101),
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_OPTIONS)
+def test_a_bad_geneval_option_in_training_names_its_config_field(field, value):
+    from ddpo_group.rewards import build_reward_fn
+
+    with pytest.raises(ValueError) as info:
+        build_reward_fn("geneval", reward_kwargs={"geneval": {"detector": "shapes", field: value}})
+    message = str(info.value)
+    assert "\n" not in message and f"{field}={value!r}" in message and f"reward_kwargs.geneval.{field}" in message
+
+
+@pytest.mark.parametrize("field, text", [("threshold", "30"), ("threshold", "NaN"), ("threshold", "abc"),
+                                         ("max_objects", "-1"), ("position_margin", "-1"), ("counting_threshold", "1")])
+def test_a_bad_geneval_protocol_option_is_one_line_naming_it(tmp_path, evaluate_script, field, text):
+    folder = geneval_folder(tmp_path / "images", [[circle()]])
+    line = exit_line(evaluate_script, ["--protocol", "geneval", "--images", str(folder), "--protocol-option",
+                                       "detector=shapes", "--protocol-option", f"{field}={text}"])
+    assert line.startswith("evaluate.py: error: protocol 'geneval': reward 'geneval': ") and f"{field}=" in line
+    assert f"--protocol-option {field}=VALUE" in line
+
+
+def test_geneval_options_in_range_are_taken():
+    reward = get_reward("geneval", detector="shapes", threshold=0, counting_threshold=0.5, max_objects=1,
+                        position_margin=0, jpeg_quality=100)
+    assert (reward.scorer.threshold, reward.scorer.max_objects, reward.jpeg_quality) == (0, 1, 100)
+    assert get_protocol("geneval", detector="shapes", threshold=0.5).reward.scorer.threshold == 0.5
+
 
 # G. GenEval's choice of detections as its evaluate_images.py makes it (float32 scores, numpy 1.23's argsort)
 def box_at(x, score=1.0):
