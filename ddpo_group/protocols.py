@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ddpo_group.evaluation import sample_generator
+from ddpo_group.evaluation import not_finite_error, sample_generator
 from ddpo_group.prompts import PromptRecord, load_prompts
 from ddpo_group.rewards.geneval.metadata import GenEvalFormatError, check_record, check_vocabulary, read_metadata
 from ddpo_group.rewards.geneval.protocol import format_table, summarize
@@ -176,7 +176,8 @@ register_protocol("ocr", lambda device=None, **options: RewardMeanProtocol("ocr"
 def score_policy(protocol, policy, records, images_per_prompt, num_steps, guidance_scale, eta, seed=1234,
                  batch_size=32, keep_images=False):
     """Per-image results of `images_per_prompt` fixed-noise images of every record (ddpo_group.evaluation's
-    noise), each with "prompt_index" and "image_index"; with keep_images, also the images (P, J, H, W, 3) uint8."""
+    noise), each with "prompt_index" and "image_index"; with keep_images, also the images (P, J, H, W, 3) uint8.
+    Images that are not finite stop it (SamplesNotFiniteError naming the first), as they stop training."""
     pairs = [(i, j) for i in range(len(records)) for j in range(images_per_prompt)]
     results, kept = [], {}
     for start in range(0, len(pairs), batch_size):
@@ -184,6 +185,9 @@ def score_policy(protocol, policy, records, images_per_prompt, num_steps, guidan
         generators = [sample_generator(seed, i, j) for i, j in chunk]
         batch = policy.sample([records[i].prompt for i, _ in chunk], num_steps, guidance_scale, eta, generator=generators)
         images = batch.images.float().cpu()
+        error = not_finite_error(records, chunk, torch.isfinite(images.flatten(1)).all(dim=1).tolist())
+        if error is not None:
+            raise error
         for (i, j), row in zip(chunk, protocol.score(images, [records[i] for i, _ in chunk])):
             results.append({"prompt_index": i, "image_index": j, **row})
         if keep_images:

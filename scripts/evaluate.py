@@ -18,13 +18,18 @@ A checkpoint is read with the settings of its run (config.json beside checkpoint
 reward, steps, guidance, eta and evaluation seed and images per prompt, unless a flag says otherwise.
 The evaluation is ddpo_group.evaluation's, the one the trainer logs as eval/reward_mean: image j
 of prompt i starts from the same noise in every evaluation, so two models compare directly.
-Prints a summary and writes JSON (evaluation.json beside a checkpoint). Runs with one torch thread unless
+Prints a summary and writes JSON (evaluation.json beside a checkpoint; a checkpoint that its live run pruned during
+the evaluation: RUN_DIR/checkpoint_N_evaluation.json). --output is a new file or an earlier output of this script,
+never a directory, another file or a run's own file (config.json, metrics.jsonl, ...), checked before any model
+loads. Sampled images that are not finite (diverged weights) stop the evaluation with one line and write nothing;
+--guidance-scale and --eta must be finite. Runs with one torch thread unless
 OMP_NUM_THREADS says otherwise (as scripts/train.py does under accelerate launch). A bad input (a flag, a path, a
 checkpoint, a prompt set, a reward) stops with one line naming it (DDPO_GROUP_DEBUG=1: the traceback).
 """
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -47,6 +52,17 @@ def _positive_int(text):
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _finite_float(text):
+    """A numeric flag (--guidance-scale, --eta): a finite number; NaN or inf would sample NaN images."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None  # argparse's own words
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
 
 
@@ -124,8 +140,8 @@ def main(argv=None):
     parser.add_argument("--reward", default=None, help="reward (default: the run's, or shapes_alignment)")
     parser.add_argument("--images-per-prompt", type=_images_per_prompt, default=None, help="default: the run's, or 4")
     parser.add_argument("--num-steps", type=_positive_int, default=None, help="denoising steps (default: the run's, or 10)")
-    parser.add_argument("--guidance-scale", type=float, default=None)
-    parser.add_argument("--eta", type=float, default=None)
+    parser.add_argument("--guidance-scale", type=_finite_float, default=None)
+    parser.add_argument("--eta", type=_finite_float, default=None)
     parser.add_argument("--seed", type=int, default=None, help="noise seed (default: the run's eval_seed, or 1234)")
     parser.add_argument("--batch-size", type=_positive_int, default=64)
     parser.add_argument("--output", default=None, help="JSON file to write (default: beside the checkpoint, or print only)")

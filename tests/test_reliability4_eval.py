@@ -69,6 +69,53 @@ def exit_line(evaluate_script, argv):
     return line
 
 
+# 4. a diverged model (NaN weights) is not scored: one line, no evaluation.json; a NaN flag is refused at once
+@pytest.fixture(scope="module")
+def nan_model(tmp_path_factory):
+    """The tiny model saved with NaN in every UNet weight: what a diverged checkpoint samples."""
+    from ddpo_group.diffusion.policy import load_policy
+
+    policy = load_policy("tiny")
+    with torch.no_grad():
+        for parameter in policy.pipeline.unet.parameters():
+            parameter.fill_(float("nan"))
+    path = tmp_path_factory.mktemp("nan") / "model"
+    policy.pipeline.save_pretrained(str(path))
+    return str(path)
+
+
+def test_an_evaluation_of_nan_weights_stops_naming_the_first_image_and_writes_nothing(tmp_path, evaluate_script,
+                                                                                      nan_model):
+    output = tmp_path / "evaluation.json"
+    # jpeg_compressibility scores a NaN image as the black one it encodes to: a plausible number
+    line = exit_line(evaluate_script, ["--model", nan_model, "--prompts", "shapes_squares.txt", "--reward",
+                                       "jpeg_compressibility", "--images-per-prompt", "2", "--num-steps", "2",
+                                       "--output", str(output)])
+    # every image is NaN: the first one is image 0 of prompt 0
+    assert "are not finite (NaN or inf), the first image 0 of prompt 0" in line, line
+    assert "earlier checkpoint" in line and not output.exists()
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps({**SINGLE, "prompt": "a red circle"}) + "\n")
+    line = exit_line(evaluate_script, ["--protocol", "geneval", "--model", nan_model, "--prompts", str(records),
+                                       "--protocol-option", "detector=shapes", "--images-per-prompt", "1",
+                                       "--num-steps", "2", "--output", str(output)])
+    assert "1 of 1 sampled images are not finite (NaN or inf), the first image 0 of prompt 0 'a red circle'" in line
+    assert not output.exists() and not (tmp_path / "evaluation_images.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag", ["--guidance-scale=nan", "--eta=inf", "--eta=-inf", "--guidance-scale=NaN"])
+def test_a_non_finite_sampling_flag_is_refused_before_any_model_loads(tmp_path, evaluate_script, flag):
+    with pytest.raises(SystemExit) as info:  # argparse's exit: status 2, its one line on stderr
+        evaluate_script.run(["--model", str(tmp_path / "no_model"), flag])
+    assert info.value.code == 2
+
+
+def test_a_non_finite_sampling_flag_names_itself(tmp_path, evaluate_script, capsys):
+    with pytest.raises(SystemExit):
+        evaluate_script.run(["--model", str(tmp_path / "no_model"), "--guidance-scale", "nan"])
+    assert "argument --guidance-scale: expected a finite number, got 'nan'" in capsys.readouterr().err
+
+
 # 7. GenEval's numeric options are checked when the reward is built and when --protocol-option is parsed
 BAD_OPTIONS = [
     ("threshold", 30), ("threshold", float("nan")), ("threshold", "abc"), ("threshold", 1.0), ("threshold", -0.1),
