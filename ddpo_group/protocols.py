@@ -203,9 +203,9 @@ _FOLDER_RE, _SAMPLE_RE = re.compile(r"^\d+$"), re.compile(r"^\d+\.png$")
 
 def read_geneval_folder(path: str):
     """(records, images) of a folder in GenEval's layout: PATH/<NNNNN>/metadata.jsonl (the prompt's record) and
-    PATH/<NNNNN>/samples/<NNNN>.png; images: a list (one per record) of uint8 (J, H, W, 3). One-line errors."""
-    from PIL import Image
-
+    PATH/<NNNNN>/samples/<NNNN>.png; images: a list (one per record) of lists of uint8 (H, W, 3), any sizes.
+    Every numbered entry must be a prompt folder with its metadata.jsonl (GenEval's evaluate_images.py fails on
+    one without), every NNNN.png a regular file PIL reads: one-line errors naming the folder or file."""
     if not os.path.isdir(path):
         raise ProtocolError(f"--images {path}: no such directory; give a folder in GenEval's layout "
                             "(NNNNN/metadata.jsonl, NNNNN/samples/NNNN.png)")
@@ -213,8 +213,12 @@ def read_geneval_folder(path: str):
     for name in sorted((n for n in os.listdir(path) if _FOLDER_RE.match(n)), key=int):
         folder = os.path.join(path, name)
         metadata = os.path.join(folder, "metadata.jsonl")
-        if not os.path.isdir(folder) or not os.path.isfile(metadata):
-            continue
+        if not os.path.isdir(folder):
+            raise ProtocolError(f"--images {path}: {folder} is not a folder; in GenEval's layout every numbered entry "
+                                "is a prompt's folder (NNNNN/metadata.jsonl, NNNNN/samples/NNNN.png): move it away")
+        if not os.path.isfile(metadata):  # a regular file only: a FIFO would block the read
+            raise ProtocolError(f"--images {path}: the prompt folder {folder} has no metadata.jsonl (its GenEval "
+                                "record); write it, or move the folder away")
         with open(metadata, encoding="utf-8") as f:
             text = f.read().strip()
         try:
@@ -226,18 +230,40 @@ def read_geneval_folder(path: str):
         if not files:
             raise ProtocolError(f"{samples}: no NNNN.png images for the prompt {record['prompt']!r}")
         records.append(PromptRecord(record["prompt"], {k: v for k, v in record.items() if k != "prompt"}))
-        images.append(np.stack([np.asarray(Image.open(os.path.join(samples, n)).convert("RGB")) for n in files]))
+        images.append([_read_image(os.path.join(samples, n)) for n in files])
     if not records:
         raise ProtocolError(f"--images {path}: no NNNNN/metadata.jsonl folders in it (GenEval's layout)")
     return records, images
 
 
+def _read_image(path: str) -> np.ndarray:
+    """uint8 (H, W, 3) of an image file; ProtocolError naming it when it is no regular file or PIL refuses it (a
+    decompression bomb: PIL's pixel limit)."""
+    from PIL import Image
+
+    if not os.path.isfile(path):
+        raise ProtocolError(f"{path}: not a regular file; GenEval's samples are NNNN.png image files")
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"))
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise ProtocolError(f"{path}: cannot be read as an image ({type(err).__name__}: "
+                            f"{' '.join(str(err).split())[:200]})") from None
+
+
 def score_folder(protocol, records, images, batch_size=32) -> list[dict]:
-    """Per-image results of the images of each record (uint8 (J, H, W, 3) per record)."""
+    """Per-image results of the images of each record (uint8 (H, W, 3) each, a sequence per record). Images of
+    different sizes go to the protocol in separate batches (GenEval scores each image on its own)."""
     pairs = [(i, j) for i, stack in enumerate(images) for j in range(len(stack))]
-    results = []
-    for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start : start + batch_size]
+    results, start = [], 0
+    while start < len(pairs):
+        shape = images[pairs[start][0]][pairs[start][1]].shape
+        chunk = [pairs[start]]
+        for i, j in pairs[start + 1 : start + batch_size]:
+            if images[i][j].shape != shape:
+                break
+            chunk.append((i, j))
+        start += len(chunk)
         pixels = torch.from_numpy(np.stack([images[i][j] for i, j in chunk])).permute(0, 3, 1, 2).float() / 255
         for (i, j), row in zip(chunk, protocol.score(pixels, [records[i] for i, _ in chunk])):
             results.append({"prompt_index": i, "image_index": j, **row})

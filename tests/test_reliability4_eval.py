@@ -152,6 +152,73 @@ def test_geneval_options_in_range_are_taken():
     assert get_protocol("geneval", detector="shapes", threshold=0.5).reward.scorer.threshold == 0.5
 
 
+# 8. a prompt folder without metadata.jsonl, or a numbered plain file, stops the evaluation naming it
+def test_a_prompt_folder_without_its_metadata_is_refused_naming_it(tmp_path, evaluate_script):
+    folder = geneval_folder(tmp_path / "images", [[circle()], [circle()]])
+    (folder / "00001" / "metadata.jsonl").unlink()
+    line = exit_line(evaluate_script, ["--protocol", "geneval", "--images", str(folder), "--protocol-option",
+                                       "detector=shapes"])
+    assert f"the prompt folder {folder / '00001'} has no metadata.jsonl" in line
+
+
+def test_a_numbered_plain_file_in_an_image_folder_is_refused_naming_it(tmp_path):
+    folder = geneval_folder(tmp_path / "images", [[circle()]])
+    (folder / "00001").write_text("not a folder")
+    with pytest.raises(ProtocolError, match=f"{folder / '00001'} is not a folder"):
+        read_geneval_folder(str(folder))
+
+
+# 13. images of different sizes are scored; unreadable images and edit sources name their file; a FIFO never blocks
+def test_a_geneval_folder_with_images_of_different_sizes_is_scored(tmp_path, evaluate_script):
+    # prompt 0: a 64 px circle (correct) and a 48 px square (not); prompt 1: a 32 px circle (correct)
+    folder = geneval_folder(tmp_path / "images", [[circle(64), square(48)], [circle(32)]])
+    summary = evaluate_script.main(["--protocol", "geneval", "--images", str(folder), "--protocol-option",
+                                    "detector=shapes", "--batch-size", "8"])
+    assert summary["num_images"] == 3 and summary["correct_images"] == pytest.approx(2 / 3)
+
+
+def test_a_decompression_bomb_in_a_geneval_folder_is_named(tmp_path, evaluate_script):
+    folder = geneval_folder(tmp_path / "images", [[circle()]])
+    bomb = bomb_png(folder / "00000" / "samples" / "0001.png")
+    line = exit_line(evaluate_script, ["--protocol", "geneval", "--images", str(folder), "--protocol-option",
+                                       "detector=shapes"])
+    assert line.startswith(f"evaluate.py: error: {bomb}: cannot be read as an image (DecompressionBombError: ")
+
+
+def test_an_edit_source_that_is_a_decompression_bomb_names_field_and_file(tmp_path):
+    from ddpo_group.edit_sources import read_source_image
+
+    bomb = bomb_png(tmp_path / "source.png")
+    with pytest.raises(ValueError) as info:
+        read_source_image(str(bomb), "prompt 'a cat'", 64)
+    assert str(info.value).startswith(f"prompt 'a cat': field 'source_image' '{bomb}' cannot be read as an image "
+                                      "(DecompressionBombError: ")
+
+
+def test_an_edit_source_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    from ddpo_group.edit_sources import check_edit_prompts
+    from ddpo_group.prompts import PromptRecord
+
+    fifo = tmp_path / "source.png"
+    os.mkfifo(fifo)
+    outcome = []
+
+    def check():
+        try:
+            check_edit_prompts([PromptRecord("a cat", {"source_image": str(fifo)})], True, 64, "prompt_fn", "kontext")
+        except ValueError as err:
+            outcome.append(str(err))
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(20)
+    if worker.is_alive():  # it blocked in open(): a writer end lets it go on, and the test fails
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(5)
+    assert outcome == [f"config.prompt_fn: prompt 'a cat': field 'source_image' '{fifo}' is not a regular file; "
+                       "give an image file"]
+
+
 # G. GenEval's choice of detections as its evaluate_images.py makes it (float32 scores, numpy 1.23's argsort)
 def box_at(x, score=1.0):
     return Detection((x, 0.0, x + 8.0, 8.0), score)
