@@ -133,10 +133,20 @@ class RewardMeanProtocol:
 
     def __init__(self, reward: str, device=None, **options):
         self.name = reward
+        self.options = options
         self.reward = _registered_reward(reward, reward, device, options)
 
     def load_records(self, source, prompt_kwargs=None) -> list[PromptRecord]:
-        return load_prompts(source, **(prompt_kwargs or {}))
+        """The prompt records of `source`, checked by the reward's own prompt check (``check_prompts``, as the
+        config check runs it in training: the ocr reward's quoted text) before any model loads."""
+        records = load_prompts(source, **(prompt_kwargs or {}))
+        check = getattr(self.reward, "check_prompts", None)
+        if check is not None:
+            try:
+                check(records, source=str(source), **self.options)
+            except ValueError as err:
+                raise ProtocolError(" ".join(str(err).split())) from None
+        return records
 
     def check_ready(self) -> None:
         if hasattr(self.reward, "check_ready"):

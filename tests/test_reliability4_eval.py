@@ -168,6 +168,31 @@ def test_a_numbered_plain_file_in_an_image_folder_is_refused_naming_it(tmp_path)
         read_geneval_folder(str(folder))
 
 
+# 10. --protocol ocr checks the prompts' text before any model loads; an ocr_text that is a number is refused
+def test_the_ocr_protocol_checks_quoted_text_before_any_model_loads(tmp_path, evaluate_script):
+    prompts = tmp_path / "signs.txt"
+    prompts.write_text('a sign that says "open"\na poster of a cat\n')
+    # the OCR model (GOT-OCR2 from the hub) is not here: the prompt is named first
+    line = exit_line(evaluate_script, ["--protocol", "ocr", "--prompts", str(prompts), "--model",
+                                       str(tmp_path / "no_model")])
+    assert f"prompt file '{prompts}', line 2 has no quoted text to render" in line, line
+
+
+def test_an_ocr_text_that_is_not_a_string_is_refused_naming_the_field(tmp_path, evaluate_script):
+    from ddpo_group.prompts import PromptRecord
+    from ddpo_group.rewards.base import RewardError
+    from ddpo_group.rewards.ocr import OcrReward
+
+    prompts = tmp_path / "signs.jsonl"
+    prompts.write_text(json.dumps({"prompt": 'a sign that says "open"', "ocr_text": 42}) + "\n")
+    line = exit_line(evaluate_script, ["--protocol", "ocr", "--prompts", str(prompts), "--model",
+                                       str(tmp_path / "no_model")])
+    assert "field 'ocr_text' must be a string (the text to render), got 42" in line, line
+    with pytest.raises(RewardError, match="field 'ocr_text' must be a string"):
+        OcrReward().targets(['a sign that says "open"'], [{"ocr_text": 42}])
+    OcrReward.check_prompts([PromptRecord("a sign", {"ocr_text": "open"})])  # a string is the target
+
+
 # 13. images of different sizes are scored; unreadable images and edit sources name their file; a FIFO never blocks
 def test_a_geneval_folder_with_images_of_different_sizes_is_scored(tmp_path, evaluate_script):
     # prompt 0: a 64 px circle (correct) and a 48 px square (not); prompt 1: a 32 px circle (correct)
