@@ -168,6 +168,46 @@ def test_a_numbered_plain_file_in_an_image_folder_is_refused_naming_it(tmp_path)
         read_geneval_folder(str(folder))
 
 
+# 9. --output is checked before any model loads: never a directory, another file, or a run's own file
+def test_an_output_that_is_a_directory_is_refused_before_any_model_loads(tmp_path, evaluate_script):
+    (tmp_path / "out").mkdir()
+    line = exit_line(evaluate_script, ["--model", str(tmp_path / "no_model"), "--output", str(tmp_path / "out")])
+    assert line == (f"evaluate.py: error: --output {tmp_path / 'out'}: is a directory; give a file path, e.g. "
+                    f"{tmp_path / 'out' / 'evaluation.json'}")
+    images = geneval_folder(tmp_path / "images", [[circle()]])
+    line = exit_line(evaluate_script, ["--protocol", "geneval", "--images", str(images), "--protocol-option",
+                                       "detector=shapes", "--output", str(tmp_path / "out")])
+    assert "is a directory" in line and os.listdir(tmp_path / "out") == []
+
+
+def test_an_output_that_is_another_file_or_a_runs_own_file_is_refused_and_kept(tmp_path, evaluate_script):
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    line = exit_line(evaluate_script, ["--model", str(tmp_path / "no_model"), "--output", str(notes)])
+    assert f"{notes} exists and is not an earlier output of evaluate.py" in line
+    assert notes.read_text() == '{"mine": 1}'
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"epoch": 0}\n')
+    for name in ("metrics.jsonl", "finished.json"):  # an existing one, and one the run writes when it ends
+        line = exit_line(evaluate_script, ["--model", str(tmp_path / "no_model"), "--output", str(run / name)])
+        assert f"{run / name} is a file of the run in {run}" in line
+    assert (run / "metrics.jsonl").read_text() == '{"epoch": 0}\n' and not (run / "finished.json").exists()
+
+
+def test_an_earlier_output_is_replaced(tmp_path, evaluate_script):
+    images = geneval_folder(tmp_path / "images", [[circle(), square()]])
+    output = tmp_path / "geneval.json"
+    argv = ["--protocol", "geneval", "--images", str(images), "--protocol-option", "detector=shapes", "--output",
+            str(output)]
+    evaluate_script.main(argv)
+    (images / "00000" / "samples" / "0001.png").unlink()  # the second evaluation sees one image: 1 of 1 correct
+    evaluate_script.main(argv)
+    assert json.loads(output.read_text())["num_images"] == 1
+    assert len((tmp_path / "geneval_images.jsonl").read_text().splitlines()) == 1
+
+
 # 10. --protocol ocr checks the prompts' text before any model loads; an ocr_text that is a number is refused
 def test_the_ocr_protocol_checks_quoted_text_before_any_model_loads(tmp_path, evaluate_script):
     prompts = tmp_path / "signs.txt"
@@ -242,6 +282,44 @@ def test_an_edit_source_that_is_a_fifo_is_refused_without_blocking(tmp_path):
         worker.join(5)
     assert outcome == [f"config.prompt_fn: prompt 'a cat': field 'source_image' '{fifo}' is not a regular file; "
                        "give an image file"]
+
+
+# 15. a checkpoint that the live run prunes during the evaluation: the result goes to the run directory
+PRUNED = {}
+
+
+@register_reward("prune_while_scored")
+def prune_while_scored(images, prompts, metadata):
+    """Score 0.5; on its first call save a newer checkpoint and prune to one, as a live run with
+    num_checkpoint_limit=1 does (run_dir._prune_checkpoints, the trainer's own)."""
+    from ddpo_group.run_dir import _prune_checkpoints
+
+    root = PRUNED.pop("root", None)
+    if root:
+        shutil.copytree(os.path.join(root, "checkpoint_1"), os.path.join(root, "checkpoint_2"))
+        _prune_checkpoints(root, 1)
+    return [0.5] * len(prompts), {}
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    from ddpo_group.trainer import train
+
+    return train(make_config(tmp_path_factory.mktemp("run"), **cheap(eval_freq=0)))
+
+
+def test_the_result_survives_a_checkpoint_pruned_during_the_evaluation(trained_run, tmp_path, evaluate_script, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    PRUNED["root"] = str(run / "checkpoints")
+    checkpoint = run / "checkpoints" / "checkpoint_1"
+    summary = evaluate_script.main(["--checkpoint", str(checkpoint), "--reward", "prune_while_scored",
+                                    "--images-per-prompt", "1"])
+    assert not checkpoint.exists() and (run / "checkpoints" / "checkpoint_2").is_dir()
+    written = json.loads((run / "checkpoint_1_evaluation.json").read_text())
+    assert written["mean"] == 0.5 == summary["mean"] and written["model"] == str(checkpoint)
+    assert f"wrote {run / 'checkpoint_1_evaluation.json'}" in capsys.readouterr().out
+    assert not [n for n in os.listdir(run) if ".tmp" in n]
 
 
 # G. GenEval's choice of detections as its evaluate_images.py makes it (float32 scores, numpy 1.23's argsort)
