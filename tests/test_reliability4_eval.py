@@ -322,6 +322,28 @@ def test_the_result_survives_a_checkpoint_pruned_during_the_evaluation(trained_r
     assert not [n for n in os.listdir(run) if ".tmp" in n]
 
 
+def test_a_protocol_result_of_a_pruned_checkpoint_goes_to_the_run_directory(tmp_path, evaluate_script):
+    from ddpo_group.protocols import write_protocol_results
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    gone = run / "checkpoints" / "checkpoint_3"  # pruned before the evaluation ended
+    summary = {"protocol": "geneval", "model": str(gone), "prompts": "records.jsonl", "overall": 0.5}
+    rows = [{"prompt_index": 0, "image_index": 0, "correct": True}]
+
+    def write(path):
+        return write_protocol_results(path, summary, rows)
+
+    written = evaluate_script.write_result(None, str(gone), str(run), "protocol_geneval.json", write)
+    assert written == str(run / "checkpoint_3_protocol_geneval.json")
+    assert json.loads((run / "checkpoint_3_protocol_geneval.json").read_text()) == summary
+    assert (run / "checkpoint_3_protocol_geneval_images.jsonl").read_text() == json.dumps(rows[0]) + "\n"
+    shutil.rmtree(run)  # the whole run removed: one line, nothing written anywhere
+    with pytest.raises(evaluate_script.EvaluateError, match="and its run directory were removed during the evaluation"):
+        evaluate_script.write_result(None, str(gone), str(run), "protocol_geneval.json", write)
+    assert os.listdir(tmp_path) == []
+
+
 # G. GenEval's choice of detections as its evaluate_images.py makes it (float32 scores, numpy 1.23's argsort)
 def box_at(x, score=1.0):
     return Detection((x, 0.0, x + 8.0, 8.0), score)
