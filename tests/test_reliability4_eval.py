@@ -135,6 +135,18 @@ def test_a_bad_geneval_option_in_training_names_its_config_field(field, value):
     assert "\n" not in message and f"{field}={value!r}" in message and f"reward_kwargs.geneval.{field}" in message
 
 
+def test_a_percentage_threshold_stops_training_before_the_run_starts(tmp_path):
+    from ddpo_group.cli import one_line
+    from ddpo_group.trainer import train
+
+    config = make_config(tmp_path, variant="tiny_geneval", **cheap())
+    config.reward_kwargs.geneval.threshold = 30  # 30 % meant: every detection (score <= 1) would be dropped
+    with pytest.raises(ValueError) as info:
+        train(config)
+    assert "threshold=30 must be a detection score in [0, 1)" in one_line(info.value)
+    assert "(config: reward_kwargs.geneval.threshold)" in one_line(info.value) and os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("field, text", [("threshold", "30"), ("threshold", "NaN"), ("threshold", "abc"),
                                          ("max_objects", "-1"), ("position_margin", "-1"), ("counting_threshold", "1")])
 def test_a_bad_geneval_protocol_option_is_one_line_naming_it(tmp_path, evaluate_script, field, text):
