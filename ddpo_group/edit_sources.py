@@ -54,12 +54,17 @@ def _read_uint8(path: str, mtime: float) -> torch.Tensor:
 
 
 def read_source_image(path: str, where: str = "", resolution: int = 0) -> torch.Tensor:
-    """(3, H, W) float32 in [0, 1] of the source image at `path`; ValueError naming the field when it cannot be read
+    """(3, H, W) float32 in [0, 1] of the source image at `path`; ValueError naming the field and the file when it
+    is not a regular file (a FIFO would block the read), cannot be read (PIL's decompression-bomb limit included)
     or (resolution > 0) is not resolution x resolution."""
+    from PIL import Image
+
     prefix = f"{where}: " if where else ""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{prefix}field '{SOURCE_FIELD}' {path!r} is not a regular file; give an image file")
     try:
         pixels = _read_uint8(path, os.path.getmtime(path))
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
         raise ValueError(
             f"{prefix}field '{SOURCE_FIELD}' {path!r} cannot be read as an image ({type(err).__name__}: {err})"
         ) from None

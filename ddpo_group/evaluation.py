@@ -35,12 +35,27 @@ from ddpo_group.grids import save_epoch_samples
 from ddpo_group.hacking import PROXY_KEY, describe, gold_key, gold_names, gold_specs
 from ddpo_group.report.run import read_metrics
 from ddpo_group.rewards import AsyncRewardRunner, build_reward_fn
+from ddpo_group.rollout import SamplesNotFiniteError
 from ddpo_group.run_dir import METRICS_FILE
 
 logger = logging.getLogger("ddpo_group")
 # The final evaluation keeps the images of the first max(eval_grid_prompts, this many) prompts for the report (held
 # in memory until they are written: 32 prompts x 2 images at 512 px are 200 MB of float32).
 FINAL_IMAGE_PROMPTS = 32
+
+
+def not_finite_error(records, pairs, finite):
+    """SamplesNotFiniteError naming the first of `pairs` [(prompt index, image index)] whose image is not finite
+    (`finite`: one bool per pair), or None when all are: an evaluation of diverged weights has no honest number."""
+    bad = [pair for pair, ok in zip(pairs, finite) if not ok]
+    if not bad:
+        return None
+    i, j = bad[0]
+    return SamplesNotFiniteError(
+        f"evaluation: {len(bad)} of {len(pairs)} sampled images are not finite (NaN or inf), the first image {j} of "
+        f"prompt {i} {records[i].prompt!r}: the weights diverged (or a sampling setting is not finite); evaluate an "
+        "earlier checkpoint of the run, or one trained with a lower train.learning_rate"
+    )
 
 
 def sample_generator(seed, prompt_index, image_index):
@@ -64,6 +79,9 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
             each of its components is one gold reward.
         reward_timeout: seconds a batch's reward (and gold reward) may take, else RewardError naming it and
             config.reward_timeout (None or 0: no limit); the rewards run in a daemon worker thread.
+
+    Sampled images that are not finite (NaN or inf: diverged weights) stop the evaluation with a
+    SamplesNotFiniteError naming the first (on every process, after the gather, when there are several).
 
     Returns: {"reward_mean", "reward_std", "components": {name: mean}, "per_prompt": (P,) means,
     "rewards": (P, J) array, "images": (k*J, 3, H, W) CPU tensor or None, "grid_prompts": their prompts,
@@ -99,6 +117,9 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         with context:
             batch = policy.sample(prompts, num_steps, guidance_scale, eta, generator=generators, model=model, **extra)
         images = batch.images.float().cpu()
+        finite = torch.isfinite(images.flatten(1)).all(dim=1).tolist()
+        if world == 1 and not all(finite):  # before the rewards: a reward may fail on NaN or score it as black
+            raise not_finite_error(records, chunk, finite)
         metadata = reward_metadata([records[i].metadata for i, _ in chunk], sources)
         stop = should_stop if world == 1 else None  # several processes must all reach the gather
         scored = _scored(reward_fn, images, prompts, metadata, reward_timeout, stop, **only)
@@ -115,7 +136,8 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
                 break  # padding
             keep = images[n].clone() if i < grid_prompts else None  # a view would carry the whole batch in a gather
             row = [i, j, float(total[n]), {k: float(v[n]) for k, v in components.items()}, keep,
-                   {k: float(v[n]) for k, v in gold.items()}, {k: float(v[n]) for k, v in per_image.items()}]
+                   {k: float(v[n]) for k, v in gold.items()}, {k: float(v[n]) for k, v in per_image.items()},
+                   finite[n]]
             results.append(row)
             if group_wise:
                 waiting.setdefault(i, []).append((row, images[n]))
@@ -125,11 +147,14 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         from accelerate.utils import gather_object
 
         results = gather_object(results)
+    error = not_finite_error(records, [(row[0], row[1]) for row in results], [row[7] for row in results])
+    if error is not None:  # every process holds every row now: all stop together
+        raise error
     rewards = np.full((len(records), images_per_prompt), np.nan)
     component_sums = {}
     grid = {}
     gold, info = {}, {}
-    for i, j, value, parts, image, gold_parts, info_parts in results:
+    for i, j, value, parts, image, gold_parts, info_parts, _ in results:
         rewards[i, j] = value
         for name, part in parts.items():
             component_sums.setdefault(name, []).append(part)

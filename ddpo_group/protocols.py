@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ddpo_group.evaluation import sample_generator
+from ddpo_group.evaluation import not_finite_error, sample_generator
 from ddpo_group.prompts import PromptRecord, load_prompts
 from ddpo_group.rewards.geneval.metadata import GenEvalFormatError, check_record, check_vocabulary, read_metadata
 from ddpo_group.rewards.geneval.protocol import format_table, summarize
@@ -81,7 +81,13 @@ class GenEvalProtocol:
     images_per_prompt = 4
 
     def __init__(self, device=None, **options):
+        from ddpo_group.rewards.geneval.reward import check_options
+
         options.pop("score", None)
+        try:
+            check_options(options, protocol=True)  # named as the option it came from, before any model loads
+        except ValueError as err:
+            raise ProtocolError(f"protocol 'geneval': {err}") from None
         self.reward = _registered_reward(self.name, "geneval", device, options)
 
     def load_records(self, source, prompt_kwargs=None) -> list[PromptRecord]:
@@ -127,10 +133,20 @@ class RewardMeanProtocol:
 
     def __init__(self, reward: str, device=None, **options):
         self.name = reward
+        self.options = options
         self.reward = _registered_reward(reward, reward, device, options)
 
     def load_records(self, source, prompt_kwargs=None) -> list[PromptRecord]:
-        return load_prompts(source, **(prompt_kwargs or {}))
+        """The prompt records of `source`, checked by the reward's own prompt check (``check_prompts``, as the
+        config check runs it in training: the ocr reward's quoted text) before any model loads."""
+        records = load_prompts(source, **(prompt_kwargs or {}))
+        check = getattr(self.reward, "check_prompts", None)
+        if check is not None:
+            try:
+                check(records, source=str(source), **self.options)
+            except ValueError as err:
+                raise ProtocolError(" ".join(str(err).split())) from None
+        return records
 
     def check_ready(self) -> None:
         if hasattr(self.reward, "check_ready"):
@@ -170,7 +186,8 @@ register_protocol("ocr", lambda device=None, **options: RewardMeanProtocol("ocr"
 def score_policy(protocol, policy, records, images_per_prompt, num_steps, guidance_scale, eta, seed=1234,
                  batch_size=32, keep_images=False):
     """Per-image results of `images_per_prompt` fixed-noise images of every record (ddpo_group.evaluation's
-    noise), each with "prompt_index" and "image_index"; with keep_images, also the images (P, J, H, W, 3) uint8."""
+    noise), each with "prompt_index" and "image_index"; with keep_images, also the images (P, J, H, W, 3) uint8.
+    Images that are not finite stop it (SamplesNotFiniteError naming the first), as they stop training."""
     pairs = [(i, j) for i in range(len(records)) for j in range(images_per_prompt)]
     results, kept = [], {}
     for start in range(0, len(pairs), batch_size):
@@ -178,6 +195,9 @@ def score_policy(protocol, policy, records, images_per_prompt, num_steps, guidan
         generators = [sample_generator(seed, i, j) for i, j in chunk]
         batch = policy.sample([records[i].prompt for i, _ in chunk], num_steps, guidance_scale, eta, generator=generators)
         images = batch.images.float().cpu()
+        error = not_finite_error(records, chunk, torch.isfinite(images.flatten(1)).all(dim=1).tolist())
+        if error is not None:
+            raise error
         for (i, j), row in zip(chunk, protocol.score(images, [records[i] for i, _ in chunk])):
             results.append({"prompt_index": i, "image_index": j, **row})
         if keep_images:
@@ -193,9 +213,9 @@ _FOLDER_RE, _SAMPLE_RE = re.compile(r"^\d+$"), re.compile(r"^\d+\.png$")
 
 def read_geneval_folder(path: str):
     """(records, images) of a folder in GenEval's layout: PATH/<NNNNN>/metadata.jsonl (the prompt's record) and
-    PATH/<NNNNN>/samples/<NNNN>.png; images: a list (one per record) of uint8 (J, H, W, 3). One-line errors."""
-    from PIL import Image
-
+    PATH/<NNNNN>/samples/<NNNN>.png; images: a list (one per record) of lists of uint8 (H, W, 3), any sizes.
+    Every numbered entry must be a prompt folder with its metadata.jsonl (GenEval's evaluate_images.py fails on
+    one without), every NNNN.png a regular file PIL reads: one-line errors naming the folder or file."""
     if not os.path.isdir(path):
         raise ProtocolError(f"--images {path}: no such directory; give a folder in GenEval's layout "
                             "(NNNNN/metadata.jsonl, NNNNN/samples/NNNN.png)")
@@ -203,8 +223,12 @@ def read_geneval_folder(path: str):
     for name in sorted((n for n in os.listdir(path) if _FOLDER_RE.match(n)), key=int):
         folder = os.path.join(path, name)
         metadata = os.path.join(folder, "metadata.jsonl")
-        if not os.path.isdir(folder) or not os.path.isfile(metadata):
-            continue
+        if not os.path.isdir(folder):
+            raise ProtocolError(f"--images {path}: {folder} is not a folder; in GenEval's layout every numbered entry "
+                                "is a prompt's folder (NNNNN/metadata.jsonl, NNNNN/samples/NNNN.png): move it away")
+        if not os.path.isfile(metadata):  # a regular file only: a FIFO would block the read
+            raise ProtocolError(f"--images {path}: the prompt folder {folder} has no metadata.jsonl (its GenEval "
+                                "record); write it, or move the folder away")
         with open(metadata, encoding="utf-8") as f:
             text = f.read().strip()
         try:
@@ -216,18 +240,40 @@ def read_geneval_folder(path: str):
         if not files:
             raise ProtocolError(f"{samples}: no NNNN.png images for the prompt {record['prompt']!r}")
         records.append(PromptRecord(record["prompt"], {k: v for k, v in record.items() if k != "prompt"}))
-        images.append(np.stack([np.asarray(Image.open(os.path.join(samples, n)).convert("RGB")) for n in files]))
+        images.append([_read_image(os.path.join(samples, n)) for n in files])
     if not records:
         raise ProtocolError(f"--images {path}: no NNNNN/metadata.jsonl folders in it (GenEval's layout)")
     return records, images
 
 
+def _read_image(path: str) -> np.ndarray:
+    """uint8 (H, W, 3) of an image file; ProtocolError naming it when it is no regular file or PIL refuses it (a
+    decompression bomb: PIL's pixel limit)."""
+    from PIL import Image
+
+    if not os.path.isfile(path):
+        raise ProtocolError(f"{path}: not a regular file; GenEval's samples are NNNN.png image files")
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"))
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise ProtocolError(f"{path}: cannot be read as an image ({type(err).__name__}: "
+                            f"{' '.join(str(err).split())[:200]})") from None
+
+
 def score_folder(protocol, records, images, batch_size=32) -> list[dict]:
-    """Per-image results of the images of each record (uint8 (J, H, W, 3) per record)."""
+    """Per-image results of the images of each record (uint8 (H, W, 3) each, a sequence per record). Images of
+    different sizes go to the protocol in separate batches (GenEval scores each image on its own)."""
     pairs = [(i, j) for i, stack in enumerate(images) for j in range(len(stack))]
-    results = []
-    for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start : start + batch_size]
+    results, start = [], 0
+    while start < len(pairs):
+        shape = images[pairs[start][0]][pairs[start][1]].shape
+        chunk = [pairs[start]]
+        for i, j in pairs[start + 1 : start + batch_size]:
+            if images[i][j].shape != shape:
+                break
+            chunk.append((i, j))
+        start += len(chunk)
         pixels = torch.from_numpy(np.stack([images[i][j] for i, j in chunk])).permute(0, 3, 1, 2).float() / 255
         for (i, j), row in zip(chunk, protocol.score(pixels, [records[i] for i, _ in chunk])):
             results.append({"prompt_index": i, "image_index": j, **row})

@@ -18,13 +18,18 @@ A checkpoint is read with the settings of its run (config.json beside checkpoint
 reward, steps, guidance, eta and evaluation seed and images per prompt, unless a flag says otherwise.
 The evaluation is ddpo_group.evaluation's, the one the trainer logs as eval/reward_mean: image j
 of prompt i starts from the same noise in every evaluation, so two models compare directly.
-Prints a summary and writes JSON (evaluation.json beside a checkpoint). Runs with one torch thread unless
+Prints a summary and writes JSON (evaluation.json beside a checkpoint; a checkpoint that its live run pruned during
+the evaluation: RUN_DIR/checkpoint_N_evaluation.json). --output is a new file or an earlier output of this script,
+never a directory, another file or a run's own file (config.json, metrics.jsonl, ...), checked before any model
+loads. Sampled images that are not finite (diverged weights) stop the evaluation with one line and write nothing;
+--guidance-scale and --eta must be finite. Runs with one torch thread unless
 OMP_NUM_THREADS says otherwise (as scripts/train.py does under accelerate launch). A bad input (a flag, a path, a
 checkpoint, a prompt set, a reward) stops with one line naming it (DDPO_GROUP_DEBUG=1: the traceback).
 """
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -47,6 +52,17 @@ def _positive_int(text):
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _finite_float(text):
+    """A numeric flag (--guidance-scale, --eta): a finite number; NaN or inf would sample NaN images."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None  # argparse's own words
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
 
 
@@ -90,6 +106,67 @@ def find_run_checkpoint(path):
     return path, run_dir, config
 
 
+def _earlier_output(path):
+    """Whether the existing file `path` is what this script writes: a summary JSON (a mean reward's or a
+    protocol's), or a protocol's per-image results (NAME_images.jsonl); a new evaluation replaces it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            if path.endswith("_images.jsonl"):
+                row = json.loads(f.readline())
+                return isinstance(row, dict) and {"prompt_index", "image_index"} <= set(row)
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return (isinstance(summary, dict) and {"model", "prompts"} <= set(summary)
+            and ("mean" in summary or "protocol" in summary))
+
+
+def check_output(output, protocol=False):
+    """--output, before any model loads: a file in an existing directory that is new or an earlier output of this
+    script (replaced; with --protocol the per-image results file beside it too). Never a directory, another file,
+    nor a run's own file (config.json, metrics.jsonl, ...: a run directory's entries). EvaluateError naming it."""
+    from ddpo_group.protocols import results_path
+    from ddpo_group.run_dir import RUN_ENTRIES, RUN_MARKERS
+
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise EvaluateError(f"--output {output}: its directory does not exist; create it or write elsewhere")
+    if os.path.isdir(output):
+        raise EvaluateError(f"--output {output}: is a directory; give a file path, e.g. "
+                            f"{os.path.join(output, 'evaluation.json')}")
+    paths = [output] + ([results_path(output)] if protocol else [])
+    for path in paths:
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.basename(path) in RUN_ENTRIES and any(os.path.exists(os.path.join(parent, n)) for n in RUN_MARKERS):
+            raise EvaluateError(f"--output {output}: {path} is a file of the run in {parent}; write the evaluation "
+                                "elsewhere (its default: evaluation.json beside the checkpoint)")
+        if os.path.lexists(path) and (not os.path.isfile(path) or not _earlier_output(path)):
+            raise EvaluateError(f"--output {output}: {path} exists and is not an earlier output of {PROG}, which "
+                                "would replace it; give a new path (or remove that file)")
+
+
+def write_result(output, checkpoint, run_dir, name, write):
+    """write(path) the result to --output, else beside the checkpoint as `name`; returns the path written. A
+    checkpoint that a live run pruned during the evaluation leaves no directory to write into: the result goes to
+    the run directory as checkpoint_N_<name> instead (EvaluateError when that is gone too)."""
+    path = output or os.path.join(checkpoint, name)
+    try:
+        if output or os.path.isdir(checkpoint):
+            write(path)
+            return path
+    except FileNotFoundError:
+        if output:
+            raise EvaluateError(f"--output {output}: its directory was removed during the evaluation; nothing was "
+                                "written (the numbers are printed above)") from None
+    if run_dir and os.path.isdir(run_dir):
+        moved = os.path.join(run_dir, f"{os.path.basename(checkpoint)}_{name}")
+        print(f"{checkpoint} was removed during the evaluation (the run pruned it): writing into the run directory")
+        write(moved)
+        return moved
+    raise EvaluateError(f"checkpoint {checkpoint} and its run directory were removed during the evaluation: nothing "
+                        "was written (the numbers are printed above); give --output PATH")
+
+
 def load_checkpoint_policy(checkpoint, config):
     """The run's model with the checkpoint's trained weights (full weights or LoRA); `config`: the run's settings
     (find_run_checkpoint)."""
@@ -124,8 +201,8 @@ def main(argv=None):
     parser.add_argument("--reward", default=None, help="reward (default: the run's, or shapes_alignment)")
     parser.add_argument("--images-per-prompt", type=_images_per_prompt, default=None, help="default: the run's, or 4")
     parser.add_argument("--num-steps", type=_positive_int, default=None, help="denoising steps (default: the run's, or 10)")
-    parser.add_argument("--guidance-scale", type=float, default=None)
-    parser.add_argument("--eta", type=float, default=None)
+    parser.add_argument("--guidance-scale", type=_finite_float, default=None)
+    parser.add_argument("--eta", type=_finite_float, default=None)
     parser.add_argument("--seed", type=int, default=None, help="noise seed (default: the run's eval_seed, or 1234)")
     parser.add_argument("--batch-size", type=_positive_int, default=64)
     parser.add_argument("--output", default=None, help="JSON file to write (default: beside the checkpoint, or print only)")
@@ -153,11 +230,11 @@ def main(argv=None):
     from ddpo_group.run_dir import write_json_atomic
 
     threads = cpu_threads()  # one thread per process (or $OMP_NUM_THREADS), as scripts/train.py under accelerate launch
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise EvaluateError(f"--output {args.output}: its directory does not exist; create it or write elsewhere")
-    run, checkpoint = {}, None
+    if args.output:
+        check_output(args.output)
+    run, checkpoint, run_dir = {}, None, None
     if args.checkpoint:
-        checkpoint, _, run = find_run_checkpoint(args.checkpoint)  # a bad path is named before any model loads
+        checkpoint, run_dir, run = find_run_checkpoint(args.checkpoint)  # a bad path is named before any model loads
     sample = run.get("sample", {})
     # The run's evaluation prompts, else its training prompts (with their prompt_fn_kwargs), else the shapes set.
     prompts = args.prompts or run.get("eval_prompt_fn") or run.get("prompt_fn", "shapes")
@@ -215,9 +292,9 @@ def main(argv=None):
         f"{images_per_prompt} images ({summary['fraction_of_prompts_at_least_0.9']:.0%} of prompts >= 0.9), "
         f"{summary['seconds']:.0f} s"
     )
-    output = args.output or (os.path.join(checkpoint, "evaluation.json") if checkpoint else None)
-    if output:
-        write_json_atomic(output, summary)
+    if args.output or checkpoint:
+        output = write_result(args.output, checkpoint, run_dir, "evaluation.json",
+                              lambda path: write_json_atomic(path, summary))
         print(f"wrote {output}")
     return summary
 
@@ -250,15 +327,15 @@ def _evaluate_protocol(args):
     )
 
     threads = cpu_threads()
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise EvaluateError(f"--output {args.output}: its directory does not exist; create it or write elsewhere")
+    if args.output:
+        check_output(args.output, protocol=True)
     if args.images and (args.checkpoint or args.save_images):
         raise EvaluateError("--images scores images already made: it takes no --checkpoint or --save-images")
     if args.save_images:
         check_new_folder(args.save_images)  # before hours of sampling
-    run, checkpoint = {}, None
+    run, checkpoint, run_dir = {}, None, None
     if args.checkpoint:
-        checkpoint, _, run = find_run_checkpoint(args.checkpoint)
+        checkpoint, run_dir, run = find_run_checkpoint(args.checkpoint)
     options = {}
     if run.get("reward_fn") == args.protocol:  # the run's own detector and models, unless an option says otherwise
         options.update((run.get("reward_kwargs") or {}).get(args.protocol) or {})
@@ -302,10 +379,11 @@ def _evaluate_protocol(args):
                **protocol.summarize(results), "seconds": time.perf_counter() - start, "torch_threads": threads}
     print(f"{model}: protocol {args.protocol}, {len(records)} prompts")
     print(protocol.format(summary))
-    output = args.output or (os.path.join(checkpoint, f"protocol_{args.protocol}.json") if checkpoint else None)
-    if output:
-        lines = write_protocol_results(output, summary, results)
-        print(f"wrote {output} and {lines}")
+    if args.output or checkpoint:
+        written = []
+        output = write_result(args.output, checkpoint, run_dir, f"protocol_{args.protocol}.json",
+                              lambda path: written.append(write_protocol_results(path, summary, results)))
+        print(f"wrote {output} and {written[-1]}")
     return summary
 
 

@@ -81,9 +81,14 @@ def quoted_text(prompt: str) -> str | None:
 
 def target_text(prompt: str, metadata: dict | None = None, allow_unquoted: bool = False) -> str | None:
     """The text the image should show (module docstring: metadata ``ocr_text``, quotes, whole prompt), not
-    normalised; None when the prompt has none and allow_unquoted is False."""
-    if metadata and isinstance(metadata.get(TARGET_FIELD), str):
-        return metadata[TARGET_FIELD]
+    normalised; None when the prompt has none and allow_unquoted is False. ValueError naming the field when
+    metadata gives ``ocr_text`` that is not a string (a JSON number would otherwise be ignored silently)."""
+    if metadata and metadata.get(TARGET_FIELD) is not None:
+        text = metadata[TARGET_FIELD]
+        if not isinstance(text, str):
+            raise ValueError(f"field '{TARGET_FIELD}' must be a string (the text to render), got {text!r}; quote it "
+                             f"in the prompt file, e.g. \"{TARGET_FIELD}\": \"{text}\"")
+        return text
     quoted = quoted_text(prompt)
     if quoted is None and allow_unquoted:
         return prompt
@@ -296,7 +301,10 @@ class OcrReward:
         for number, record in enumerate(prompts, start=1):
             prompt = getattr(record, "prompt", record)
             metadata = getattr(record, "metadata", None)
-            target = target_text(prompt, metadata, allow_unquoted)
+            try:
+                target = target_text(prompt, metadata, allow_unquoted)
+            except ValueError as err:
+                raise ValueError(f"reward 'ocr': {_where(source, prompt, number)}: {err}") from None
             if target is not None and normalise_text(target):
                 continue
             where = _where(source, prompt, number)
@@ -318,7 +326,11 @@ class OcrReward:
     def targets(self, prompts, metadata) -> list[str]:
         out = []
         for i, prompt in enumerate(prompts):
-            target = target_text(prompt, metadata[i] if metadata else None, self.allow_unquoted)
+            try:
+                target = target_text(prompt, metadata[i] if metadata else None, self.allow_unquoted)
+            except ValueError as err:
+                raise RewardError(f"reward 'ocr': prompt {prompt!r}: {err}", reward="ocr", index=i,
+                                  prompt=prompt) from None
             if target is None or not normalise_text(target):
                 raise RewardError(
                     f"reward 'ocr': prompt {prompt!r} has no quoted text to render (reward_kwargs.ocr.allow_unquoted"

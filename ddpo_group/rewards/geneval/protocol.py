@@ -4,7 +4,9 @@ Flow-GRPO's partial score (the training reward). No model here: detections come 
 
 Detections kept (djghosh13/geneval ``evaluation/evaluate_images.py``): per class, sorted by confidence
 (highest first), those with score > 0.3 (> 0.9 when the record's tag is ``counting``), at most 16 per class.
-GenEval's optional non-maximum suppression is off by default (max_overlap 1.0) and is not offered.
+GenEval's optional non-maximum suppression is off by default (max_overlap 1.0) and is not offered. Two details
+follow GenEval's code exactly (``keep_confident``): the scores are float32 (mmdetection's) and compared with the
+threshold in float32, and equal scores are ordered as numpy 1.23's argsort, reversed, orders them.
 
 An image is correct (``geneval_correct``) when every ``include`` clause holds (AND) and no ``exclude`` clause
 does (OR of the failures):
@@ -76,16 +78,125 @@ ClassifyColors = Callable[[list, str], list]
 def keep_confident(detections: dict, tag: str, threshold: float = THRESHOLD,
                    counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS) -> dict:
     """{class: [Detection]} -> the kept ones per class, most confident first (score > threshold, or >
-    counting_threshold for the tag "counting"; at most max_objects); classes left empty are dropped. Equal scores
-    keep the detector's order (GenEval's reversed argsort leaves their order to numpy)."""
-    limit = counting_threshold if tag == "counting" else threshold
+    counting_threshold for the tag "counting"; at most max_objects); classes left empty are dropped.
+
+    As GenEval's evaluate_images.py, whose scores are mmdetection's float32 array:
+
+    - The comparison is in float32. numpy compares a float32 array with a Python float in float32 (numpy 1.x's
+      value-based casting and numpy 2's weak Python scalars agree), so the threshold 0.3 becomes float32(0.3) =
+      0.300000011920928955078125 and a score of exactly float32(0.3) is not > it: dropped. (In float64 it would
+      pass: 0.300000011920928955078125 > 0.299999999999999988897769753748.) A float64 score rounds to float32
+      first: 0.3000000001 is float32(0.3), dropped too.
+    - The order is np.argsort(scores)[::-1] over ALL the class's detections (before the threshold and the limit)
+      with numpy 1.23.1, GenEval's pinned version (environment.yml), whose default argsort is an introsort
+      (``numpy_argsort``). It is not stable: for at most 16 detections it is an insertion sort, stable, so after
+      the reversal equal scores come in REVERSE detector order (the shapes-world detector scores every object 1.0:
+      its last objects are the ones checked); above 16, quicksort partitions move equal scores about (18 equal
+      scores sort as 0, 15, 14, ..., 1, 16, 17). Newer numpy on AVX2 / AVX-512 CPUs dispatches argsort to
+      x86-simd-sort, whose order of ties differs again (numpy 2.4 with AVX2 sorts (1, 1, 0, 0) as 3, 2, 1, 0), so
+      the pinned version's order is the one reproduced.
+    """
+    limit = np.float32(counting_threshold if tag == "counting" else threshold)
     kept = {}
     for name, found in detections.items():
-        ordered = sorted(found, key=lambda d: -float(d.score))  # stable: equal scores keep the detector's order
-        ordered = [d for d in ordered if float(d.score) > limit][:max_objects]
+        scores = np.array([float(d.score) for d in found], dtype=np.float32)
+        order = numpy_argsort(scores.tolist())[::-1]
+        ordered = [found[k] for k in order if scores[k] > limit][:max_objects]
         if ordered:
             kept[name] = ordered
     return kept
+
+
+# numpy 1.23's introsort (npysort/quicksort.cpp, aquicksort_): partitions above this size, insertion sort below
+_SMALL_QUICKSORT = 15
+
+
+def _less(a: float, b: float) -> bool:
+    """numpy's order of floats: NaN after every number."""
+    return a < b or (b != b and a == a)
+
+
+def numpy_argsort(values: Sequence[float]) -> list[int]:
+    """The indices that sort `values` ascending exactly as numpy 1.23's default ``np.argsort`` (kind "quicksort")
+    orders them, ties included: an introsort that partitions a range of more than 16 around the median of its
+    first, middle and last entries, insertion-sorts ranges of at most 16, and heap-sorts a range once its depth
+    budget (2 floor(log2 n)) is spent. Re-implemented from the algorithm, so that GenEval's order of equal scores
+    does not depend on the numpy or the CPU here (keep_confident)."""
+    v = list(values)
+    n = len(v)
+    order = list(range(n))
+    if n < 2:
+        return order
+    stack = []  # (low, high, depth) of the ranges still to sort
+    low, high, depth = 0, n - 1, 2 * (n.bit_length() - 1)
+    while True:
+        if depth < 0:
+            _heapsort(v, order, low, high)
+        else:
+            while high - low > _SMALL_QUICKSORT:
+                mid = low + ((high - low) >> 1)
+                if _less(v[order[mid]], v[order[low]]):
+                    order[mid], order[low] = order[low], order[mid]
+                if _less(v[order[high]], v[order[mid]]):
+                    order[high], order[mid] = order[mid], order[high]
+                if _less(v[order[mid]], v[order[low]]):
+                    order[mid], order[low] = order[low], order[mid]
+                pivot = v[order[mid]]
+                i, j = low, high - 1
+                order[mid], order[j] = order[j], order[mid]
+                while True:
+                    i += 1
+                    while _less(v[order[i]], pivot):
+                        i += 1
+                    j -= 1
+                    while _less(pivot, v[order[j]]):
+                        j -= 1
+                    if i >= j:
+                        break
+                    order[i], order[j] = order[j], order[i]
+                order[i], order[high - 1] = order[high - 1], order[i]
+                depth -= 1
+                if i - low < high - i:  # the larger side waits on the stack
+                    stack.append((i + 1, high, depth))
+                    high = i - 1
+                else:
+                    stack.append((low, i - 1, depth))
+                    low = i + 1
+            for i in range(low + 1, high + 1):
+                item, j = order[i], i
+                while j > low and _less(v[item], v[order[j - 1]]):
+                    order[j] = order[j - 1]
+                    j -= 1
+                order[j] = item
+        if not stack:
+            return order
+        low, high, depth = stack.pop()
+
+
+def _heapsort(v, order, low, high) -> None:
+    """numpy's aheapsort_ on order[low..high] (1-based heap over that range), in place."""
+    n = high - low + 1
+    a = [None] + order[low:high + 1]
+
+    def sift(i, size, item):
+        j = 2 * i
+        while j <= size:
+            if j < size and _less(v[a[j]], v[a[j + 1]]):
+                j += 1
+            if not _less(v[item], v[a[j]]):
+                break
+            a[i] = a[j]
+            i, j = j, 2 * j
+        a[i] = item
+
+    for start in range(n >> 1, 0, -1):
+        sift(start, n, a[start])
+    while n > 1:
+        item = a[n]
+        a[n] = a[1]
+        n -= 1
+        sift(1, n, item)
+    order[low:high + 1] = a[1:]
 
 
 def relative_position(a: Detection, b: Detection, margin: float = POSITION_MARGIN) -> set[str]:

@@ -16,11 +16,17 @@ All three are returned in the info (reward_info/geneval/partial_score, strict_co
 "shapes" (the exact shapes-world detector, variant tiny_geneval). ``jpeg_quality``: 0 scores the images as
 they are; 75 reproduces Flow-GRPO, which JPEG-encodes each image (PIL's default quality 75) to send it to its
 reward server. The thresholds are GenEval's (0.3, 0.9 for counting, 16 per class, position margin 0.1).
+
+Every numeric option is checked when the reward is built (``check_options``), before any model loads: threshold
+and counting_threshold are scores in [0, 1) (30 for 0.3 would keep no detection and make every reward 0),
+max_objects a whole number >= 1, position_margin a finite number >= 0, jpeg_quality 0 or 1..100. The error names
+the config field (reward_kwargs.geneval.FIELD), or the option of ``scripts/evaluate.py --protocol geneval``.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 
 import numpy as np
@@ -55,6 +61,44 @@ def records_of(prompts, metadata) -> list[dict]:
     return records
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_options(options: dict, protocol: bool = False) -> None:
+    """ValueError (one line) for a numeric option of the reward outside its range (module docstring); it names
+    the config field reward_kwargs.geneval.FIELD, or with `protocol` the option --protocol-option FIELD=VALUE.
+    Options not given keep their defaults, which pass."""
+
+    def where(field):
+        return f"--protocol-option {field}=VALUE" if protocol else f"config: reward_kwargs.geneval.{field}"
+
+    for field in ("threshold", "counting_threshold"):
+        if field in options:
+            value = options[field]
+            if not (_is_number(value) and math.isfinite(value) and 0 <= value < 1):
+                raise ValueError(f"reward 'geneval': {field}={value!r} must be a detection score in [0, 1) "
+                                 f"(GenEval: {THRESHOLDS[field]}; a fraction, not a percentage) ({where(field)})")
+    if "max_objects" in options:
+        value = options["max_objects"]
+        if not (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1):
+            raise ValueError(f"reward 'geneval': max_objects={value!r} must be a whole number >= 1 (GenEval: "
+                             f"{MAX_OBJECTS} detections kept per class) ({where('max_objects')})")
+    if "position_margin" in options:
+        value = options["position_margin"]
+        if not (_is_number(value) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"reward 'geneval': position_margin={value!r} must be a finite number >= 0 (GenEval: "
+                             f"{POSITION_MARGIN}, a fraction of the boxes' sizes) ({where('position_margin')})")
+    if "jpeg_quality" in options:
+        value = options["jpeg_quality"]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 100:
+            raise ValueError(f"reward 'geneval': jpeg_quality={value!r} must be 0 (no JPEG) or 1..100 "
+                             f"(Flow-GRPO: 75) ({where('jpeg_quality')})")
+
+
+THRESHOLDS = {"threshold": THRESHOLD, "counting_threshold": COUNTING_THRESHOLD}
+
+
 def jpeg_roundtrip(images: np.ndarray, quality: int) -> np.ndarray:
     """uint8 (B, H, W, 3) encoded as JPEG at `quality` with PIL and decoded again."""
     out = []
@@ -76,9 +120,8 @@ class GenEvalReward:
         if score not in SCORES:
             raise ValueError(f"reward 'geneval': score={score!r} is not one of {list(SCORES)} "
                              "(config: reward_kwargs.geneval.score)")
-        if not isinstance(jpeg_quality, int) or not 0 <= jpeg_quality <= 100:
-            raise ValueError(f"reward 'geneval': jpeg_quality={jpeg_quality!r} must be 0 (no JPEG) or 1..100 "
-                             "(Flow-GRPO: 75)")
+        check_options({"threshold": threshold, "counting_threshold": counting_threshold, "max_objects": max_objects,
+                       "position_margin": position_margin, "jpeg_quality": jpeg_quality})
         self.score_name = score
         self.jpeg_quality = jpeg_quality
         found, colors = build_detector(detector, detector_model, clip_model, clip_tokenizer, device=device)
