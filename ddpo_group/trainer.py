@@ -126,7 +126,13 @@ class Trainer:
         self._saved_at = None  # (epoch, global_step) of the checkpoint on disk that holds the current state
         self._checkpoint = self.files.resume_checkpoint
         if self.files.resume_checkpoint:
-            state = self.files.load_checkpoint(acc, self._weight_copies(), sharded=self.sharded_state)
+            try:
+                state = self.files.load_checkpoint(acc, self._weight_copies(), sharded=self.sharded_state)
+            except BaseException as err:  # the run cannot go on from its checkpoint: it failed, and says so
+                if acc.is_main_process:
+                    self.files.mark_failed(int((self.files.resume_state or {}).get("epoch", 0)), err)
+                self.files.release()
+                raise
             self.first_epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
             self.skipped_steps = int(state.get("skipped_steps", 0))
             self.scaler_skipped_steps = int(state.get("scaler_skipped_steps", 0))

@@ -275,3 +275,92 @@ def test_5_evaluate_py_has_a_reward_timeout_by_default():
     assert timeout(None, {"reward_timeout": 30}) == 30.0  # the run's own
     assert timeout(None, {"reward_timeout": 0}) is None  # 0: the run had no limit
     assert timeout(5, {"reward_timeout": 30}) == 5.0 and timeout(0, {}) is None
+
+
+# 6. a missing or damaged sharded checkpoint file, a sharded save that fails (two gloo processes, torchrun) -------
+TORCHRUN = os.path.join(os.path.dirname(PYTHON), "torchrun")
+
+
+def sharded_train(logdir, *flags, file_size_limit=None):
+    """scripts/train.py sharded over two CPU processes (torchrun); `file_size_limit`: RLIMIT_FSIZE in bytes for them
+    (a write past it fails with EFBIG, as on a full disk: Python ignores SIGXFSZ)."""
+    def limit_file_size():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    command = [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "scripts/train.py",
+               "--config", "config/grpo.py:test", "--config.train.sharding=fsdp2", "--config.save_freq=1",
+               "--config.sample.num_steps=2", "--config.reward_fn=jpeg_compressibility", "--config.log_images_every=0",
+               "--config.eval_freq=0", "--config.run_name=r", f"--config.logdir={logdir}", *flags]
+    return subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit_file_size if file_size_limit else None)
+
+
+def error_lines(result):
+    """The lines the ranks printed for their error (torchrun prefixes nothing to a rank's sys.exit message)."""
+    return [line for line in (result.stderr + result.stdout).splitlines() if "ddpo-group-train: error:" in line]
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory):
+    """A finished sharded run of one epoch: checkpoints/checkpoint_1 with sharded/{.metadata,__0_0.distcp,__1_0.distcp}."""
+    logdir = tmp_path_factory.mktemp("sharded")
+    result = sharded_train(logdir, "--config.num_epochs=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return logdir / "r"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage, name", [
+    ("delete", "__1_0.distcp"),
+    ("truncate", "__0_0.distcp"),
+    ("overwrite", "__1_0.distcp"),
+    ("delete", ".metadata"),
+    ("truncate", ".metadata"),
+])
+def test_6_a_missing_or_damaged_sharded_file_stops_the_resume_in_one_line_with_its_marks(
+        sharded_checkpoint, tmp_path, damage, name):
+    run = tmp_path / "r"
+    shutil.copytree(sharded_checkpoint, run)
+    path = run / "checkpoints" / "checkpoint_1" / "sharded" / name
+    if damage == "delete":
+        path.unlink()
+    elif damage == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+    else:
+        with open(path, "r+b") as f:
+            f.write(b"\xff" * 4096)  # its first shard's head overwritten
+    before = sorted(p.name for p in (run / "checkpoints" / "checkpoint_1").rglob("*"))
+    result = sharded_train(tmp_path, f"--config.resume_from={run / 'checkpoints' / 'checkpoint_1'}",
+                           "--config.num_epochs=2")
+    lines = error_lines(result)
+    assert result.returncode != 0 and lines, result.stderr[-3000:]
+    assert all(line.endswith(lines[0].split("ddpo-group-train: error: ")[1]) for line in lines)  # every rank: one line
+    message = lines[0]
+    assert str(path) in message and "earlier checkpoint_N" in message, message
+    assert not [line for line in result.stderr.splitlines() if line.startswith("[rank") and "Traceback" in line]
+    assert "CheckpointException" not in result.stderr
+    failed = json.loads((run / "failed.json").read_text())
+    assert failed["epoch"] == 1 and str(path) in failed["error"]
+    assert not (run / "finished.json").exists() and not (run / ".lock").exists()
+    assert sorted(p.name for p in (run / "checkpoints" / "checkpoint_1").rglob("*")) == before  # nothing removed
+
+
+@pytest.mark.slow
+def test_6_a_sharded_save_that_fails_stops_the_run_in_one_line_with_its_marks(tmp_path):
+    # 2 MB per file: the model loads and the run writes its small files, the .distcp shards (8 MB) fail
+    result = sharded_train(tmp_path, "--config.num_epochs=2", file_size_limit=2 * 2**20)
+    run = tmp_path / "r"
+    lines = error_lines(result)
+    assert result.returncode != 0 and lines, result.stderr[-3000:]
+    message = lines[0]
+    assert not [line for line in result.stderr.splitlines() if line.startswith("[rank") and "Traceback" in line]
+    assert f"could not write checkpoint {run / 'checkpoints' / 'checkpoint_1'}" in message, message
+    assert "File too large" in message and "no earlier checkpoint exists" in message
+    assert "CheckpointException" not in result.stderr
+    failed = json.loads((run / "failed.json").read_text())
+    assert failed["epoch"] == 0 and "could not write checkpoint" in failed["error"]  # the epoch that was running
+    assert not (run / "finished.json").exists() and not (run / ".lock").exists()
+    assert os.listdir(run / "checkpoints") == []  # the partial checkpoint is removed
