@@ -18,7 +18,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -45,12 +44,12 @@ def head(length=None):
 
 class JudgeEndpoint:
     """A chat-completions endpoint on a raw socket: the models list at once, each completion by `answer(server,
-    conn)`; `completions` counts the completion requests, `sent` the bytes written to them, `sending` is set while
-    one is being written. Context manager yielding its API base URL."""
+    conn)`; `completions` counts the completion requests, `sent` the bytes written to them. Context manager
+    yielding its API base URL."""
 
     def __init__(self, answer):
         self.answer, self.completions, self.sent = answer, 0, 0
-        self.sending, self.closed = threading.Event(), threading.Event()
+        self.closed = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = "http://127.0.0.1:%d/v1" % self.listener.getsockname()[1]
 
@@ -85,11 +84,7 @@ class JudgeEndpoint:
                 conn.sendall(head(len(MODELS_ANSWER)) + MODELS_ANSWER)
                 return
             self.completions += 1
-            self.sending.set()
-            try:
-                self.answer(self, conn)
-            finally:
-                self.sending.clear()
+            self.answer(self, conn)
 
     def _serve(self):
         while True:

@@ -36,9 +36,12 @@ The endpoint (``backend="endpoint"``, the ``openai`` package: ``pip install "ddp
 the API base ("http://host:8000/v1"), ``model`` the served model name (None: the endpoint must serve exactly one,
 which is used). ``check_ready`` (before the first epoch) lists the served models (GET /v1/models): an endpoint
 that does not answer, or does not serve ``model``, is a RewardNotReadyError of one line. Requests run
-``concurrency`` at a time in a thread pool, each with ``timeout`` seconds and ``retries`` retries with
-exponential backoff (the openai client's: connection errors, timeouts, 408 / 409 / 429 / 5xx); a request that
-still fails is a RewardError naming the URL (the run stops: a dead judge is no reward).
+``concurrency`` at a time in daemon threads (a process whose run gave up on the reward exits without them), each
+attempt with ``timeout`` seconds in all (connecting, sending and the whole reply: the remote reward client's
+``bounded_exchange`` does the openai client's I/O) and ``retries`` retries with exponential backoff (the openai
+client's: connection errors, timeouts, 408 / 409 / 429 / 5xx); a reply over MAX_RESPONSE_MB (16) is refused
+unread past that. A request that still fails is a RewardError naming the URL (the run stops: a dead judge is no
+reward). Every keyword is checked when the reward is built (one line naming reward_kwargs.vlm_judge.FIELD).
 
 In-process (``backend="transformers"``): ``model`` is a hub id or directory of an image-text-to-text model
 (``AutoModelForImageTextToText`` + ``AutoProcessor``, its chat template), e.g. "CodeGoat24/UnifiedReward-qwen-7b"
