@@ -168,11 +168,14 @@ class RunDir:
             os.fsync(f.fileno())
 
     def mark_failed(self, epoch, err):
-        """failed.json: a run that stopped on an error says so, and where (never raises)."""
+        """failed.json: a run that stopped on an error says so, and where; a finished.json of an earlier attempt
+        (a finished run resumed for more epochs) goes, since the run has not reached its end (never raises)."""
         with contextlib.suppress(OSError):
             write_json_atomic(self.file(FAILED_FILE), {
                 "epoch": epoch, "error": f"{type(err).__name__}: {err}", "time": datetime.datetime.now().isoformat(),
             })
+        with contextlib.suppress(OSError):
+            os.remove(self.file(FINISHED_FILE))
 
     def mark_finished(self, epoch, checkpoint):
         """finished.json: the run reached num_epochs and wrote its final checkpoint; the last file a run writes, so
@@ -249,6 +252,10 @@ class RunDir:
                 load_sharded(checkpoint, sharded)
         except Exception as err:
             broken = _unreadable_checkpoint_file(checkpoint)
+            if not broken and sharded is not None:
+                from ddpo_group.sharding import unreadable_sharded_file
+
+                broken = unreadable_sharded_file(checkpoint)
             if broken:
                 raise CheckpointError(
                     f"could not load checkpoint {checkpoint}: {broken[0]} is unreadable ({broken[1]}); delete "

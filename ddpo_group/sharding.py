@@ -19,8 +19,10 @@ processes' shards (``clip_grad_norm``), the bytes a process holds (``local_bytes
 """
 
 import copy
+import io
 import json
 import os
+import zipfile
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,67 @@ SHARDINGS = ("none", "fsdp2")
 # the directory of a checkpoint that holds the torch.distributed.checkpoint files (*.distcp, .metadata)
 SHARDED_DIR = "sharded"
 SHARDED_META = "sharding.json"
+# torch.distributed.checkpoint's index of a checkpoint's shards, in SHARDED_DIR
+DCP_METADATA = ".metadata"
+
+
+class ShardedCheckpointError(RuntimeError):
+    """A torch.distributed.checkpoint save or load that failed, as an ordinary exception in one line (the first
+    failing rank's error): torch's CheckpointException derives from BaseException, so every ``except Exception``
+    (the run's failure handling, the CLI's one-line errors) would let it through. ``errno``: that error's (a full
+    disk), or None."""
+
+    def __init__(self, err: BaseException):
+        failures = getattr(err, "failures", None) or {}
+        if failures:
+            rank = min(failures)
+            cause = failures[rank][0]
+            text = f"{type(cause).__name__} on rank {rank}: {' '.join(str(cause).split())[:300]}"
+        else:
+            cause, text = err, (str(err).splitlines() or [type(err).__name__])[0]
+        super().__init__(text)
+        self.errno = getattr(cause, "errno", None)
+
+
+def unreadable_sharded_file(checkpoint):
+    """(path, reason) of the first file of checkpoint/sharded/ that cannot be read, or None: .metadata missing or
+    not readable, a .distcp file it names missing, shorter than its items, or an item that is not a whole zip
+    archive whose members pass their CRC check (torch.save's format: nothing is unpickled). Only asked after
+    loading the checkpoint failed: torch's own errors name no file for a damaged one."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root = os.path.join(checkpoint, SHARDED_DIR)
+    metadata_path = os.path.join(root, DCP_METADATA)
+    if not os.path.exists(metadata_path):
+        return metadata_path, "no such file"
+    try:
+        storage = FileSystemReader(root).read_metadata().storage_data
+    except Exception as err:  # a truncated or overwritten pickle: any failure to read is the answer
+        return metadata_path, " ".join(str(err).split())[:200] or type(err).__name__
+    items = {}
+    for info in storage.values():
+        items.setdefault(info.relative_path, []).append(info)
+    for name in sorted(items):
+        path = os.path.join(root, name)
+        if not os.path.exists(path):
+            return path, "no such file"
+        size = os.path.getsize(path)
+        end = max(info.offset + info.length for info in items[name])
+        if size < end:
+            return path, f"{size} bytes, its shards need {end}"
+        with open(path, "rb") as f:
+            for info in sorted(items[name], key=lambda info: info.offset):
+                if info.transform_descriptors:  # a compressed item: no zip archive to check
+                    continue
+                f.seek(info.offset)
+                try:
+                    with zipfile.ZipFile(io.BytesIO(f.read(info.length))) as archive:
+                        damaged = archive.testzip()
+                except (zipfile.BadZipFile, OSError, ValueError) as err:
+                    return path, f"the shard at byte {info.offset} is not readable ({err})"
+                if damaged:
+                    return path, f"the shard at byte {info.offset} fails its CRC check"
+    return None
 
 
 def check_sharding_config(config, family_blocks):
@@ -245,17 +308,25 @@ class ShardedState:
             set_model_state_dict(module, state[name])
 
     def save(self, directory):
+        """Every process writes its shards into directory/sharded/, rank 0 sharding.json; ShardedCheckpointError
+        (one line) when a rank failed to write."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
-        dcp.save({"train": self}, checkpoint_id=os.path.join(directory, SHARDED_DIR))
+        try:
+            dcp.save({"train": self}, checkpoint_id=os.path.join(directory, SHARDED_DIR))
+        except CheckpointException as err:
+            raise ShardedCheckpointError(err) from err
         if dist.get_rank() == 0:
             with open(os.path.join(directory, SHARDED_META), "w") as f:
                 json.dump({"num_processes": dist.get_world_size(), "copies": sorted(self.copies)}, f)
 
     def load(self, directory):
         """Load the shards of checkpoint `directory`; ValueError in one line when it holds no sharded state
-        or other frozen copies."""
+        or other frozen copies, ShardedCheckpointError (one line) when a rank failed to read its shards
+        (``unreadable_sharded_file`` names the file)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         meta_path = os.path.join(directory, SHARDED_META)
         if not os.path.exists(meta_path):
@@ -270,5 +341,8 @@ class ShardedState:
                 f"{directory} was written with the frozen copies {meta['copies']}, this run keeps "
                 f"{sorted(self.copies)}: resume with the same train.use_reference_model / train.objective"
             )
-        dcp.load({"train": self}, checkpoint_id=os.path.join(directory, SHARDED_DIR))
+        try:
+            dcp.load({"train": self}, checkpoint_id=os.path.join(directory, SHARDED_DIR))
+        except CheckpointException as err:
+            raise ShardedCheckpointError(err) from err
         return meta

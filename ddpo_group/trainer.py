@@ -129,8 +129,14 @@ class Trainer:
         # to do, and changes nothing: its metrics rows, finished.json and config.json stay as the run left them.
         self.nothing_to_do = bool(self.files.resume_state) and int(self.files.resume_state["epoch"]) >= config.num_epochs
         if self.files.resume_checkpoint:
-            state = self.files.load_checkpoint(acc, self._weight_copies(), sharded=self.sharded_state,
-                                               truncate_metrics=not self.nothing_to_do)
+            try:
+                state = self.files.load_checkpoint(acc, self._weight_copies(), sharded=self.sharded_state,
+                                                   truncate_metrics=not self.nothing_to_do)
+            except BaseException as err:  # the run cannot go on from its checkpoint: it failed, and says so
+                if acc.is_main_process:
+                    self.files.mark_failed(int((self.files.resume_state or {}).get("epoch", 0)), err)
+                self.files.release()
+                raise
             self.first_epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
             self.skipped_steps = int(state.get("skipped_steps", 0))
             self.scaler_skipped_steps = int(state.get("scaler_skipped_steps", 0))

@@ -24,7 +24,10 @@ never a directory, another file or a run's own file (config.json, metrics.jsonl,
 loads. Sampled images that are not finite (diverged weights) stop the evaluation with one line and write nothing;
 --guidance-scale and --eta must be finite. Runs with one torch thread unless
 OMP_NUM_THREADS says otherwise (as scripts/train.py does under accelerate launch). A bad input (a flag, a path, a
-checkpoint, a prompt set, a reward) stops with one line naming it (DDPO_GROUP_DEBUG=1: the traceback).
+checkpoint, a prompt set, a reward) stops with one line naming it (DDPO_GROUP_DEBUG=1: the traceback). A batch's
+reward may take --reward-timeout seconds (default: the run's config.reward_timeout, else the training default, 600;
+0: no limit), past which the evaluation stops naming the reward: a reward that never returns (a judge endpoint that
+hangs) does not hold it for ever.
 """
 
 import argparse
@@ -75,6 +78,31 @@ def _images_per_prompt(text):
         raise argparse.ArgumentTypeError(f"expected at most {MAX_EVAL_IMAGES_PER_PROMPT} (the training config's limit "
                                          f"on eval_images_per_prompt), got {text!r}")
     return value
+
+
+def _seconds(text):
+    """--reward-timeout: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0 (0: no limit), got {text!r}")
+    return value
+
+
+def reward_timeout(args, run):
+    """The seconds a batch's reward may take: --reward-timeout, else the run's config.reward_timeout, else the
+    training config's default; None: no limit (0)."""
+    from ddpo_group.config_check import load_base_config
+
+    if args.reward_timeout is not None:
+        seconds = args.reward_timeout
+    elif run.get("reward_timeout") is not None:
+        seconds = run["reward_timeout"]
+    else:
+        seconds = load_base_config().reward_timeout
+    return float(seconds) or None
 
 
 def find_run_checkpoint(path):
@@ -205,6 +233,8 @@ def main(argv=None):
     parser.add_argument("--eta", type=_finite_float, default=None)
     parser.add_argument("--seed", type=int, default=None, help="noise seed (default: the run's eval_seed, or 1234)")
     parser.add_argument("--batch-size", type=_positive_int, default=64)
+    parser.add_argument("--reward-timeout", type=_seconds, default=None,
+                        help="seconds a batch's reward may take (default: the run's, or 600; 0: no limit)")
     parser.add_argument("--output", default=None, help="JSON file to write (default: beside the checkpoint, or print only)")
     parser.add_argument("--protocol", default=None,
                         help="an evaluation protocol (geneval, ocr): its table and per-image results instead of a mean reward")
@@ -267,7 +297,7 @@ def main(argv=None):
     start = time.perf_counter()
     with torch.no_grad():
         result = evaluate(policy, None, records, reward_fn, images_per_prompt, num_steps, guidance, eta, seed=seed,
-                          batch_size=args.batch_size)
+                          batch_size=args.batch_size, reward_timeout=reward_timeout(args, run))
     per_prompt = result["per_prompt"]
     summary = {
         "model": checkpoint or args.model,

@@ -36,9 +36,12 @@ The endpoint (``backend="endpoint"``, the ``openai`` package: ``pip install "ddp
 the API base ("http://host:8000/v1"), ``model`` the served model name (None: the endpoint must serve exactly one,
 which is used). ``check_ready`` (before the first epoch) lists the served models (GET /v1/models): an endpoint
 that does not answer, or does not serve ``model``, is a RewardNotReadyError of one line. Requests run
-``concurrency`` at a time in a thread pool, each with ``timeout`` seconds and ``retries`` retries with
-exponential backoff (the openai client's: connection errors, timeouts, 408 / 409 / 429 / 5xx); a request that
-still fails is a RewardError naming the URL (the run stops: a dead judge is no reward).
+``concurrency`` at a time in daemon threads (a process whose run gave up on the reward exits without them), each
+attempt with ``timeout`` seconds in all (connecting, sending and the whole reply: the remote reward client's
+``bounded_exchange`` does the openai client's I/O) and ``retries`` retries with exponential backoff (the openai
+client's: connection errors, timeouts, 408 / 409 / 429 / 5xx); a reply over MAX_RESPONSE_MB (16) is refused
+unread past that. A request that still fails is a RewardError naming the URL (the run stops: a dead judge is no
+reward). Every keyword is checked when the reward is built (one line naming reward_kwargs.vlm_judge.FIELD).
 
 In-process (``backend="transformers"``): ``model`` is a hub id or directory of an image-text-to-text model
 (``AutoModelForImageTextToText`` + ``AutoProcessor``, its chat template), e.g. "CodeGoat24/UnifiedReward-qwen-7b"
@@ -49,18 +52,20 @@ log-softmax in float32 (yes_no; ``yes_token`` and ``no_token`` must each be one 
 from __future__ import annotations
 
 import base64
-import concurrent.futures
+import http.client
 import importlib
 import io
 import logging
 import math
 import re
 import threading
+import urllib.parse
 
 import numpy as np
 import torch
 
 from ddpo_group.rewards.base import RewardError, RewardNotReadyError, register_reward, to_pil_images
+from ddpo_group.rewards.remote import MAX_RESPONSE_MB, AnswerTooLarge, bounded_exchange
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,16 @@ SCORE_TEMPLATE = (
     "Caption: {prompt}"
 )
 YES_NO_TEMPLATE = 'Does this image show "{prompt}", clearly and without visible defects? Answer Yes or No.'
+
+
+def _real(value) -> bool:
+    """A finite number (a bool is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value) -> bool:
+    """A whole number (an int, or a float without a fraction; a bool is not one)."""
+    return _real(value) and float(value).is_integer()
 
 
 # scoring: pure functions of a reply -------------------------------------------------------------------------------
@@ -135,6 +150,48 @@ def image_data_url(image) -> str:
 
 
 # the two judges: (image, question) -> a reply (text) or the first token's log-probs --------------------------------
+def bounded_http_client(httpx, timeout: float, max_bytes: int):
+    """An httpx client (of `httpx`, the module the openai client is built on: httpx, or httpx2) whose every request
+    takes at most `timeout` s in all and whose answer is at most `max_bytes` bytes: remote.bounded_exchange, the
+    remote reward client's attempt, does the I/O. httpx's own timeout bounds each read, so an endpoint that
+    trickles its answer would hold a request for ever. Past the deadline: httpx's ReadTimeout (the openai client
+    retries it); an answer over the limit: AnswerTooLarge (not an httpx error: raised through, or retried and
+    wrapped by older openai clients)."""
+
+    class BoundedTransport(httpx.BaseTransport):
+        def handle_request(self, request):
+            url = request.url
+            connection = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+            headers = {key: value for key, value in request.headers.multi_items()
+                       if key.lower() not in ("accept-encoding", "connection")}
+            headers["Accept-Encoding"] = "identity"  # the byte limit is on what is kept, not on a compressed form
+            conn = connection(url.host, url.port, timeout=timeout)
+            try:
+                response, data = bounded_exchange(conn, request.method, url.raw_path.decode("ascii"),
+                                                  request.read() or None, headers, timeout, max_bytes)
+            except TimeoutError as exc:
+                raise httpx.ReadTimeout(f"no whole answer within {timeout:g} s", request=request) from exc
+            except (OSError, http.client.HTTPException) as exc:
+                raise httpx.ConnectError(f"{type(exc).__name__}: {exc}", request=request) from exc
+            # http.client has undone the chunking; a content-encoding the server used anyway is left undecoded
+            kept = [(key, value) for key, value in response.getheaders()
+                    if key.lower() not in ("transfer-encoding", "content-encoding")]
+            return httpx.Response(response.status, headers=kept, content=data, request=request)
+
+    return httpx.Client(transport=BoundedTransport())
+
+
+def _cause(exc: BaseException, kind):
+    """The first exception of type `kind` in exc's chain of causes and contexts, or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class EndpointJudge:
     """An OpenAI-compatible chat-completions endpoint (vLLM, SGLang, ...), through the openai client."""
 
@@ -151,8 +208,12 @@ class EndpointJudge:
         except ImportError as exc:
             raise RewardNotReadyError(f"reward 'vlm_judge' with an endpoint needs the openai package ({exc}); "
                                       f"install it: {JUDGE_INSTALL}", reward="vlm_judge") from exc
+        base_client = importlib.import_module("openai._base_client")
+        httpx = getattr(base_client, "httpx2", None) or base_client.httpx  # the one this openai client is built on
         client = openai.OpenAI(base_url=self.url, api_key=self.api_key, timeout=self.timeout,
-                               max_retries=self.retries)
+                               max_retries=self.retries, http_client=bounded_http_client(
+                                   httpx, self.timeout, int(MAX_RESPONSE_MB * 2**20)))
+        self.timeout_errors = (openai.APITimeoutError, TimeoutError)
         try:
             served = [m.id for m in client.models.list()]
         except openai.OpenAIError as exc:
@@ -182,6 +243,19 @@ class EndpointJudge:
             return self.client.chat.completions.create(model=self.model, messages=messages, temperature=0.0,
                                                        **kwargs)
         except Exception as exc:  # the openai client has retried what can be retried
+            too_large = _cause(exc, AnswerTooLarge)
+            if too_large is not None:
+                raise RewardError(
+                    f"reward 'vlm_judge': the judge endpoint {self.url} answered with {too_large.size}, over the "
+                    f"limit of {MAX_RESPONSE_MB:g} MB for a reply (a judge's is a few KB); is "
+                    "reward_kwargs.vlm_judge.url a chat-completions endpoint?", reward="vlm_judge") from exc
+            if _cause(exc, self.timeout_errors) is not None:
+                attempts = self.retries + 1
+                raise RewardError(
+                    f"reward 'vlm_judge': the judge endpoint {self.url} did not answer within timeout="
+                    f"{self.timeout:g} s ({attempts} attempt{'s' * (attempts != 1)}, each limited as a whole: "
+                    "connecting, sending and the whole reply); start or fix the server, or raise "
+                    "reward_kwargs.vlm_judge.timeout", reward="vlm_judge") from exc
             raise RewardError(
                 f"reward 'vlm_judge': the judge endpoint {self.url} failed after {self.retries} retries "
                 f"(timeout {self.timeout:g} s each): {type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
@@ -201,9 +275,33 @@ class EndpointJudge:
         return {entry.token: float(entry.logprob) for entry in content[0].top_logprobs or []}
 
     def map(self, fn, items) -> list:
-        """fn over `items`, `concurrency` at a time, results in order; the first error is raised."""
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(items)))) as pool:
-            return list(pool.map(lambda item: fn(*item), items))
+        """fn over `items`, `concurrency` at a time, results in order; the first error is raised (no item is
+        started after it). The workers are daemon threads: requests still running when the run gives up on this
+        reward (reward_timeout, an error) do not keep the process from exiting, as a ThreadPoolExecutor's
+        workers would (they are joined at interpreter exit)."""
+        results, errors, pending, lock = [None] * len(items), [], iter(range(len(items))), threading.Lock()
+
+        def work():
+            while True:
+                with lock:
+                    index = None if errors else next(pending, None)
+                if index is None:
+                    return
+                try:
+                    results[index] = fn(*items[index])
+                except BaseException as exc:  # raised in the caller's thread below
+                    with lock:
+                        errors.append(exc)
+
+        workers = [threading.Thread(target=work, name=f"vlm_judge_{i}", daemon=True)
+                   for i in range(max(1, min(self.concurrency, len(items))))]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        if errors:
+            raise errors[0]
+        return results
 
 
 class TransformersJudge:
@@ -324,18 +422,46 @@ class VlmJudgeReward:
             raise bad("scoring", scoring, f"is not one of {SCORINGS}")
         if missing_token not in ("bound", "zero"):
             raise bad("missing_token", missing_token, "is not one of ('bound', 'zero')")
-        if not (unparsed_reward == "mean" or isinstance(unparsed_reward, (int, float))):
+        if not (unparsed_reward == "mean" or _real(unparsed_reward)):
             raise bad("unparsed_reward", unparsed_reward, "is neither 'mean' nor a number")
-        if not 0.0 <= float(max_unparsed_fraction) <= 1.0:
-            raise bad("max_unparsed_fraction", max_unparsed_fraction, "is not in [0, 1]")
+        if not (_real(max_unparsed_fraction) and 0.0 <= max_unparsed_fraction <= 1.0):
+            raise bad("max_unparsed_fraction", max_unparsed_fraction, "is not a number in [0, 1]")
+        if not isinstance(score_pattern, str):
+            raise bad("score_pattern", score_pattern, "is not a string")
         try:
             if re.compile(score_pattern).groups < 1:
                 raise bad("score_pattern", score_pattern, "has no group: put the number in (...)")
         except re.error as exc:
             raise bad("score_pattern", score_pattern, f"is not a regular expression ({exc})") from None
-        if not (float(score_scale) > 0 and 1 <= int(top_logprobs) <= 20 and int(concurrency) >= 1):
-            raise ValueError("reward 'vlm_judge': score_scale must be > 0, top_logprobs in 1..20 (the OpenAI API's "
-                             "limit), concurrency >= 1 (config: reward_kwargs.vlm_judge)")
+        # each option on its own, so that a bad one is named before anything is loaded or asked
+        if backend == "endpoint":
+            parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+                raise bad("url", url, "is not an http(s) URL: give the API base, http://HOST:PORT/v1")
+        if not (model is None or (isinstance(model, str) and model.strip())):
+            raise bad("model", model, "is neither a name nor None")
+        for field, value in (("template", template), ("api_key", api_key)):
+            if not (isinstance(value, str) or (value is None and field == "template")):
+                raise bad(field, value, "is not a string")
+        for field, value in (("yes_token", yes_token), ("no_token", no_token)):
+            if not (isinstance(value, str) and value.strip()):
+                raise bad(field, value, "is not a word (a non-empty string)")
+        for field, value in (("score_scale", score_scale), ("timeout", timeout)):
+            if not (_real(value) and value > 0):
+                raise bad(field, value, "is not a number > 0")
+        for field, value in (("score_min", score_min), ("score_max", score_max)):
+            if not _real(value):
+                raise bad(field, value, "is not a number")
+        if score_min > score_max:
+            raise bad("score_min", score_min, f"is above score_max={score_max!r}")
+        whole = {"top_logprobs": (top_logprobs, 1, "1..20 (the OpenAI API's limit)"),
+                 "concurrency": (concurrency, 1, ">= 1"), "retries": (retries, 0, ">= 0"),
+                 "max_tokens": (max_tokens, 1, ">= 1"), "image_size": (image_size, 1, ">= 1 (or None: as sampled)")}
+        for field, (value, low, what) in whole.items():
+            if field == "image_size" and value is None:
+                continue
+            if not (_whole(value) and value >= low and (field != "top_logprobs" or value <= 20)):
+                raise bad(field, value, f"is not a whole number {what}")
         self.scoring, self.backend = scoring, backend
         self.template = template if template is not None else (SCORE_TEMPLATE if scoring == "score"
                                                                else YES_NO_TEMPLATE)
@@ -343,7 +469,7 @@ class VlmJudgeReward:
         self.score_min, self.score_max = float(score_min), float(score_max)
         self.yes_token, self.no_token, self.missing_token = yes_token, no_token, missing_token
         self.unparsed_reward, self.max_unparsed_fraction = unparsed_reward, float(max_unparsed_fraction)
-        self.image_size = image_size
+        self.image_size = None if image_size is None else int(image_size)
         if backend == "endpoint":
             self.judge = EndpointJudge(url, model, api_key, timeout, retries, concurrency, max_tokens, top_logprobs)
         else:

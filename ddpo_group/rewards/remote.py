@@ -49,6 +49,9 @@ PROTOCOL_VERSION = 1
 # The key a server sets (true) in a 5xx answer when the reward itself failed (it raised, or returned what the
 # protocol cannot carry): a fault of the reward, not of the transport, so the client does not retry it.
 REWARD_FAILED = "reward_failed"
+# The default limit on an answer's size (MB), the VLM judge's too: a reward's answer is numbers, a judge's a few KB
+# of text; a server that sends hundreds of MB is broken, and reading it all would cost as much memory.
+MAX_RESPONSE_MB = 16.0
 
 
 def to_json(value):
@@ -110,6 +113,71 @@ def decode_images(encoded: list[str], max_pixels: int | None = None, max_decoded
     return out.div_(255)
 
 
+class AnswerTooLarge(Exception):
+    """An HTTP answer over a byte limit; `size` says how large ("N bytes", or "more than N bytes")."""
+
+    def __init__(self, size: str):
+        super().__init__(size)
+        self.size = size
+
+
+def bounded_exchange(conn, method: str, path: str, body: bytes | None, headers: dict, timeout: float,
+                     max_bytes: int):
+    """(response, body bytes) of one request on `conn` (an http.client connection, not yet used; closed here) that
+    takes at most `timeout` s in all: a watchdog shuts the socket at the deadline, whatever stage (connecting,
+    headers, a trickled body) the answer is in, and each read waits at most the time left. TimeoutError past the
+    deadline; AnswerTooLarge when the answer declares or sends more than `max_bytes` (read no further);
+    OSError / http.client.HTTPException for the rest. The remote reward client's and the VLM judge's one attempt."""
+    expired = threading.Event()
+
+    def cut_off():
+        expired.set()
+        if conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    watchdog = threading.Timer(timeout, cut_off)
+    watchdog.daemon = True
+    deadline = time.monotonic() + timeout
+    watchdog.start()
+    try:
+        try:
+            conn.request(method, path, body=body, headers=headers)
+        except (BrokenPipeError, ConnectionResetError):
+            if conn.sock is None:
+                raise
+            # the server refused the body before reading it all (413): its answer may be waiting
+        response = conn.getresponse()
+        length = response.getheader("Content-Length", "")
+        if length.strip().isdigit() and int(length) > max_bytes:
+            raise AnswerTooLarge(f"{int(length)} bytes")
+        data = bytearray()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            if conn.sock is not None:
+                conn.sock.settimeout(remaining)
+            chunk = response.read1(65536)
+            if not chunk:
+                break
+            data += chunk
+            if len(data) > max_bytes:
+                raise AnswerTooLarge(f"more than {len(data)} bytes")
+        if expired.is_set():
+            raise TimeoutError
+        return response, bytes(data)
+    except (OSError, http.client.HTTPException) as exc:
+        if expired.is_set() and not isinstance(exc, TimeoutError):
+            raise TimeoutError from exc  # the watchdog's shutdown, seen as a reset or a short read
+        raise
+    finally:
+        watchdog.cancel()
+        conn.close()
+
+
 class _Retry(Exception):
     """An attempt that failed in a way worth another attempt (no connection, a timeout, a 5xx answer)."""
 
@@ -148,7 +216,7 @@ class RemoteReward:
     locate_errors = False
 
     def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
-                 total_timeout: float | None = None, max_response_mb: float = 16.0, check: bool = True):
+                 total_timeout: float | None = None, max_response_mb: float = MAX_RESPONSE_MB, check: bool = True):
         if not (timeout > 0 and retries >= 0 and backoff >= 0 and max_response_mb > 0
                 and (total_timeout is None or total_timeout > 0)):
             raise ValueError(
@@ -174,62 +242,21 @@ class RemoteReward:
 
     # one attempt ---------------------------------------------------------------------------------------------
     def _once(self, method: str, body: bytes | None, timeout: float) -> tuple[int, bytes]:
-        """(status, body) of one request that takes at most `timeout` s in all: a watchdog shuts the socket
-        at the deadline, whatever stage (headers, a trickled body) the answer is in."""
+        """(status, body) of one request that takes at most `timeout` s in all (`bounded_exchange`)."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         conn = self._connection(self._host, self._port, timeout=timeout)
-        expired = threading.Event()
-
-        def cut_off():
-            expired.set()
-            if conn.sock is not None:
-                try:
-                    conn.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-        watchdog = threading.Timer(timeout, cut_off)
-        watchdog.daemon = True
-        deadline = time.monotonic() + timeout
-        watchdog.start()
         try:
-            headers = {"Accept": "application/json"}
-            if body is not None:
-                headers["Content-Type"] = "application/json"
-            try:
-                conn.request(method, self._path, body=body, headers=headers)
-            except (BrokenPipeError, ConnectionResetError):
-                if conn.sock is None:
-                    raise
-                # the server refused the body before reading it all (413): its answer may be waiting
-            response = conn.getresponse()
-            length = response.getheader("Content-Length", "")
-            if length.strip().isdigit() and int(length) > self.max_response_bytes:
-                raise RewardError(self._too_large(f"{int(length)} bytes"), reward=self.url)
-            data = bytearray()
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError
-                if conn.sock is not None:
-                    conn.sock.settimeout(remaining)
-                chunk = response.read1(65536)
-                if not chunk:
-                    break
-                data += chunk
-                if len(data) > self.max_response_bytes:
-                    raise RewardError(self._too_large(f"more than {len(data)} bytes"), reward=self.url)
-            if expired.is_set():
-                raise TimeoutError
-            return response.status, bytes(data)
-        except RewardError:
-            raise
+            response, data = bounded_exchange(conn, method, self._path, body, headers, timeout,
+                                              self.max_response_bytes)
+        except AnswerTooLarge as exc:
+            raise RewardError(self._too_large(exc.size), reward=self.url) from exc
+        except TimeoutError as exc:
+            raise _Retry(f"timed out after {timeout:.3g} s") from exc
         except (OSError, http.client.HTTPException) as exc:
-            if expired.is_set() or isinstance(exc, TimeoutError):
-                raise _Retry(f"timed out after {timeout:.3g} s") from exc
             raise _Retry(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            watchdog.cancel()
-            conn.close()
+        return response.status, data
 
     def _too_large(self, size: str) -> str:
         return (f"remote reward {self.url}: the answer of {size} is over max_response_mb="
