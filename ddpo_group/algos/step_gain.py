@@ -67,7 +67,8 @@ def step_reward_gains(step_rewards: torch.Tensor, rewards: torch.Tensor) -> torc
     step_rewards = _as_step_rewards(step_rewards)
     rewards = _check_rewards(rewards, step_rewards.shape[0])
     dtype = _float_dtype(step_rewards, rewards)
-    after = torch.cat([step_rewards[:, 1:].to(dtype), rewards.to(device=step_rewards.device, dtype=dtype)[:, None]], dim=1)
+    final = rewards.to(device=step_rewards.device, dtype=dtype)[:, None]
+    after = torch.cat([step_rewards[:, 1:].to(dtype), final], dim=1)
     return after - step_rewards.to(dtype)
 
 
@@ -96,7 +97,8 @@ def compute_step_gain_advantages(
     mask = _check_mask(mask)
     step_rewards = _check_same_shape(_as_step_rewards(step_rewards), mask, "step_rewards")
     gains = step_reward_gains(step_rewards, rewards)
-    advantages = group_normalize_step_advantages(gains, prompt_ids, mask.to(gains.device), norm_by_std=norm_by_std, eps=eps)
+    advantages = group_normalize_step_advantages(gains, prompt_ids, mask.to(gains.device), norm_by_std=norm_by_std,
+                                                 eps=eps)
     return advantages, advantages.clone()
 
 
