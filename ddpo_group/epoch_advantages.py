@@ -141,7 +141,8 @@ class EpochAdvantages:
         if estimator.uses_tracker:
             options["prompts"] = [self.prompts[int(i)].prompt for i in prompt_ids.tolist()]
         if estimator.needs_step_rewards:  # each process scores its own samples' steps; the estimator sees all
-            options["step_rewards"] = gather(self.step_rewards(samples, policy, model, metrics).to(acc.device))
+            samples.step_rewards = self.step_rewards(samples, policy, model, metrics).to(acc.device)
+            options["step_rewards"] = gather(samples.step_rewards)
             metrics.update(step_reward_stats(options["step_rewards"], rewards))
 
         def combined_outcome(fn):

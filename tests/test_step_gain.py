@@ -259,3 +259,35 @@ def test_one_epoch_of_step_gain_trains_on_the_gains_of_the_kept_predictions(tmp_
     assert len(row["steps/step_reward"]) == T and len(row["steps/step_gain"]) == T
     assert row["steps/step_reward"] == pytest.approx(r.double().mean(dim=0).tolist(), rel=1e-5, abs=1e-6)
     assert row["train/skipped_steps"] == 0 and row["train/global_step"] >= 1
+
+
+@pytest.mark.slow
+def test_two_processes_score_their_own_steps_and_normalise_the_gathered_gains(tmp_path):
+    """torchrun, two CPU processes (gloo): each rank decodes and scores its own trajectories' steps; the gains are
+    normalised over the gathered batch, whose prompt groups span both ranks."""
+    import os
+    import subprocess
+
+    from helpers import PYTHON, ROOT, free_port, read_dump, subprocess_env
+
+    command = [os.path.join(os.path.dirname(PYTHON), "torchrun"), "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "scripts/train.py", "--config", "config/grpo.py:test", "--config.num_epochs=1",
+               "--config.debug_dump=True", "--config.reward_fn=jpeg_compressibility", "--config.sample.num_steps=2",
+               "--config.train.use_reference_model=False", "--config.train.use_kl_loss=False",
+               "--config.log_images_every=0", "--config.run_name=r", "--config.algorithm.adv_estimator=step_gain",
+               "--config.train.adv_clip_max=100.0", f"--config.logdir={tmp_path}"]
+    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    dumps = [read_dump(str(tmp_path / "r"), rank=rank) for rank in (0, 1)]
+    gathered = {key: dumps[0][key] + dumps[1][key] for key in ("step_rewards", "rewards", "prompt_ids", "mask")}
+    assert set(dumps[0]["prompt_ids"]) & set(dumps[1]["prompt_ids"])  # a group spans both ranks
+    expected = step_gain_plain(gathered["step_rewards"], gathered["rewards"], gathered["prompt_ids"],
+                               gathered["mask"], norm_by_std=True)
+    for rank, dump in enumerate(dumps):
+        torch.testing.assert_close(torch.tensor(dump["advantages"], dtype=torch.float64),
+                                   torch.tensor(expected[rank * 4 : (rank + 1) * 4], dtype=torch.float64),
+                                   rtol=1e-4, atol=1e-4)
+    row = read_metrics(str(tmp_path / "r"))[0]
+    assert row["train/step_reward_decodes"] == 4 * 2  # per process: its 4 trajectories x 2 steps
+    all_step_rewards = torch.tensor(gathered["step_rewards"], dtype=torch.float64)
+    assert row["steps/step_reward"] == pytest.approx(all_step_rewards.mean(dim=0).tolist(), rel=1e-5, abs=1e-6)
