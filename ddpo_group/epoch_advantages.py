@@ -63,6 +63,13 @@ class EpochAdvantages:
                 f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} scores each step with the weighted sum "
                 "of the rewards; set reward_aggregation='sum_then_normalize'"
             )
+        group_wise = list(getattr(reward_fn, "group_wise_names", []))
+        if self.estimator.needs_step_rewards and group_wise:
+            raise ConfigError(
+                f"config.reward_fn / reward_weights: reward {group_wise[0]!r} scores whole prompt groups, which "
+                f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} cannot give it at each step (a group's "
+                "members may sit on other processes); use per-image rewards"
+            )
 
     @property
     def streams(self):

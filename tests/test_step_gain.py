@@ -217,6 +217,18 @@ def test_step_gain_with_rewards_normalised_one_by_one_is_refused_before_a_model_
     assert not (tmp_path / "r").exists()
 
 
+def test_step_gain_with_a_group_wise_reward_is_refused_before_a_model_loads(tmp_path):
+    import os
+
+    from helpers import ROOT
+
+    plugin = os.path.join(ROOT, "tests", "group_reward_plugin.py")
+    config = make_config(tmp_path, **cheap(algorithm__adv_estimator="step_gain", reward_fn=f"{plugin}:brightness_rank"))
+    with pytest.raises(ConfigError, match="brightness_rank' scores whole prompt groups.*use per-image rewards"):
+        Trainer(config)
+    assert not (tmp_path / "r").exists()
+
+
 def test_step_gain_with_a_forward_objective_is_refused(tmp_path):
     config = make_config(tmp_path, variant="tiny_nft", algorithm__adv_estimator="step_gain")
     with pytest.raises(ConfigError, match="adv_estimator='step_gain' credits the reverse-process steps"):
