@@ -36,7 +36,8 @@ class EpochBatch(Trajectories):
     compute_advantages  gathered (GatheredBatch); advantages (B_local, T); for an estimator that
                         needs_values: returns, old_values (critic values at sampling) and critic_mask
                         (B_local, T); for one that defines_endpoints: endpoint_mask (B_local, T) bool and
-                        group_ids (B_local, T) int64 (segments 1, 2, ...; 0 on steps without density)
+                        group_ids (B_local, T) int64 (segments 1, 2, ...; 0 on steps without density); for one
+                        that needs_step_rewards: step_rewards (B_local, T) float32, r[:, k] = R(decode(x0_hat(x_k)))
     """
 
     rewards: torch.Tensor | None = None
@@ -47,4 +48,5 @@ class EpochBatch(Trajectories):
     critic_mask: torch.Tensor | None = None
     endpoint_mask: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
+    step_rewards: torch.Tensor | None = None
     gathered: GatheredBatch | None = field(default=None, metadata={"per_row": False})

@@ -158,6 +158,11 @@ def _check_forward(config):
             f"{objective} trains on outcome advantages; algorithm.adv_estimator={config.algorithm.adv_estimator!r} "
             "needs a critic over reverse-process steps: use grpo, rloo or ddpo"
         )
+    if estimator.needs_step_rewards:
+        raise ConfigError(
+            f"{objective} trains on outcome advantages; algorithm.adv_estimator={config.algorithm.adv_estimator!r} "
+            "credits the reverse-process steps, which this objective does not keep: use grpo, rloo or ddpo"
+        )
     if train.objective == "awm" and get_policy_loss(train.policy_loss).couples_steps:
         raise ConfigError(
             f"config.train.policy_loss={train.policy_loss!r} couples the steps of a trajectory; AWM's ratio is one "

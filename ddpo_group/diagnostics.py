@@ -20,8 +20,14 @@ step had nothing to measure: no density, not trained, no critic):
                                       over steps (the loss includes the KL term where there is one)
     steps/value_error                 with a critic: mean over trajectories of (V(x_t) - R)^2, R the final reward
     steps/explained_variance          with a critic: 1 - Var_i(R_i - V(x_t)_i) / Var_i(R_i)
+    steps/step_reward                 with step rewards (algorithm.adv_estimator="step_gain"): mean over trajectories
+                                      of r[i, t] = R(decode(x0_hat(x_t))), the reward of step t's one-step
+                                      prediction, at every step (with or without a density)
+    steps/step_gain                   with step rewards: mean over trajectories of the gain g[i, t] = r[i, t+1] -
+                                      r[i, t] (r[i, T] = R_i), at every step
 
-Everything here is measured on values the training pass computes anyway: no extra model call.
+Everything here is measured on values the training pass computes anyway: no extra model call (the step rewards
+cost decodes and reward calls of their own, which the estimator that reads them pays).
 The gradient share comes from hooks on the trainable parameters, which see each backward's
 gradient before it is accumulated (one norm per parameter per backward).
 
@@ -32,11 +38,13 @@ import math
 
 import torch
 
-__all__ = ["StepAccumulator", "GradShare", "advantage_step_stats", "value_step_stats", "STEP_KEYS"]
+from ddpo_group.algos.step_gain import step_reward_gains
+
+__all__ = ["StepAccumulator", "GradShare", "advantage_step_stats", "value_step_stats", "step_reward_stats", "STEP_KEYS"]
 
 STEP_KEYS = (
     "steps/adv_mean", "steps/adv_std", "steps/trained", "steps/approx_kl", "steps/kl", "steps/clipfrac", "steps/ratio_std",
-    "steps/grad_share", "steps/value_error", "steps/explained_variance",
+    "steps/grad_share", "steps/value_error", "steps/explained_variance", "steps/step_reward", "steps/step_gain",
 )
 
 
@@ -74,6 +82,15 @@ def value_step_stats(values, rewards, mask):
     explained = 1.0 - residual_std**2 / reward_std.clamp(min=1e-300) ** 2
     explained_count = torch.where(reward_std > 0, count, torch.zeros_like(count))
     return {"steps/value_error": _listed(error_mean, count), "steps/explained_variance": _listed(explained, explained_count)}
+
+
+def step_reward_stats(step_rewards, rewards):
+    """{"steps/step_reward": [T], "steps/step_gain": [T]}: per step, the mean over all B trajectories of the step
+    rewards r (B, T) and of their gains r[:, t+1] - r[:, t] (r[:, T] = rewards (B,), ``step_reward_gains``)."""
+    every = torch.ones(step_rewards.shape, device=step_rewards.device)
+    reward_mean, _, count = _masked_step_mean_std(step_rewards, every)
+    gain_mean, _, _ = _masked_step_mean_std(step_reward_gains(step_rewards, rewards), every)
+    return {"steps/step_reward": _listed(reward_mean, count), "steps/step_gain": _listed(gain_mean, count)}
 
 
 class StepAccumulator:

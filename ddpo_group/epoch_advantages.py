@@ -3,7 +3,9 @@
 One dispatch through the estimator registry (``ddpo_group.algos.advantages``); what the estimator is
 given follows its registered properties: critic values when it ``needs_values``, the grpo outcome
 advantages when it ``needs_outcome_advantages``, the per-prompt trackers when it ``uses_tracker``;
-endpoints and the adaptive threshold when it ``defines_endpoints``. With reward_aggregation
+endpoints and the adaptive threshold when it ``defines_endpoints``; the step rewards r[:, k] = R(decode(x0_hat(x_k)))
+at every step when it ``needs_step_rewards`` (step_gain: each process scores its own samples with the anchor
+machinery of critic_designs.py, then they are gathered). With reward_aggregation
 "normalize_then_sum" an outcome estimator runs per reward component and the weighted advantages are
 summed. `EpochAdvantages` owns the algorithm state a checkpoint keeps (trackers, threshold).
 """
@@ -17,8 +19,9 @@ from ddpo_group.algos import advantages as adv_lib
 from ddpo_group.algos import grouping
 from ddpo_group.batch import GatheredBatch
 from ddpo_group import critic_designs
+from ddpo_group.config_check import ConfigError
 from ddpo_group.critic import compute_values
-from ddpo_group.diagnostics import advantage_step_stats, value_step_stats
+from ddpo_group.diagnostics import advantage_step_stats, step_reward_stats, value_step_stats
 from ddpo_group.stat_tracking import PerPromptStatTracker
 
 
@@ -54,6 +57,19 @@ class EpochAdvantages:
                 for name in self.streams
             }
         self.threshold = grouping.AdaptiveThreshold.from_config(config.group_ppo)
+        if self.estimator.needs_step_rewards and len(self.streams) > 1:
+            raise ConfigError(
+                f"config.reward_aggregation='normalize_then_sum' with {len(self.streams)} rewards: "
+                f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} scores each step with the weighted sum "
+                "of the rewards; set reward_aggregation='sum_then_normalize'"
+            )
+        group_wise = list(getattr(reward_fn, "group_wise_names", []))
+        if self.estimator.needs_step_rewards and group_wise:
+            raise ConfigError(
+                f"config.reward_fn / reward_weights: reward {group_wise[0]!r} scores whole prompt groups, which "
+                f"algorithm.adv_estimator={config.algorithm.adv_estimator!r} cannot give it at each step (a group's "
+                "members may sit on other processes); use per-image rewards"
+            )
 
     @property
     def streams(self):
@@ -62,22 +78,39 @@ class EpochAdvantages:
             return list(self.reward_fn.names)
         return ["reward"]
 
+    def _anchor_values(self, samples, policy, model, steps):
+        """(B_local, T) float32 R(decode(x0_hat(x_k))) of this process's samples at `steps`, 0 elsewhere."""
+        records = [self.prompts[int(i)] for i in samples.prompt_ids.tolist()]
+        with self.accelerator.autocast():
+            values = critic_designs.anchor_values(
+                policy, model, samples, self.reward_fn, [r.prompt for r in records], [r.metadata for r in records],
+                self.config.sample.guidance_scale, steps=steps,
+                micro_batch_size=self.config.train.eval_micro_batch_size or None,
+            )
+        return values.float()
+
     def anchor(self, samples, policy, model, metrics):
         """(B_local, T) anchor values at the steps with a density of this process's samples (critic_designs.py)."""
         start = time.perf_counter()
         columns = samples.mask.any(dim=0).nonzero().flatten().tolist()
-        records = [self.prompts[int(i)] for i in samples.prompt_ids.tolist()]
-        with self.accelerator.autocast():
-            anchor = critic_designs.anchor_values(
-                policy, model, samples, self.reward_fn, [r.prompt for r in records], [r.metadata for r in records],
-                self.config.sample.guidance_scale, steps=columns,
-                micro_batch_size=self.config.train.eval_micro_batch_size or None,
-            )
+        anchor = self._anchor_values(samples, policy, model, columns)
         metrics["time/critic_anchor"] = time.perf_counter() - start
         # per process: images the anchor decoded and scored (one per trajectory and step), issue 35's compute; the
         # model calls are sampling's own (Trajectories.x0_hat), one more each only for a batch sampled without it
-        metrics["critic/anchor_decodes"] = len(records) * len(columns)
-        return anchor.float()
+        metrics["critic/anchor_decodes"] = len(samples.prompts) * len(columns)
+        return anchor
+
+    def step_rewards(self, samples, policy, model, metrics):
+        """(B_local, T) step rewards r[:, k] = R(decode(x0_hat(x_k))) of this process's samples at EVERY step k (a
+        step's gain needs the prediction after it, whether or not that step has a density), for an estimator that
+        needs_step_rewards (step_gain)."""
+        start = time.perf_counter()
+        num_steps = samples.timesteps.shape[1]
+        step_rewards = self._anchor_values(samples, policy, model, range(num_steps))
+        metrics["time/step_rewards"] = time.perf_counter() - start
+        # per process: images decoded and scored, one per trajectory and step; no model call (Trajectories.x0_hat)
+        metrics["train/step_reward_decodes"] = len(samples.prompts) * num_steps
+        return step_rewards
 
     def state_dict(self):
         return {"trackers": {name: tracker.state_dict() for name, tracker in self.trackers.items()},
@@ -114,6 +147,10 @@ class EpochAdvantages:
         options = {"norm_by_std": algo.norm_adv_by_std, "gamma": algo.gamma, "lam": algo.lam}
         if estimator.uses_tracker:
             options["prompts"] = [self.prompts[int(i)].prompt for i in prompt_ids.tolist()]
+        if estimator.needs_step_rewards:  # each process scores its own samples' steps; the estimator sees all
+            samples.step_rewards = self.step_rewards(samples, policy, model, metrics).to(acc.device)
+            options["step_rewards"] = gather(samples.step_rewards)
+            metrics.update(step_reward_stats(options["step_rewards"], rewards))
 
         def combined_outcome(fn):
             """sum over reward streams of weight x fn's advantages of that stream."""

@@ -175,7 +175,8 @@ class MetricsLog:
         return lines
 
     def dump_debug(self, epoch, samples):
-        """debug/epoch_XXXX_rankR.json: this process's rewards, components, prompt ids, mask and advantages."""
+        """debug/epoch_XXXX_rankR.json: this process's rewards, components, prompt ids, mask and advantages (and the
+        step rewards of an estimator that needs_step_rewards)."""
         rank = self.accelerator.process_index
         path = self.run_dir.debug_path(epoch, rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -186,4 +187,5 @@ class MetricsLog:
             "prompt_ids": samples.prompt_ids.tolist(),
             "mask": samples.mask.tolist(),
             "advantages": samples.advantages.tolist(),
+            **({"step_rewards": samples.step_rewards.tolist()} if samples.step_rewards is not None else {}),
         })

@@ -76,7 +76,8 @@ def build_models(config, accelerator):
     dtype = inference_dtype(config)
     sharded = t.get("sharding", "none") == "fsdp2"
     sharding_lib.check_sharding_config(config, family_for_model(config.pretrained.model).shard_blocks if sharded else ())
-    needs_values = adv_lib.get_adv_estimator(config.algorithm.adv_estimator).needs_values
+    estimator = adv_lib.get_adv_estimator(config.algorithm.adv_estimator)
+    needs_values, needs_step_rewards = estimator.needs_values, estimator.needs_step_rewards
     check_critic_config(config, needs_values)  # before the model loads; the family's part after it
     check_group_noise(config)
     policy = load_policy(config.pretrained.model, revision=config.pretrained.revision or None, torch_dtype=dtype)
@@ -115,7 +116,7 @@ def build_models(config, accelerator):
         params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.adam_weight_decay,
         eps=t.adam_epsilon,
     )
-    check_critic_config(config, needs_values, policy.family)
+    check_critic_config(config, needs_values, policy.family, needs_step_rewards)
     critic_module = critic = critic_optimizer = None
     # FSDP2 takes DDP's place: the sharded module and its optimizer are not prepared (the critic, small, is)
     prepared = [] if sharded else [module, optimizer]

@@ -105,6 +105,9 @@ class Trainer:
         self.reward_runner = AsyncRewardRunner(self.reward_fn, config.reward_workers)
         self.prompts = load_config_prompts(config, "prompt_fn")
         self.evaluator = Evaluator(config, acc, self.files, self.prompts, self.reward_fn)  # eval prompts, gold rewards
+        # the advantage phase checks what it needs of the rewards (step_gain: one reward stream) before a model loads
+        self.advantages = EpochAdvantages(config, acc, self.reward_fn, self.prompts)
+        self.estimator, self.trackers = self.advantages.estimator, self.advantages.trackers
 
         models = build_models(config, acc)
         for name in ("policy", "trainable_module", "model", "trainable_params", "optimizer", "critic_module", "critic",
@@ -118,8 +121,6 @@ class Trainer:
         if config.train.objective != "stepwise":  # DiffusionNFT / AWM: a forward-process update (docs/forward.md)
             self.forward_update = ForwardUpdate(self)
         self.update = self.forward_update or StepwiseUpdate(self)
-        self.advantages = EpochAdvantages(config, acc, self.reward_fn, self.prompts)
-        self.estimator, self.trackers = self.advantages.estimator, self.advantages.trackers
 
         self.first_epoch, self.global_step, self.skipped_steps = 0, 0, 0
         self.scaler_skipped_steps = 0  # fp16: steps the GradScaler skipped while it lowered its scale

@@ -121,7 +121,7 @@ def test_residual_targets_and_critic_lambda():
     ({"critic__kind": "anchor"}, None, False, "critic.kind='anchor' needs an estimator with a critic"),
     ({"critic__lam": 1.0}, None, False, "critic.lam=1.0 needs an estimator with a critic"),
     ({"critic__kind": "anchor", "critic__warmup_epochs": 2}, None, True, "critic.warmup_epochs=2"),
-    ({"critic__kind": "anchor_residual"}, "flux", True, "the flux family has no anchor"),
+    ({"critic__kind": "anchor_residual"}, "flux_kontext", True, "the flux_kontext family has no anchor"),
 ])
 def test_critic_config_errors_name_the_field(overrides, family, needs_values, words):
     config = make_config("/nonexistent", **overrides)

@@ -17,9 +17,12 @@ the decorator: `needs_values` (critic values V(x_t); the trainer then builds and
 critic), `needs_outcome_advantages` (the grpo advantages of the same batch, combined over
 reward components as `reward_aggregation` says; passed as the option `outcome_advantages`),
 `uses_tracker` (a per-prompt history: the trainer keeps one `PerPromptStatTracker` per reward
-stream, checkpoints it, and passes it as the option `tracker` with the option `prompts`) and
+stream, checkpoints it, and passes it as the option `tracker` with the option `prompts`),
 `defines_endpoints` (it reports Group-PPO segment endpoints in the option `info`, so
-`train.timestep_selection="endpoints"` can train at them). Every registered estimator has the same keyword-only interface, so the
+`train.timestep_selection="endpoints"` can train at them) and `needs_step_rewards` (the reward of each step's
+decoded one-step prediction, r[i, k] = R(decode(x0_hat(x_k))) at every step k, (B, T), passed as the option
+`step_rewards`; the trainer computes them with the anchor machinery of critic_designs.py from the x0_hat that
+sampling keeps). Every registered estimator has the same keyword-only interface, so the
 trainer calls any of them the same way:
 
     estimator = get_adv_estimator(name)
@@ -49,7 +52,8 @@ A new estimator is one function:
 `estimator_option(name, options, config, default)` reads an option with the precedence
 above. Registration checks that the function accepts these keywords (or **kwargs). Importing
 this module registers only grpo, gae and rloo. "group_ppo" lives in
-`ddpo_group.algos.grouping` and "ddpo" (the per-prompt tracker) in `ddpo_group.stat_tracking`;
+`ddpo_group.algos.grouping`, "step_gain" in `ddpo_group.algos.step_gain` and "ddpo" (the per-prompt tracker) in
+`ddpo_group.stat_tracking`;
 `get_adv_estimator` imports those modules on first use of a name it does not know, so the
 registry stays free of import-time side effects.
 
@@ -87,7 +91,7 @@ ADV_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimator] = {}
 ESTIMATOR_KEYWORDS = ("rewards", "prompt_ids", "mask", "token_level_rewards", "values", "config")
 
 # Modules that register estimators of their own, imported on first lookup of an unknown name.
-_LAZY_ESTIMATOR_MODULES = ("ddpo_group.algos.grouping", "ddpo_group.stat_tracking")
+_LAZY_ESTIMATOR_MODULES = ("ddpo_group.algos.grouping", "ddpo_group.algos.step_gain", "ddpo_group.stat_tracking")
 
 
 def register_adv_est(
@@ -96,6 +100,7 @@ def register_adv_est(
     needs_outcome_advantages: bool = False,
     uses_tracker: bool = False,
     defines_endpoints: bool = False,
+    needs_step_rewards: bool = False,
 ) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
     """Decorator: register an advantage estimator under `name`, with what it needs (module docstring).
 
@@ -126,6 +131,7 @@ def register_adv_est(
         fn.needs_outcome_advantages = bool(needs_outcome_advantages)
         fn.uses_tracker = bool(uses_tracker)
         fn.defines_endpoints = bool(defines_endpoints)
+        fn.needs_step_rewards = bool(needs_step_rewards)
         ADV_ESTIMATOR_REGISTRY[name] = fn
         return fn
 

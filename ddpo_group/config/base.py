@@ -265,7 +265,9 @@ def get_config():
     ###### Algorithm ######
     config.algorithm = algorithm = ml_collections.ConfigDict()
     # Advantage estimator: "ddpo" (PerPromptStatTracker with history), "grpo" (group statistics of
-    # the batch), "rloo" (leave-one-out), "gae" (critic), "group_ppo" (critic + timestep grouping).
+    # the batch), "rloo" (leave-one-out), "gae" (critic), "group_ppo" (critic + timestep grouping), "step_gain"
+    # (each step's gain in the reward of the decoded one-step prediction x0_hat, normalised per prompt and step;
+    # docs/critic.md).
     algorithm.adv_estimator = "grpo"
     # Divide GRPO advantages by the group std (False: Dr.GRPO).
     algorithm.norm_adv_by_std = True

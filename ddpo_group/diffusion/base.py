@@ -61,7 +61,7 @@ class Trajectories:
     negative_pooled_prompt_embeds: torch.Tensor | None = None
     sigmas: torch.Tensor | None = None
     extra_cond: dict | None = None
-    x0_hat: torch.Tensor | None = None  # (B, T, C, h, w) each step's one-step prediction, kept when a critic asks
+    x0_hat: torch.Tensor | None = None  # (B, T, C, h, w) each step's one-step prediction, kept when the anchor asks
 
     def __len__(self):
         return self.latents.shape[0]
@@ -245,6 +245,15 @@ class DiffusionPolicy:
                                           the model's output for x_t with the conditioning of `rows`
                                           of `batch` (classifier-free guidance when guidance_scale > 1),
                                           float32, with autograd
+    predict_x0(model, batch, rows, step_index, guidance_scale) -> x0_hat
+                                          the one-step prediction of the clean sample from the stored x_k
+                                          (k = step_index, an int) of `rows`, float32: what
+                                          sample(..., keep_x0_hat=True) keeps in Trajectories.x0_hat
+    decode(latents) -> images             clean latents (B, C, h, w) -> images (B, 3, H, W) in [0, 1] float32
+                                          (videos (B, F, 3, H, W) for a video family), as sampling decodes x_T
+    anchor_refusal                        class attribute: None when the anchor machinery (critic_designs.py:
+                                          the reward of each step's decoded x0_hat) can score the family's
+                                          steps, else the reason it cannot (one clause, for the ConfigError)
     save_trainable(module, dir, use_lora, state_dict=None) / load_trainable(module, dir, use_lora)
                                           state_dict: the module's full state dict to write the LoRA weights
                                           from (a sharded module's, gathered: train.sharding="fsdp2")
@@ -259,6 +268,9 @@ class DiffusionPolicy:
     video = False
     # whether `sample` edits a source image per prompt (sample(..., source_images=...)): the editing families
     conditions_on_images = False
+    # None when critic_designs.anchor_values can score this family's steps (its sample keeps x0_hat, predict_x0 and
+    # decode exist, and its rewards read the decoded images alone); else why not, for the ConfigError
+    anchor_refusal = "it has no one-step prediction x0_hat"
     # the trainable module's attributes whose modules (each element of a ModuleList) are FSDP2 units
     # (train.sharding="fsdp2", ddpo_group/sharding.py); empty: no block structure known, sharding refused
     shard_blocks = ()
@@ -299,10 +311,17 @@ class DiffusionPolicy:
         raise NotImplementedError
 
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
-               model=None, show_progress=False, keep_steps=True, initial_generator=None):
+               model=None, show_progress=False, keep_steps=True, initial_generator=None, keep_x0_hat=False):
         """B trajectories (``Trajectories``). generator: the step noise's (and, when initial_generator is None, the
         initial noise's); initial_generator: the initial noise's, a generator or a list of one per prompt
-        (sample.group_noise="shared" gives a group's trajectories one seed)."""
+        (sample.group_noise="shared" gives a group's trajectories one seed); keep_x0_hat: also keep each step's
+        one-step prediction of the clean sample from the step's own model call (Trajectories.x0_hat)."""
+        raise NotImplementedError
+
+    def predict_x0(self, model, batch, rows, step_index, guidance_scale):
+        raise NotImplementedError
+
+    def decode(self, latents):
         raise NotImplementedError
 
     def forward_noise(self, x0, noise, timesteps):

@@ -39,6 +39,13 @@ from ddpo_group.diffusion.flow import (
 )
 from ddpo_group.diffusion.lora import add_lora
 
+
+def flow_x0_hat(latents, velocity, sigma):
+    """The flow model's one-step prediction of the clean sample, x0_hat = x - sigma v (x_sigma = (1 - sigma) x0 +
+    sigma eps, v = eps - x0), float32 of the shape of `latents` (B, C, ...); sigma (B,)."""
+    x = latents.float()
+    return x - sigma.float().reshape((-1,) + (1,) * (x.dim() - 1)) * velocity.float()
+
 # Attention projections of the joint (MM-DiT) blocks: image stream and text stream, as Flow-GRPO targets.
 LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
@@ -98,6 +105,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
     pipeline_class = None
     default_max_sequence_length = 256
     supports_flow_grpo_kl = True
+    anchor_refusal = None  # x0_hat = x_t - sigma v from the step's own velocity (sample(..., keep_x0_hat=True))
 
     def __init__(self, pipeline):
         super().__init__(pipeline)
@@ -187,13 +195,16 @@ class FlowMatchingPolicy(DiffusionPolicy):
 
     @torch.no_grad()
     def sample(self, prompts, num_steps, guidance_scale, eta, generator=None, prompt_ids=None, negative_prompt="",
-               model=None, show_progress=False, keep_steps=True, source_images=None, initial_generator=None):
+               model=None, show_progress=False, keep_steps=True, source_images=None, initial_generator=None,
+               keep_x0_hat=False):
         """B trajectories of `num_steps` SDE steps; eta: the noise level a, or one per step (0: an ODE step).
 
         keep_steps=False: only the clean latents are kept and no log-prob is computed (``Trajectories``).
         source_images: (B, 3, H, W) float in [0, 1], an editing family's source image per prompt (``_encode_edit``
         puts its encoding into the conditioning, kept in ``Trajectories.extra_cond``).
-        initial_generator: the initial noise's generator (or list of B), when not ``generator``'s."""
+        initial_generator: the initial noise's generator (or list of B), when not ``generator``'s.
+        keep_x0_hat: also keep each step's one-step prediction of the clean sample x0_hat = x_k - sigma_k v_k from
+        the step's own velocity, float32 (``Trajectories.x0_hat`` (B, T, C, ...); the anchor machinery reads it)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -214,8 +225,11 @@ class FlowMatchingPolicy(DiffusionPolicy):
         check_sigma_grid(sigmas.unsqueeze(0))  # once: the steps below then do not read their sigmas back from the device
         grid = sigmas.unsqueeze(0).repeat(batch_size, 1)
         all_latents, log_probs, stds = [latents], [], []
+        x0_hats = [] if keep_x0_hat else None
         for i, t in enumerate(tqdm(timesteps, disable=not show_progress, desc="sampling", leave=False)):
             velocity = self._velocity(model, latents, t.expand(batch_size), cond, guidance_scale)
+            if keep_x0_hat:
+                x0_hats.append(flow_x0_hat(latents, velocity, grid[:, i]))
             latents, log_prob, _, std = sde_step_with_logprob(
                 self.pipeline.scheduler, velocity, t, latents, noise_level=levels[i], sde_type=self.sde_type,
                 generator=generator if levels[i] > 0 else None, sigmas=(grid[:, i], grid[:, i + 1], grid[:, 1]),
@@ -242,6 +256,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
             negative_pooled_prompt_embeds=cond.get("negative_pooled_prompt_embeds"),
             sigmas=grid,
             extra_cond={name: value for name, value in cond.items() if name not in COND_FIELDS} or None,
+            x0_hat=torch.stack(x0_hats, dim=1) if keep_x0_hat else None,
         )
 
     def _encode_edit(self, prompts, negative_prompt, guidance_scale, device, source_images):
@@ -285,6 +300,20 @@ class FlowMatchingPolicy(DiffusionPolicy):
         """The transformer's velocity for x_t (CFG or FLUX's guidance embedding as in sampling), float32."""
         cond = self._rows_cond(batch, rows)
         return self._velocity(model, x_t, torch.as_tensor(timesteps, device=x_t.device), cond, guidance_scale)
+
+    def predict_x0(self, model, batch, rows, step_index, guidance_scale):
+        """x0_hat = x_k - sigma_k v(x_k) (b, C, ...) float32 of the stored x_k (k = step_index) of `rows`, sigma_k
+        from the trajectories' own grid (batch.sigmas), as sampling with keep_x0_hat=True keeps it."""
+        if batch.sigmas is None:
+            raise ValueError("these trajectories carry no sigma grid (batch.sigmas): sample them with a flow policy")
+        x_k, t_k = batch.latents[rows, step_index], batch.timesteps[rows, step_index]
+        sigma = batch.sigmas[rows, step_index].to(x_k.device)
+        return flow_x0_hat(x_k, self.predict(model, x_k, t_k, batch, rows, guidance_scale), sigma)
+
+    def decode(self, latents):
+        """Images (B, 3, H, W) in [0, 1] float32 of clean latents (videos for a video family), as sampling decodes
+        x_T (``_decode``)."""
+        return self._decode(latents)
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
         """log pi(x_{t+1} | x_t, c), mean, std of trajectories `rows` at their steps `step_index` (b,), noise level eta.

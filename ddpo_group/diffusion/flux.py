@@ -177,6 +177,7 @@ class FluxKontextPolicy(FluxPolicy):
     pipeline_class_names = ("FluxKontextPipeline",)
     offline_models = ("tiny-flux-kontext",)
     conditions_on_images = True
+    anchor_refusal = "it edits images and its rewards read the source image, which the anchor's reward calls lack"
 
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):

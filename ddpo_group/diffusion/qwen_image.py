@@ -327,6 +327,7 @@ class QwenImageEditPolicy(QwenImagePolicy):
     pipeline_class_names = ("QwenImageEditPipeline",)
     offline_models = ("tiny-qwen-image-edit",)
     conditions_on_images = True
+    anchor_refusal = "it edits images and its rewards read the source image, which the anchor's reward calls lack"
 
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):

@@ -316,6 +316,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
 
     offline_models = ("tiny", "tiny-shapes", "tiny-scenes", "random-sd15")
     pipeline_class_names = ("StableDiffusionPipeline",)
+    anchor_refusal = None  # the DDIM Tweedie prediction (ddim_x0_hat), kept by sample_ddim(keep_x0_hat=True)
 
     def __init__(self, pipeline):
         super().__init__(pipeline)
@@ -446,6 +447,17 @@ class StableDiffusionPolicy(DiffusionPolicy):
             batch.negative_prompt_embeds[rows] if cfg else None, guidance_scale if cfg else 1.0,
             *self._rows_added_conds(batch, rows, cfg),
         )
+
+    def predict_x0(self, model, batch, rows, step_index, guidance_scale):
+        """x0_hat (b, C, h, w) float32 of the stored x_k (k = step_index) of `rows`: ``ddim_x0_hat`` of the UNet's
+        output (Tweedie's formula for eps-prediction), as sampling with keep_x0_hat=True keeps it."""
+        x_k, t_k = batch.latents[rows, step_index], batch.timesteps[rows, step_index]
+        prediction = self.predict(model, x_k, t_k, batch, rows, guidance_scale)
+        return ddim_x0_hat(self.pipeline.scheduler, prediction, t_k, x_k)
+
+    def decode(self, latents):
+        """Images (B, 3, H, W) in [0, 1] float32 of clean latents, as sampling decodes x_T (``_decode``)."""
+        return _decode(self.pipeline.vae, latents)
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
         """log pi(x_{t+1} | x_t, c), mean, std of trajectories `rows` of `batch` at their steps `step_index` (b,).

@@ -208,6 +208,8 @@ STEP_LABELS = {
     "steps/ratio_std": "ratio std",
     "steps/value_error": "critic (V - R)^2",
     "steps/explained_variance": "critic explained variance",
+    "steps/step_reward": "reward of the step's x0_hat",
+    "steps/step_gain": "step reward gain",
 }
 
 
