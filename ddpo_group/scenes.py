@@ -198,6 +198,8 @@ def sample_scene(record: dict, rng: np.random.Generator, size: int = SCENE_SIZE)
                 x1, y1, x2, y2 = _box(shape_coverage(shape, area, (size / 2, size / 2), size, window=WINDOW))
                 low_x, high_x = MARGIN + 1 + size / 2 - x1, size - MARGIN - 1 - (x2 - size / 2)
                 low_y, high_y = MARGIN + 1 + size / 2 - y1, size - MARGIN - 1 - (y2 - size / 2)
+                if low_x > high_x or low_y > high_y:  # it cannot fit on this canvas at this area
+                    continue
                 center = (rng.uniform(low_x, high_x), rng.uniform(low_y, high_y))
                 coverage = shape_coverage(shape, area, center, size, window=WINDOW)
                 box = _box(coverage)

@@ -77,6 +77,9 @@ def parse_args(argv=None):
                         help="scenes world: stop after this many minutes, the state saved; the same command goes on "
                              "(0: no limit)")
     parser.add_argument("--checkpoint-every", type=int, default=250, help="scenes world: steps between saved states")
+    parser.add_argument("--stop-at-step", type=int, default=0,
+                        help="scenes world: stop when the denoiser stage reaches this step, the state saved (a schedule "
+                             "run in parts gives the same weights as one run; 0: run to the end)")
     parser.add_argument("--vae-from", default=None,
                         help="scenes world: take the VAE of this pipeline directory instead of training one")
     parser.add_argument("--vae-crop", type=int, default=32, help="scenes world: the VAE trains on crops of this size")
@@ -504,7 +507,7 @@ def _scenes_latents(vae, images, chunk=64):
     return torch.cat(means), torch.cat(stds)
 
 
-def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir, deadline, previous) -> dict:
+def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir, deadline, previous, vae_stats) -> dict:
     """Stage 2 (module docstring), resumable; the EMA weights are copied into the models at the end."""
     denoiser = pipeline.transformer if args.arch == "sd3" else pipeline.unet
     encoders = [pipeline.text_encoder] + ([pipeline.text_encoder_2] if args.arch == "sd3" else [])
@@ -537,13 +540,13 @@ def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir,
                      "vae_config": dict(pipeline.vae.config), "modules": [m.state_dict() for m in modules],
                      "ema": ema_params, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                      "generator": generator.get_state(), "smooth": smooth, "seconds": seconds + time.time() - began,
-                     "vae_stats": previous.get("vae_stats") if previous else None},
+                     "vae_stats": vae_stats},
                     os.path.join(state_dir, "state.pt"))
 
     progress = tqdm(range(start_step, args.unet_steps), desc=args.arch, dynamic_ncols=True, mininterval=2.0,
                     initial=start_step, total=args.unet_steps)
     for step in progress:
-        if time.time() > deadline:
+        if time.time() > deadline or (args.stop_at_step and step == args.stop_at_step):
             save(step)
             raise Stopped(f"{args.arch} step {step}")
         idx = torch.randint(0, latent_mean.shape[0], (args.batch_size,), generator=generator)
@@ -647,10 +650,10 @@ def _pretrain_scenes(args) -> dict:
             state = {"stage": "denoiser", "step": 0, "vae_stats": vae_stats, "fresh": True}
         del images
         unet_stats = _train_scenes_denoiser(pipeline, args, (latent_mean, latent_std), rows, prompt_ids, state_dir,
-                                            deadline, None if state.get("fresh") else state)
+                                            deadline, None if state.get("fresh") else state, vae_stats)
     except Stopped as stop:
-        print(f"stopped at {stop} after --max-minutes {args.max_minutes}; the state is in {state_dir}: "
-              "run the same command again to go on")
+        print(f"stopped at {stop}; the state is in {state_dir}: run the same command (without --stop-at-step) "
+              "again to go on")
         return {"stopped": str(stop)}
     os.makedirs(output_dir, exist_ok=True)
     pipeline.save_pretrained(output_dir, safe_serialization=True)

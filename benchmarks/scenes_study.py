@@ -1,0 +1,344 @@
+"""Issue 42's study: the field's methods on the scenes world's shipped models, several seeds, GenEval's six tags
+on the held-out set (docs/scenes.md).
+
+    python benchmarks/scenes_study.py --methods flow_grpo --seeds 42,43,44      # one method, three seeds
+    python benchmarks/scenes_study.py --jobs 2                                  # every method, two runs at once
+    python benchmarks/scenes_study.py --collect                                 # the table and JSON from what ran
+
+Each run is a variant of config/grpo.py (tiny_scenes on the flow model tiny-scenes-sd3, tiny_scenes_sd on the
+UNet tiny-scenes) with one method's fields changed, trained in a process of its own on one thread
+(OMP_NUM_THREADS=1) into RESULTS/runs/<method>/seed_<seed>/. A run whose directory holds finished.json is done
+and skipped, so the study runs in stages (a session at a time) and resumes where it stopped; an unfinished
+run is started again from scratch (its directory overwritten). Every method keeps its task's sampling work,
+learning rate, KL and evaluation: only its method's fields change (METHODS).
+
+From each run's metrics.jsonl:
+
+    final            the last evaluation (the final weights, 2 fixed-noise images per held-out record):
+                     eval/geneval/overall and eval/geneval/<tag>, GenEval's table (summary_scores.py's rules)
+    train_seconds    the sum over training epochs of time/sample + time/reward + time/advantages + time/train
+                     + time/critic (evaluation and checkpoints excluded), on one thread
+    model_calls      denoiser evaluations in trajectory-step units (benchmarks/critic_compute.py: sampling,
+                     training forward + backward, the reference's forwards, the recompute pass)
+    to target        training seconds and model calls until the first evaluation whose overall reaches the
+                     target (default: the best flow_grpo run's final overall); ratio: the method's median seconds
+                     to it over the best flow_grpo run's seconds to it
+
+Writes RESULTS/summary.json (rows {"model", "method", "seed", "overall", six tags, "train_seconds",
+"model_calls"}, one "method": "base" row with seed null per model: the epoch-0 evaluation, before any update),
+RESULTS/study.json (the table, the targets' verdicts, the definitions) and RESULTS/metrics.json.gz (every run's
+metrics rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+DEFAULT_RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study")
+TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+TIME_KEYS = ("time/sample", "time/reward", "time/advantages", "time/train", "time/critic")
+MODELS = {"tiny_scenes": "tiny-scenes-sd3", "tiny_scenes_sd": "tiny-scenes"}
+
+
+def _window(size, mode):
+    def apply(config):
+        config.sample.sde_window_size = size
+        config.sample.sde_window = mode
+        return config
+    return apply
+
+
+def _fields(**fields):
+    def apply(config):
+        for dotted, value in fields.items():
+            section, _, name = dotted.rpartition("__")
+            target = config
+            for part in section.split("__") if section else []:
+                target = target[part]
+            target[name] = value
+        return config
+    return apply
+
+
+def _grpo_helpers():
+    from ddpo_group.config import grpo
+
+    return grpo
+
+
+def _group_ppo(config):
+    return _grpo_helpers()._learning_group_ppo(config)
+
+
+def _algorithm2(config):
+    config = _grpo_helpers()._algorithm2_group_ppo(config)
+    config.group_ppo.max_group_size = 8
+    return config
+
+
+def _nft(config):
+    config = _grpo_helpers()._diffusion_nft(config, weighting="uniform")
+    config.train.use_reference_model = config.train.use_kl_loss = False
+    config.train.beta = 0.0
+    return config
+
+
+def _awm(config):
+    config.train.objective = "awm"
+    config.train.use_reference_model = config.train.use_kl_loss = False
+    config.train.beta = 0.0
+    config.forward.num_timesteps = 4
+    config.forward.weighting = "uniform"
+    return config
+
+
+def _ddpo(config):
+    config.algorithm.adv_estimator = "ddpo"
+    config.train.clip_ratio_c = 1e4
+    config.train.use_reference_model = config.train.use_kl_loss = False
+    config.train.beta = 0.0
+    return config
+
+
+# method -> (base variant, what it changes, what it is)
+METHODS = {
+    "flow_grpo": ("tiny_scenes", lambda c: c, "Flow-GRPO: SDE at every step, every step but the last trained, KL"),
+    "flow_grpo_fast": ("tiny_scenes", _window(2, "random"),
+                       "Flow-GRPO-Fast: a 2-step SDE window at a random step each epoch, ODE elsewhere, the window trained"),
+    "mixgrpo": ("tiny_scenes", _window(4, "sliding"), "MixGRPO: a 4-step SDE window sliding one step an epoch"),
+    "cps": ("tiny_scenes", _fields(sample__sde_type="cps"), "Flow-CPS: coefficients-preserving SDE steps"),
+    "dance": ("tiny_scenes", _fields(sample__sde_type="dance"), "DanceGRPO's SDE"),
+    "nft": ("tiny_scenes", _nft, "DiffusionNFT: forward-process objective, no log-probs, no KL"),
+    "awm": ("tiny_scenes", _awm, "AWM: advantage-weighted matching, 4 timesteps, no KL"),
+    "group_ppo": ("tiny_scenes", _group_ppo, "Group-PPO's default (1-step SDE window, segment start, group norm)"),
+    "gae": ("tiny_scenes", _fields(algorithm__adv_estimator="gae"), "GAE with the learned critic (ValueNetwork)"),
+    "step_gain": ("tiny_scenes", _fields(algorithm__adv_estimator="step_gain"),
+                  "per-step credit: the step reward gain (Stepwise-Flow-GRPO / DenseGRPO)"),
+    "grpo_kl": ("tiny_scenes_sd", lambda c: c, "GRPO + KL on the UNet (DDIM, eta 1)"),
+    "ddpo": ("tiny_scenes_sd", _ddpo, "DDPO: per-prompt stat tracking, PPO on all steps, no KL"),
+    "group_ppo_sd": ("tiny_scenes_sd", _group_ppo, "Group-PPO's default on the UNet"),
+    "alg2": ("tiny_scenes_sd", _algorithm2, "Group-PPO as Algorithm 2 is written"),
+}
+
+
+def method_config(method, seed, run_dir, epochs=None):
+    """The config of one run: the method's base variant, its fields, the seed and the run directory."""
+    from ddpo_group.config import grpo
+
+    variant, apply, _ = METHODS[method]
+    config = apply(grpo.get_config(variant))
+    config.seed = seed
+    if epochs:
+        config.num_epochs = epochs
+    config.logdir, config.run_name = os.path.dirname(run_dir), os.path.basename(run_dir)
+    config.overwrite = True
+    config.save_freq = 0
+    config.log_images_every = 0
+    return config
+
+
+def run_one(method, seed, run_dir, epochs):
+    """Train one run in this process (called in a subprocess of its own by `main`)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from ddpo_group.trainer import Trainer
+
+    Trainer(method_config(method, seed, run_dir, epochs)).run()
+
+
+def read_rows(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    rows.append(json.loads(line))
+    return rows
+
+
+def _critic_compute():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("critic_compute", os.path.join(REPO_ROOT, "benchmarks", "critic_compute.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_curve(rows):
+    """[(epoch k, overall, tags dict, model calls, training seconds)] of a run's evaluations, the calls and
+    seconds of the training epochs before each."""
+    calls = _critic_compute().training_calls(rows)
+    training = [r for r in rows if "reward_mean" in r]
+    curve = []
+    for row in rows:
+        if "eval/geneval/overall" not in row:
+            continue
+        k = row["epoch"]
+        seconds = sum(sum(r.get(key, 0.0) for key in TIME_KEYS) for r in training if r["epoch"] < k)
+        model = sum(c[0] for epoch, c in calls if epoch < k)
+        tags = {tag: row.get(f"eval/geneval/{tag}") for tag in TAGS}
+        curve.append((k, row["eval/geneval/overall"], tags, model, seconds))
+    return curve
+
+
+def collect(results, target=None):
+    """summary rows, the table and the verdicts from the finished runs under results/runs."""
+    runs_root = os.path.join(results, "runs")
+    summary, curves, metrics = [], {}, {}
+    bases = {}
+    for method in METHODS:
+        for name in sorted(os.listdir(os.path.join(runs_root, method))) if os.path.isdir(os.path.join(runs_root, method)) else []:
+            run_dir = os.path.join(runs_root, method, name)
+            if not os.path.exists(os.path.join(run_dir, "finished.json")):
+                continue
+            seed = int(name.split("_")[1])
+            rows = read_rows(run_dir)
+            curve = run_curve(rows)
+            if not curve:
+                continue
+            model = MODELS[METHODS[method][0]]
+            metrics[f"{method}/{seed}"] = rows
+            curves[(method, seed)] = curve
+            k, overall, tags, calls, seconds = curve[-1]
+            summary.append({"model": model, "method": method, "seed": seed, "overall": overall, **tags,
+                            "train_seconds": round(seconds, 1), "model_calls": calls})
+            if curve[0][0] == 0:
+                bases.setdefault(model, {"model": model, "method": "base", "seed": None, "overall": curve[0][1],
+                                         **curve[0][2], "train_seconds": 0.0, "model_calls": 0})
+    summary = list(bases.values()) + summary
+    flow = [r for r in summary if r["method"] == "flow_grpo"]
+    if target is None and flow:
+        target = max(r["overall"] for r in flow)
+    best_flow = max(flow, key=lambda r: r["overall"]) if flow else None
+    reference_seconds = None
+    if best_flow is not None:
+        reached = [s for _, o, _, _, s in curves[("flow_grpo", best_flow["seed"])] if o >= target - 1e-12]
+        reference_seconds = reached[0] if reached else None
+    table = []
+    for method in METHODS:
+        rows = [r for r in summary if r["method"] == method]
+        if not rows:
+            continue
+        to_target = []
+        for r in rows:
+            hit = next(((c, s) for _, o, _, c, s in curves[(method, r["seed"])] if o >= target - 1e-12), None)
+            to_target.append(hit)
+        hits = [h for h in to_target if h is not None]
+        seconds = statistics.median(h[1] for h in hits) if len(hits) * 2 > len(rows) else None
+        table.append({
+            "method": method, "model": rows[0]["model"], "what": METHODS[method][2], "seeds": [r["seed"] for r in rows],
+            "overall": _spread([r["overall"] for r in rows]),
+            "tags": {tag: _spread([r[tag] for r in rows]) for tag in TAGS},
+            "train_seconds": statistics.median(r["train_seconds"] for r in rows),
+            "model_calls": statistics.median(r["model_calls"] for r in rows),
+            "reached_target": f"{len(hits)}/{len(rows)}",
+            "seconds_to_target": seconds,
+            "calls_to_target": statistics.median(h[0] for h in hits) if seconds is not None else None,
+            "ratio_to_flow_grpo": seconds / reference_seconds if seconds is not None and reference_seconds else None,
+        })
+    return summary, table, target, metrics
+
+
+def _spread(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def render(table, target, summary):
+    def cell(spread):
+        return "-" if spread is None else f"{spread['median']:.3f} [{spread['min']:.3f}, {spread['max']:.3f}]"
+
+    lines = [f"target: overall >= {target:.3f} (the best flow_grpo run's final overall)" if target is not None else "",
+             "| model | method | overall | " + " | ".join(TAGS) + " | train s | model calls | reached | s to target | / flow_grpo |",
+             "|" + "---|" * (10 + len(TAGS) - 1)]
+    for base in (r for r in summary if r["method"] == "base"):
+        lines.append(f"| {base['model']} | base | {base['overall']:.3f} | "
+                     + " | ".join(f"{base[t]:.3f}" for t in TAGS) + " | 0 | 0 | | | |")
+    for row in table:
+        ratio = "-" if row["ratio_to_flow_grpo"] is None else f"{row['ratio_to_flow_grpo']:.2f}"
+        seconds = "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.0f}"
+        lines.append(f"| {row['model']} | {row['method']} | {cell(row['overall'])} | "
+                     + " | ".join(cell(row["tags"][t]) for t in TAGS)
+                     + f" | {row['train_seconds']:.0f} | {row['model_calls']:.0f} | {row['reached_target']} | {seconds} | {ratio} |")
+    return "\n".join(lines)
+
+
+def write_json(path, document, compress=False):
+    tmp = path + ".tmp"
+    with (gzip.open(tmp, "wt") if compress else open(tmp, "w")) as f:
+        json.dump(document, f, indent=None if compress else 1)
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="", help=f"comma-separated, of {', '.join(METHODS)} (default: all)")
+    parser.add_argument("--seeds", default="42,43,44")
+    parser.add_argument("--epochs", type=int, default=0, help="training epochs (0: the variant's, 40)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
+    parser.add_argument("--results", default=DEFAULT_RESULTS)
+    parser.add_argument("--collect", action="store_true", help="only build the table and JSON from finished runs")
+    parser.add_argument("--target", type=float, default=None, help="overall target (default: best flow_grpo final)")
+    parser.add_argument("--run-one", nargs=4, metavar=("METHOD", "SEED", "RUN_DIR", "EPOCHS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.run_one:
+        method, seed, run_dir, epochs = args.run_one
+        return run_one(method, int(seed), run_dir, int(epochs))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] or list(METHODS)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if not args.collect:
+        pending = [(m, s) for m in methods for s in seeds
+                   if not os.path.exists(os.path.join(args.results, "runs", m, f"seed_{s}", "finished.json"))]
+        running = []
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                method, seed = pending.pop(0)
+                run_dir = os.path.join(args.results, "runs", method, f"seed_{seed}")
+                os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+                log = open(run_dir + ".log", "w")
+                print(f"start {method} seed {seed}", flush=True)
+                process = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--run-one", method, str(seed),
+                                            run_dir, str(args.epochs)], env=env, stdout=log, stderr=subprocess.STDOUT)
+                running.append((method, seed, process, log, time.time()))
+            time.sleep(5)
+            for item in list(running):
+                method, seed, process, log, began = item
+                if process.poll() is not None:
+                    log.close()
+                    running.remove(item)
+                    print(f"done {method} seed {seed}: exit {process.returncode} after {time.time() - began:.0f} s",
+                          flush=True)
+    summary, table, target, metrics = collect(args.results, args.target)
+    os.makedirs(args.results, exist_ok=True)
+    write_json(os.path.join(args.results, "summary.json"), summary)
+    write_json(os.path.join(args.results, "study.json"), {
+        "target": target, "table": table, "definitions": __doc__.split("From each run's metrics.jsonl:")[1].strip(),
+        "command": "python benchmarks/scenes_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    })
+    write_json(os.path.join(args.results, "metrics.json.gz"), metrics, compress=True)
+    print(render(table, target, summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The scenes world (ddpo_group/scenes.py, docs/scenes.md): its prompts, the held-out set, the scenes and their
+detection, the shipped models and their pretraining."""
+
+import json
+import math
+import os
+from itertools import permutations
+
+import numpy as np
+import pytest
+import torch
+from helpers import load_script
+
+from ddpo_group import scenes
+from ddpo_group.rewards.geneval.metadata import read_metadata, record_identity
+from ddpo_group.rewards.geneval.protocol import Detection, GenEvalScorer, relative_position
+from ddpo_group.rewards.geneval.shapes_scenes import ShapesColorClassifier, ShapesDetector, classify_shape
+from ddpo_group.shapes import ALL_SHAPES, SHAPES, shape_coverage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASSETS = os.path.join(ROOT, "ddpo_group", "assets")
+
+
+def test_the_world_has_every_distinct_geneval_record_of_eight_shapes_and_six_colours_once():
+    by_tag = scenes.world_records()
+    s, c = 8, 6  # counted by hand: "A and B" is "B and A", "A left of B" is "B right of A" (and above / below)
+    assert {tag: len(records) for tag, records in by_tag.items()} == {
+        "single_object": s, "two_object": s * (s - 1) // 2, "counting": s * 3, "colors": s * c,
+        "position": s * (s - 1) * 4 // 2, "color_attr": s * (s - 1) // 2 * c * (c - 1)}
+    for records in by_tag.values():
+        assert len({record_identity(r) for r in records}) == len(records)
+    assert set(scenes.SCENE_SHAPES) == set(ALL_SHAPES) and len(ALL_SHAPES) == 8
+
+
+def test_the_held_out_set_follows_geneval_shares_and_leaves_two_thirds_of_each_tag_to_train():
+    sizes = scenes.evaluation_sizes()
+    assert sum(sizes.values()) == 150
+    totals = {tag: len(r) for tag, r in scenes.world_records().items()}
+    assert sizes["single_object"] == totals["single_object"]  # every single-object prompt is held out, as GenEval's
+    for tag, n in sizes.items():
+        if tag != "single_object":
+            assert totals[tag] - n >= totals[tag] / 3, tag
+    # where the world has room, a tag gets at least round(150 x GenEval's share): 100 of 553 for color_attr
+    assert sizes["color_attr"] >= round(150 * 100 / 553)
+
+
+def test_the_shipped_held_out_set_is_the_rule_s_and_no_training_prompt_is_in_it():
+    with open(scenes.evaluation_prompts_path()) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    assert lines == scenes.evaluation_records()
+    shipped = read_metadata(scenes.evaluation_prompts_path())
+    assert len({record_identity(r) for r in shipped}) == 150
+    held_out = {record_identity(r) for r in shipped}
+    for records in scenes.training_records().values():
+        assert not held_out & {record_identity(r) for r in records}
+    generated = scenes.scene_training_prompts(n_per_tag=50, seed=3)
+    assert generated and not held_out & {record_identity(r) for r in generated}
+    assert not [r for r in generated if r["tag"] == "single_object"]  # none left to train on
+    # the first records of the set take the tags in turn: a grid of its first six prompts shows every tag
+    assert [r["tag"] for r in shipped[:6]] == ["single_object", "two_object", "counting", "colors", "position",
+                                               "color_attr"]
+
+
+@pytest.mark.parametrize("shape", ALL_SHAPES[3:])
+def test_a_scene_only_shape_has_the_asked_area_about_its_centroid(shape):
+    area = 400.0
+    coverage = shape_coverage(shape, area, (40.3, 41.7), 96, supersample=8)
+    rows, cols = np.mgrid[0:96, 0:96] + 0.5
+    assert coverage.sum() == pytest.approx(area, rel=0.02)
+    assert (coverage * cols).sum() / coverage.sum() == pytest.approx(40.3, abs=0.05)
+    assert (coverage * rows).sum() / coverage.sum() == pytest.approx(41.7, abs=0.05)
+
+
+def test_a_window_draws_the_same_coverage():
+    for shape in ALL_SHAPES:
+        whole = shape_coverage(shape, 150.0, (30.4, 20.6), 64)
+        assert np.array_equal(shape_coverage(shape, 150.0, (30.4, 20.6), 64, window=14), whole), shape
+
+
+@pytest.mark.parametrize("area", [80.0, 160.0])
+def test_every_shape_drawn_alone_is_classified_as_itself(area):
+    for shape in ALL_SHAPES:
+        assert classify_shape(shape_coverage(shape, area, (31.3, 30.8), 64)) == shape
+
+
+def _box(coverage):
+    ys, xs = np.nonzero(coverage > 0)
+    return xs.min(), ys.min(), xs.max() + 1, ys.max() + 1
+
+
+def test_a_scene_holds_exactly_what_its_record_asks():
+    rng = np.random.default_rng(0)
+    record = {"tag": "color_attr", "prompt": "a photo of a red ring and a blue star",
+              "include": [{"class": "ring", "count": 1, "color": "red"}, {"class": "star", "count": 1, "color": "blue"}]}
+    objects, background = scenes.sample_scene(record, rng)
+    assert [(shape, color) for shape, color, _ in objects] == [("ring", "red"), ("star", "blue")]
+    assert background in ("white", "black", "gray")
+    counting = {"tag": "counting", "prompt": "a photo of four crosses", "include": [{"class": "cross", "count": 4}],
+                "exclude": [{"class": "cross", "count": 5}]}
+    objects, _ = scenes.sample_scene(counting, rng)
+    boxes = [_box(coverage) for _, _, coverage in objects]
+    assert [shape for shape, _, _ in objects] == ["cross"] * 4
+    for (x1, y1, x2, y2) in boxes:
+        assert min(x1, y1) >= scenes.MARGIN and max(x2, y2) <= scenes.SCENE_SIZE - scenes.MARGIN
+    for a, b in permutations(boxes, 2):  # GAP px between any two boxes on one axis at least
+        assert a[2] + scenes.GAP <= b[0] or b[2] + scenes.GAP <= a[0] or a[3] + scenes.GAP <= b[1] \
+            or b[3] + scenes.GAP <= a[1]
+
+
+@pytest.mark.parametrize("relation", ["left of", "right of", "above", "below"])
+def test_a_position_scene_shows_only_the_asked_relation(relation):
+    rng = np.random.default_rng(1)
+    record = {"tag": "position", "prompt": f"a photo of a square {relation} a diamond",
+              "include": [{"class": "diamond", "count": 1}, {"class": "square", "count": 1, "position": [relation, 0]}]}
+    for _ in range(5):
+        objects, _ = scenes.sample_scene(record, rng)
+        (_, _, target), (_, _, subject) = objects
+        (ax1, ay1, ax2, ay2), (bx1, by1, bx2, by2) = _box(subject), _box(target)
+        # by hand: the subject's box centre against the target's, the larger offset says the relation
+        dx, dy = (ax1 + ax2 - bx1 - bx2) / 2, (ay1 + ay2 - by1 - by2) / 2
+        expected = ("left of" if dx < 0 else "right of") if abs(dx) > abs(dy) else ("above" if dy < 0 else "below")
+        assert expected == relation
+        assert relative_position(Detection(_box(subject), 1.0), Detection(_box(target), 1.0)) == {relation}
+
+
+def test_an_infeasible_scene_is_refused_after_its_capped_attempts():
+    crowd = {"tag": "counting", "prompt": "a photo of four stars", "include": [{"class": "star", "count": 4}]}
+    with pytest.raises(scenes.SceneInfeasible, match="four stars"):
+        scenes.sample_scene(crowd, np.random.default_rng(0), size=24)
+
+
+def test_the_detector_finds_every_held_out_scene_correct():
+    records = read_metadata(scenes.evaluation_prompts_path())[::5]  # 30 records, every tag
+    rng = np.random.default_rng(2)
+    images = np.stack([scenes.render_record(r, rng) for r in records])
+    results = GenEvalScorer(ShapesDetector(), ShapesColorClassifier()).score(images, records)
+    assert [r["reason"] for r in results if not r["correct"]] == []
+    assert all(r["partial_score"] == 1.0 for r in results)
+
+
+def test_the_shapes_world_keeps_its_three_shapes_and_108_prompts():
+    from ddpo_group.shapes import shapes_prompts
+
+    assert SHAPES == ("circle", "square", "triangle")
+    assert len(shapes_prompts()) == 108
+
+
+def test_pretraining_in_parts_gives_the_weights_of_one_run(tmp_path):
+    script = load_script("scripts/pretrain_tiny.py")
+    common = ["--world", "scenes", "--arch", "sd3", "--quick", "--dataset-size", "16"]
+    script.main(common + ["--output-dir", str(tmp_path / "one"), "--state-dir", str(tmp_path / "one_state")])
+    parts = ["--output-dir", str(tmp_path / "parts"), "--state-dir", str(tmp_path / "parts_state")]
+    stopped = script.main(common + parts + ["--stop-at-step", "2"])
+    assert "stopped" in stopped and not (tmp_path / "parts" / "model_index.json").exists()
+    log = script.main(common + parts)
+    from safetensors.torch import load_file
+
+    for part in ("transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
+                 "vae/diffusion_pytorch_model.safetensors"):
+        one, two = load_file(str(tmp_path / "one" / part)), load_file(str(tmp_path / "parts" / part))
+        assert all(torch.equal(one[k], two[k]) for k in one), part
+    assert set(log["evaluation"]["tags"]) == set(scenes.TAGS)
+    assert log["vae"]["steps"] == 3 and log["denoiser"]["steps"] == 3
+
+
+@pytest.mark.parametrize("name,directory", [("tiny-scenes-sd3", "tiny_scenes_sd3"), ("tiny-scenes", "tiny_scenes")])
+def test_a_shipped_scenes_model_loads_by_name_and_samples_64_px_scenes(name, directory):
+    path = os.path.join(ASSETS, directory)
+    if not os.path.exists(os.path.join(path, "model_index.json")):
+        pytest.skip(f"{name} is not shipped in this checkout")
+    weights = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
+                  if f.endswith(".safetensors"))
+    assert weights <= 10 * 2**20
+    with open(os.path.join(path, "pretrain_log.json")) as f:
+        log = json.load(f)
+    assert set(log["evaluation"]["tags"]) == set(scenes.TAGS)
+    assert log["evaluation"]["overall"] == pytest.approx(np.mean(list(log["evaluation"]["tags"].values())))
+    from ddpo_group.diffusion.policy import load_policy
+
+    policy = load_policy(name)
+    trajectories = policy.sample(["a photo of a red circle and a blue square"], num_steps=2, guidance_scale=4.5,
+                                 eta=1.0, generator=torch.Generator().manual_seed(0))
+    assert trajectories.images.shape == (1, 3, 64, 64)
+    assert math.isfinite(float(trajectories.images.sum()))
