@@ -212,6 +212,12 @@ def _scored(reward_fn, images, prompts, metadata, timeout, should_stop, **kwargs
         runner.shutdown(wait=False)  # a reward that never returns is left in its daemon thread
 
 
+def _tag_of(record) -> dict:
+    """{"tag": the record's tag} for a prompt record whose metadata has one (GenEval's), else {}."""
+    tag = record.metadata.get("tag")
+    return {"tag": tag} if isinstance(tag, str) else {}
+
+
 def tag_table(records, info) -> dict:
     """A protocol's table by tag from an evaluation's per-image verdicts: for every reward info key
     "<reward>/correct" (the geneval reward's GenEval verdicts) and records whose metadata have a "tag",
@@ -295,7 +301,8 @@ class Evaluator:
             grid = save_epoch_samples(
                 self.run_dir.path, epoch, result["images"], [p for p in result["grid_prompts"] for _ in range(per_image)],
                 result["rewards"][:kept].reshape(-1), None, per_image, max_rows=min(kept, config.eval_grid_prompts),
-                prefix="eval", record_fields=[{"prompt_index": i, "image_index": j} for i in range(kept) for j in range(per_image)],
+                prefix="eval", record_fields=[{"prompt_index": i, "image_index": j, **_tag_of(self.prompts[i])}
+                                             for i in range(kept) for j in range(per_image)],
                 extra={"final": final, "seed": config.eval_seed, "prompts": [r.prompt for r in self.prompts],
                        "rewards": result["rewards"].tolist(),
                        # per prompt and image, the rewards' info numbers: the report's per-prompt components

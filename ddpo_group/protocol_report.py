@@ -120,3 +120,87 @@ def protocol_tables_html(run_dir: str) -> str:
     parts += [f'<p class="leftout">Protocol results left out: {html.escape(path)} ({html.escape(why)})</p>'
               for path, why in left_out]
     return "\n".join(parts)
+
+
+def tag_evaluations_html(run_dir: str, per_tag: int = 4) -> str:
+    """The report's fragment of a run evaluated on tagged prompts (GenEval records, e.g. the scenes world's
+    held-out set): the table of eval/<reward>/<tag> over the run's evaluations (metrics.jsonl), and the first and
+    the last evaluation's images of `per_tag` prompts of each tag side by side (samples/eval_XXXX.json records
+    with a "tag"), each marked by its verdict where the evaluation logged one (reward_info "<reward>/correct").
+    "" for a run without tagged evaluations. Files outside the run directory are never read."""
+    import base64
+    import glob
+
+    from ddpo_group.report.run import inside_run
+
+    rows = []
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and inside_run(metrics, run_dir):
+        with open(metrics, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and any(k.startswith("eval/") and k.endswith("/overall") for k in row):
+                    rows.append(row)
+    if not rows:
+        return ""
+    reward = next(k for k in rows[-1] if k.startswith("eval/") and k.endswith("/overall"))[len("eval/"):-len("/overall")]
+    tags = [t for t in GENEVAL_TAGS if f"eval/{reward}/{t}" in rows[-1]]
+    header = "".join(f"<th>epoch {html.escape(str(row.get('epoch')))}</th>" for row in rows)
+    body = "".join(
+        f"<tr><td>{html.escape(name)}</td>" + "".join(f"<td>{_number(row.get(f'eval/{reward}/{name}'))}</td>" for row in rows)
+        + "</tr>" for name in tags + ["overall"])
+    parts = [f"<section><h2>Held-out evaluation by tag ({html.escape(reward)})</h2>",
+             f"<table><tr><th>tag</th>{header}</tr>{body}</table>"]
+    samples = os.path.join(run_dir, "samples")
+    documents = [d for d in sorted(glob.glob(os.path.join(samples, "eval_[0-9][0-9][0-9][0-9].json")))
+                 if inside_run(d, run_dir)]
+    loaded = []
+    for path in (documents[:1] + documents[-1:]) if len(documents) > 1 else []:
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded.append(json.load(f))
+        except (OSError, ValueError):
+            return "\n".join(parts) + "</section>"
+
+    def image(record):
+        rel = str(record.get("image", ""))
+        path = os.path.join(samples, rel)
+        if not rel or not inside_run(path, run_dir) or not os.path.isfile(path):
+            return '<span class="missing">not shown</span>'
+        with open(path, "rb") as f:
+            data = base64.b64encode(f.read()).decode("ascii")
+        return f'<img src="data:image/png;base64,{data}" style="width:96px;image-rendering:pixelated">'
+
+    def verdict(document, record):
+        values = (document.get("reward_info") or {}).get(f"{reward}/correct")
+        try:
+            value = values[record["prompt_index"]][record["image_index"]]
+        except (TypeError, KeyError, IndexError):
+            return ""
+        return " &#10003;" if value == 1 else " &#10007;" if value == 0 else ""
+
+    if len(loaded) == 2:
+        first, last = loaded
+        by_key = {(r.get("prompt_index"), r.get("image_index")): r for r in first.get("records", [])}
+        cells = []
+        for name in tags:
+            chosen = [r for r in last.get("records", []) if r.get("tag") == name and r.get("image_index") == 0]
+            for record in chosen[:per_tag]:
+                before = by_key.get((record.get("prompt_index"), 0))
+                if before is None:
+                    continue
+                cells.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(str(record.get('prompt', '')))}</td>"
+                             f"<td>{image(before)}{verdict(first, before)}</td>"
+                             f"<td>{image(record)}{verdict(last, record)}</td></tr>")
+        if cells:
+            parts.append(f"<h3>The same prompts and noise: epoch {html.escape(str(first.get('epoch')))} and epoch "
+                         f"{html.escape(str(last.get('epoch')))} (&#10003; correct by GenEval's rules)</h3>"
+                         f"<table><tr><th>tag</th><th>prompt</th><th>first</th><th>last</th></tr>{''.join(cells)}</table>")
+    return "\n".join(parts) + "</section>"
+
+
+def _number(value) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) and math.isfinite(value) else "-"

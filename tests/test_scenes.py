@@ -182,3 +182,43 @@ def test_a_shipped_scenes_model_loads_by_name_and_samples_64_px_scenes(name, dir
                                  eta=1.0, generator=torch.Generator().manual_seed(0))
     assert trajectories.images.shape == (1, 3, 64, 64)
     assert math.isfinite(float(trajectories.images.sum()))
+
+
+def test_an_evaluation_of_tagged_prompts_logs_genevals_table_by_tag():
+    from ddpo_group.evaluation import tag_table
+    from ddpo_group.prompts import PromptRecord
+
+    records = [PromptRecord("a", {"tag": "counting"}), PromptRecord("b", {"tag": "counting"}),
+               PromptRecord("c", {"tag": "position"})]
+    correct = np.array([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])  # (prompts, images)
+    table = tag_table(records, {"geneval/correct": correct, "geneval/partial_score": correct})
+    # by hand: counting 3 of 4 images, position 0 of 2, overall the unweighted mean of the two tags
+    assert table == {"eval/geneval/counting": 0.75, "eval/geneval/position": 0.0, "eval/geneval/overall": 0.375}
+    assert tag_table([PromptRecord("a", {}), PromptRecord("b", {})], {"geneval/correct": correct[:2]}) == {}
+
+
+def test_the_report_shows_a_tagged_evaluation_by_tag_first_and_last(tmp_path):
+    from PIL import Image
+
+    from ddpo_group.protocol_report import tag_evaluations_html
+
+    run = tmp_path / "run"
+    (run / "samples" / "eval_0000").mkdir(parents=True)
+    (run / "samples" / "eval_0040").mkdir(parents=True)
+    rows = [{"epoch": 0, "eval/geneval/counting": 0.25, "eval/geneval/position": 0.0, "eval/geneval/overall": 0.125},
+            {"epoch": 40, "eval/geneval/counting": 0.75, "eval/geneval/position": 0.5, "eval/geneval/overall": 0.625}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for epoch, verdicts in ((0, [[0.0], [1.0]]), (40, [[1.0], [1.0]])):
+        records = []
+        for i, (prompt, tag) in enumerate((("a photo of two rings", "counting"), ("a photo of a star above a cross", "position"))):
+            Image.new("RGB", (8, 8), (255, 0, 0)).save(run / "samples" / f"eval_{epoch:04d}" / f"{i:03d}.png")
+            records.append({"prompt": prompt, "tag": tag, "image": f"eval_{epoch:04d}/{i:03d}.png", "prompt_index": i,
+                            "image_index": 0})
+        (run / "samples" / f"eval_{epoch:04d}.json").write_text(json.dumps(
+            {"epoch": epoch, "records": records, "reward_info": {"geneval/correct": verdicts}}))
+    html = tag_evaluations_html(str(run))
+    assert "Held-out evaluation by tag" in html
+    assert "<td>counting</td><td>0.250</td><td>0.750</td>" in html and "<td>overall</td><td>0.125</td><td>0.625</td>" in html
+    assert html.count("data:image/png;base64,") == 4  # two prompts, first and last
+    assert "a photo of a star above a cross" in html and "&#10007;" in html and "&#10003;" in html
+    assert tag_evaluations_html(str(tmp_path / "nothing")) == ""

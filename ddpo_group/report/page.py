@@ -26,7 +26,7 @@ from typing import Sequence
 from ddpo_group.edit_sources import edit_pairs_html
 from ddpo_group.grids import video_samples_html
 from ddpo_group.hacking import hacking_section
-from ddpo_group.protocol_report import protocol_tables_html
+from ddpo_group.protocol_report import protocol_tables_html, tag_evaluations_html
 from ddpo_group.report.compare import paired_evaluation, prompt_means_table
 from ddpo_group.report.figures import (
     STEP_LABELS,
@@ -330,7 +330,7 @@ def _task_sections(runs) -> str:
     (grids.video_samples_html) and the source -> edited pairs of an editing run (edit_sources.edit_pairs_html)."""
     parts = []
     for run in runs:
-        fragments = [protocol_tables_html(str(run.path)), video_samples_html(run.path),
+        fragments = [protocol_tables_html(str(run.path)), tag_evaluations_html(str(run.path)), video_samples_html(run.path),
                      video_samples_html(run.path, prefix="eval"), edit_pairs_html(str(run.path))]
         fragments = [fragment for fragment in fragments if fragment]
         if fragments and len(runs) > 1:
