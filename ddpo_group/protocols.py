@@ -81,11 +81,12 @@ class GenEvalProtocol:
     images_per_prompt = 4
 
     def __init__(self, device=None, **options):
-        from ddpo_group.rewards.geneval.reward import check_options
-
         options.pop("score", None)
+        # the reward class's own option check, found through the registry (this module imports no reward module)
+        check_options = getattr(resolve_reward("geneval"), "check_options", None)
         try:
-            check_options(options, protocol=True)  # named as the option it came from, before any model loads
+            if check_options is not None:
+                check_options(options, protocol=True)  # named as the option it came from, before any model loads
         except ValueError as err:
             raise ProtocolError(f"protocol 'geneval': {err}") from None
         self.reward = _registered_reward(self.name, "geneval", device, options)

@@ -113,6 +113,8 @@ def jpeg_roundtrip(images: np.ndarray, quality: int) -> np.ndarray:
 class GenEvalReward:
     """GenEval reward (module docstring): (B, 3, H, W) in [0, 1] -> (float64 (B,), info)."""
 
+    check_options = staticmethod(check_options)  # the protocol finds it through the registry
+
     def __init__(self, score: str = "partial", detector: str = "mask2former", detector_model: str = MASK2FORMER_MODEL,
                  clip_model: str = CLIP_MODEL, clip_tokenizer=None, threshold: float = THRESHOLD,
                  counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
