@@ -150,7 +150,7 @@ def tag_evaluations_html(run_dir: str, per_tag: int = 4) -> str:
     tags = [t for t in GENEVAL_TAGS if f"eval/{reward}/{t}" in rows[-1]]
     header = "".join(f"<th>epoch {html.escape(str(row.get('epoch')))}</th>" for row in rows)
     body = "".join(
-        f"<tr><td>{html.escape(name)}</td>" + "".join(f"<td>{_number(row.get(f'eval/{reward}/{name}'))}</td>" for row in rows)
+        f"<tr><td>{html.escape(name)}</td>" + "".join(f"<td>{_score_text(row.get(f'eval/{reward}/{name}'))}</td>" for row in rows)
         + "</tr>" for name in tags + ["overall"])
     parts = [f"<section><h2>Held-out evaluation by tag ({html.escape(reward)})</h2>",
              f"<table><tr><th>tag</th>{header}</tr>{body}</table>"]
@@ -202,5 +202,11 @@ def tag_evaluations_html(run_dir: str, per_tag: int = 4) -> str:
     return "\n".join(parts) + "</section>"
 
 
-def _number(value) -> str:
-    return f"{value:.3f}" if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+def _score_text(value) -> str:
+    """A table cell's score: three decimals, "-" for anything that is not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    try:
+        return f"{float(value):.3f}" if math.isfinite(float(value)) else "-"
+    except OverflowError:
+        return "-"
