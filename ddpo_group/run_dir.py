@@ -699,6 +699,10 @@ def _remove_written(run_dir, folder, kept):
         entry = os.path.join(path, name)
         is_dir = os.path.isdir(entry) and not os.path.islink(entry)
         verdict = _run_writes(folder, name, is_dir)
+        if os.path.islink(entry) and (verdict or _run_writes(folder, name, True) is not False):
+            # a link at a name the run writes: kept, the new run would write through it, outside the run directory;
+            # the link goes (never what it points to)
+            verdict = True
         if verdict is None:
             _remove_written(run_dir, f"{folder}/{name}", kept)
         elif verdict:

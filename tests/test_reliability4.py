@@ -172,6 +172,29 @@ def test_overwrite_keeps_and_names_the_files_a_user_put_inside_samples_and_check
         assert name in notes[0]
 
 
+def test_overwrite_never_leaves_a_link_where_the_new_run_writes(tmp_path):
+    """The re-audit's case: samples/epoch_0000 a link out of the run was kept as "not written by a run", and the new
+    run wrote its images through it, outside the run directory. The link goes; what it points to stays untouched."""
+    from ddpo_group.run_dir import RunDir
+    from helpers import make_config
+
+    run_dir = _started_run(tmp_path)
+    run = Path(run_dir.path)
+    run_dir.append_metrics({"epoch": 0})
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "000.png").write_bytes(b"not the run's")
+    (run / "samples").mkdir(exist_ok=True)
+    os.symlink(outside, run / "samples" / "epoch_0000")
+    os.symlink(outside / "000.png", run / "samples" / "epoch_0001.png")
+    run_dir.release()
+    again, config = RunDir.resolve(make_config(tmp_path, overwrite=True))
+    again.start(config, first_epoch=0)
+    again.release()
+    assert not os.path.lexists(run / "samples" / "epoch_0000") and not os.path.lexists(run / "samples" / "epoch_0001.png")
+    assert sorted(os.listdir(outside)) == ["000.png"] and (outside / "000.png").read_bytes() == b"not the run's"
+
+
 @pytest.mark.parametrize("mark", ["copied", "older version"])
 def test_overwrite_refuses_a_folder_whose_mark_did_not_write_its_config(tmp_path, mark):
     from ddpo_group.config_check import ConfigError
