@@ -42,6 +42,9 @@ def read_protocol_results(run_dir: str, left_out: list | None = None) -> dict[st
             if os.path.commonpath([real_run, os.path.realpath(path)]) != real_run:
                 left_out.append((relative, "outside the run directory"))
                 continue
+            if not os.path.isfile(path):  # a FIFO or a device: reading it could block forever
+                left_out.append((relative, "not a regular file"))
+                continue
             try:
                 with open(path, encoding="utf-8") as f:
                     summary = json.load(f)

@@ -319,3 +319,25 @@ def test_a_run_named_with_dollar_signs_gets_its_report(tmp_path, capsys):
     assert "a$b$c" in report and "$x^2$ a red circle" in report and "g$\\foo$" in report
     assert inspect_main([str(run), "--compare", str(other)]) == 0, capsys.readouterr().err
     assert "v$_$w" in (run / "report_vs_x$^$y.html").read_text()
+
+
+@pytest.mark.parametrize("name", ["samples/epoch_0001.png", "samples/epoch_0001.json",
+                                  "checkpoints/checkpoint_1/evaluation.json",
+                                  "checkpoints/checkpoint_1/protocol_geneval.json"])
+def test_the_report_never_blocks_on_a_fifo_inside_the_run(tmp_path, name):
+    """The re-audit's cases 2, 3: a named pipe where the report reads a file made it wait forever."""
+    import subprocess
+    import sys
+
+    from ddpo_group.report.run import inside_run
+
+    run = tmp_path / "run"
+    (run / Path(name).parent).mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"epoch": 0, "reward_mean": 0.5}\n')
+    (run / "config.json").write_text("{}")
+    os.mkfifo(run / name)
+    assert not inside_run(run / name, run)
+    code = f"from ddpo_group.inspect import write_report; write_report({str(run)!r})"
+    done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (run / "report.html").is_file()

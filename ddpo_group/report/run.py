@@ -316,9 +316,13 @@ def inside_run(path: str | os.PathLike, run_dir: str | os.PathLike) -> bool:
 
 def _inside(path: Path, root: Path) -> bool:
     """Whether `path` resolves to a place inside `root` (a resolved path); a link loop or a link that cannot be
-    resolved is not inside."""
+    resolved is not inside, nor is a FIFO, socket or device (reading one blocks or never ends: the report reads
+    regular files and folders only)."""
     try:
-        return path.resolve().is_relative_to(root)
+        resolved = path.resolve()
+        if resolved.exists() and not (resolved.is_file() or resolved.is_dir()):
+            return False
+        return resolved.is_relative_to(root)
     except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13); OSError from 3.13 on
         return False
 
