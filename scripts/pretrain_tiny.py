@@ -440,7 +440,7 @@ def _scenes_data(args, state_dir, pipeline):
 
 def _load_state(state_dir):
     path = os.path.join(state_dir, "state.pt")
-    return torch.load(path, weights_only=False) if os.path.exists(path) else None
+    return torch.load(path, weights_only=True) if os.path.exists(path) else None
 
 
 def _train_scenes_vae(pipeline, images, args, state_dir, deadline) -> dict:
@@ -638,7 +638,7 @@ def _pretrain_scenes(args) -> dict:
             vae_stats = _train_scenes_vae(pipeline, images, args, state_dir, deadline)
         latents_path = os.path.join(state_dir, "latents.pt")
         if os.path.exists(latents_path) and state is not None and state["stage"] == "denoiser":
-            latent_mean, latent_std = torch.load(latents_path)
+            latent_mean, latent_std = torch.load(latents_path, weights_only=True)
         else:
             latent_mean, latent_std = _scenes_latents(pipeline.vae, images)
             atomic_save((latent_mean, latent_std), latents_path)
