@@ -155,6 +155,23 @@ def ema_update(ema_params, params, decay: float, step: int) -> None:
         ema.mul_(d).add_(p.detach(), alpha=1 - d)
 
 
+def vae_step(vae, posterior, x, optimizer, scheduler, kl_weight, generator, smooth) -> None:
+    """One step of stage 1 on the batch x and its posterior q(z | x) (module docstring's L_vae), gradients clipped
+    to norm 1; `smooth` (a dict) gets the moving averages of "loss", "mse" and "kl"."""
+    z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+    reconstruction = vae.decode(z).sample
+    mse = F.mse_loss(reconstruction, x)
+    kl = posterior.kl().mean() / z[0].numel()
+    loss = mse + kl_weight * kl
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    for key, value in (("loss", loss.item()), ("mse", mse.item()), ("kl", kl.item())):
+        smooth[key] = value if key not in smooth else 0.98 * smooth[key] + 0.02 * value
+
+
 def train_vae(vae, images: torch.Tensor, args, generator: torch.Generator) -> dict:
     """Stage 1; images (N, 3, H, W) in [-1, 1]. Returns {"loss", "mse", "kl", "seconds", "steps"}."""
     vae.train()
@@ -167,18 +184,7 @@ def train_vae(vae, images: torch.Tensor, args, generator: torch.Generator) -> di
         idx = torch.randint(0, images.shape[0], (args.vae_batch_size,), generator=generator)
         x = images[idx]
         posterior = vae.encode(x).latent_dist
-        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
-        reconstruction = vae.decode(z).sample
-        mse = F.mse_loss(reconstruction, x)
-        kl = posterior.kl().mean() / z[0].numel()
-        loss = mse + args.kl_weight * kl
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        for key, value in (("loss", loss.item()), ("mse", mse.item()), ("kl", kl.item())):
-            smooth[key] = value if key not in smooth else 0.98 * smooth[key] + 0.02 * value
+        vae_step(vae, posterior, x, optimizer, scheduler, args.kl_weight, generator, smooth)
         progress.set_postfix(mse=f"{smooth['mse']:.4f}", kl=f"{smooth['kl']:.2f}", refresh=False)
     vae.eval()
     return {**smooth, "seconds": time.time() - start, "steps": args.vae_steps}
@@ -477,18 +483,7 @@ def _train_scenes_vae(pipeline, images, args, state_dir, deadline) -> dict:
         top, left = (int(v) for v in torch.randint(0, size - crop + 1, (2,), generator=generator))
         x = torch.from_numpy(images[idx.numpy()][:, top : top + crop, left : left + crop]).permute(0, 3, 1, 2)
         x = x.float() / 127.5 - 1.0
-        posterior = vae.encode(x).latent_dist
-        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
-        mse = F.mse_loss(vae.decode(z).sample, x)
-        kl = posterior.kl().mean() / z[0].numel()
-        loss = mse + args.kl_weight * kl
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        for key, value in (("loss", loss.item()), ("mse", mse.item()), ("kl", kl.item())):
-            smooth[key] = value if key not in smooth else 0.98 * smooth[key] + 0.02 * value
+        vae_step(vae, vae.encode(x).latent_dist, x, optimizer, scheduler, args.kl_weight, generator, smooth)
         progress.set_postfix(mse=f"{smooth['mse']:.4f}", refresh=False)
         if (step + 1) % args.checkpoint_every == 0:
             save(step + 1)
