@@ -88,6 +88,7 @@ def _algorithm2(config):
 
 def _nft(config):
     config = _grpo_helpers()._diffusion_nft(config, weighting="uniform")
+    config.train.skip_last_steps = 0  # a forward-process objective trains no trajectory step
     config.train.use_reference_model = config.train.use_kl_loss = False
     config.train.beta = 0.0
     return config
@@ -95,6 +96,7 @@ def _nft(config):
 
 def _awm(config):
     config.train.objective = "awm"
+    config.train.skip_last_steps = 0  # a forward-process objective trains no trajectory step
     config.train.use_reference_model = config.train.use_kl_loss = False
     config.train.beta = 0.0
     config.forward.num_timesteps = 4
