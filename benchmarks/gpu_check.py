@@ -87,8 +87,8 @@ from ddpo_group.diffusion.base import configure_from_sample  # noqa: E402
 from ddpo_group.diffusion.flux import FLUX_DEV_TRANSFORMER, register_random_flux  # noqa: E402
 from ddpo_group.diffusion.policy import load_policy  # noqa: E402
 from ddpo_group.diffusion.sampling import sample_trajectories  # noqa: E402
-from ddpo_group.run_dir import write_json_atomic  # noqa: E402
-from ddpo_group.trainer import train  # noqa: E402
+from ddpo_group.runs.run_dir import write_json_atomic  # noqa: E402
+from ddpo_group.training.trainer import train  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ALGORITHMS = ("grpo", "ddpo", "group_ppo", "group_ppo_alg2", "nft", "awm")

@@ -125,7 +125,7 @@ def _override_fields(argv: Sequence[str]) -> list[str]:
 
 def _unknown_override(fields: Sequence[str]) -> str | None:
     """A one-line error for the first override that names no config field, else None."""
-    from ddpo_group.config_check import FREE_FORM_FIELDS, closest_field, field_paths, load_base_config
+    from ddpo_group.config.check import FREE_FORM_FIELDS, closest_field, field_paths, load_base_config
 
     base = load_base_config()
     known = set(field_paths(base))
@@ -142,7 +142,7 @@ def _unknown_override(fields: Sequence[str]) -> str | None:
 
 def one_line(err: BaseException) -> str:
     """An exception as one line: its message, with the type for errors that are not the library's own."""
-    from ddpo_group.config_check import ConfigError
+    from ddpo_group.config.check import ConfigError
 
     text = " ".join(str(err).split()) or type(err).__name__
     own = isinstance(err, ConfigError) or type(err).__name__ in (
@@ -297,7 +297,7 @@ def _config_file_problem(config, file: str) -> str | None:
     top-level field of the base config; None when it is."""
     import ml_collections
 
-    from ddpo_group.config_check import load_base_config
+    from ddpo_group.config.check import load_base_config
 
     if not isinstance(config, ml_collections.ConfigDict):
         return f"config file {file!r}: get_config returned a {type(config).__name__}, not a ConfigDict; {GET_CONFIG_CONTRACT}"
@@ -344,7 +344,7 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     from ml_collections import config_flags
 
     from ddpo_group.config import grpo
-    from ddpo_group.run_control import end_with_launcher
+    from ddpo_group.runs.run_control import end_with_launcher
 
     end_with_launcher()  # a launcher stopped before the run's own signal handling starts (models loading) ends it
     cpu_threads()
@@ -362,7 +362,7 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     def main(_):
         import json
 
-        from ddpo_group.trainer import STOPPED_FILE, train
+        from ddpo_group.training.trainer import STOPPED_FILE, train
 
         file = _user_config_file(argv[1:])
         problem = _config_file_problem(flags.FLAGS.config, file) if file else None

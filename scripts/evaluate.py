@@ -4,7 +4,7 @@
     .venv/bin/python scripts/evaluate.py --checkpoint runs/NAME/checkpoints/checkpoint_60
     .venv/bin/python scripts/evaluate.py --checkpoint runs/NAME          # its latest checkpoint
 
-An evaluation protocol (ddpo_group/protocols.py) scores with a benchmark's own rules and writes its table:
+An evaluation protocol (ddpo_group/evaluation/protocols.py) scores with a benchmark's own rules and writes its table:
 
     .venv/bin/python scripts/evaluate.py --protocol geneval --model tiny-shapes --prompts geneval_shapes_squares.jsonl \
         --protocol-option detector=shapes
@@ -16,7 +16,7 @@ It prints the table (GenEval: per tag, overall, % correct images / prompts) and 
 
 A checkpoint is read with the settings of its run (config.json beside checkpoints/): its prompts,
 reward, steps, guidance, eta and evaluation seed and images per prompt, unless a flag says otherwise.
-The evaluation is ddpo_group.evaluation's, the one the trainer logs as eval/reward_mean: image j
+The evaluation is ddpo_group.evaluation.evaluator's, the one the trainer logs as eval/reward_mean: image j
 of prompt i starts from the same noise in every evaluation, so two models compare directly.
 Prints a summary and writes JSON (evaluation.json beside a checkpoint; a checkpoint that its live run pruned during
 the evaluation: RUN_DIR/checkpoint_N_evaluation.json). --output is a new file or an earlier output of this script,
@@ -71,7 +71,7 @@ def _finite_float(text):
 
 def _images_per_prompt(text):
     """--images-per-prompt: as the training config's eval_images_per_prompt, 1 to MAX_EVAL_IMAGES_PER_PROMPT."""
-    from ddpo_group.config_check import MAX_EVAL_IMAGES_PER_PROMPT
+    from ddpo_group.config.check import MAX_EVAL_IMAGES_PER_PROMPT
 
     value = _positive_int(text)
     if value > MAX_EVAL_IMAGES_PER_PROMPT:
@@ -94,7 +94,7 @@ def _seconds(text):
 def reward_timeout(args, run):
     """The seconds a batch's reward may take: --reward-timeout, else the run's config.reward_timeout, else the
     training config's default; None: no limit (0)."""
-    from ddpo_group.config_check import load_base_config
+    from ddpo_group.config.check import load_base_config
 
     if args.reward_timeout is not None:
         seconds = args.reward_timeout
@@ -153,8 +153,8 @@ def check_output(output, protocol=False):
     """--output, before any model loads: a file in an existing directory that is new or an earlier output of this
     script (replaced; with --protocol the per-image results file beside it too). Never a directory, another file,
     nor a run's own file (config.json, metrics.jsonl, ...: a run directory's entries). EvaluateError naming it."""
-    from ddpo_group.protocols import results_path
-    from ddpo_group.run_dir import RUN_ENTRIES, RUN_MARKERS
+    from ddpo_group.evaluation.protocols import results_path
+    from ddpo_group.runs.run_dir import RUN_ENTRIES, RUN_MARKERS
 
     folder = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(folder):
@@ -254,10 +254,10 @@ def main(argv=None):
 
     from ddpo_group.cli import cpu_threads
     from ddpo_group.diffusion.policy import load_policy
-    from ddpo_group.evaluation import evaluate
-    from ddpo_group.prompts import load_prompts
+    from ddpo_group.evaluation.evaluator import evaluate
+    from ddpo_group.data.prompts import load_prompts
     from ddpo_group.rewards import build_reward_fn
-    from ddpo_group.run_dir import write_json_atomic
+    from ddpo_group.runs.run_dir import write_json_atomic
 
     threads = cpu_threads()  # one thread per process (or $OMP_NUM_THREADS), as scripts/train.py under accelerate launch
     if args.output:
@@ -332,7 +332,7 @@ def main(argv=None):
 def evaluate_protocol(args):
     """--protocol NAME: the protocol's records, models and images, its table printed and written (module docstring).
     Every input is checked (records, reward options, paths) before any model loads."""
-    from ddpo_group.protocols import ProtocolError
+    from ddpo_group.evaluation.protocols import ProtocolError
     from ddpo_group.rewards.geneval.metadata import GenEvalFormatError
 
     try:
@@ -345,7 +345,7 @@ def _evaluate_protocol(args):
     import torch
 
     from ddpo_group.cli import cpu_threads
-    from ddpo_group.protocols import (
+    from ddpo_group.evaluation.protocols import (
         check_new_folder,
         get_protocol,
         parse_options,

@@ -5,7 +5,7 @@
 
 The architecture is ``ddpo_group.diffusion.tiny.build_tiny_pipeline`` (32x32 images,
 VAE scale factor 4, 4x8x8 latents, ~0.8M-parameter UNet, tiny CLIP text encoder). Data
-are (image, prompt) pairs rendered by ``ddpo_group.shapes.sample_dataset``.
+are (image, prompt) pairs rendered by ``ddpo_group.data.shapes.sample_dataset``.
 
 Stage 1, the VAE as an autoencoder: x in [-1, 1], z ~ q(z | x) = N(mu, sigma^2),
 
@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ddpo_group.diffusion.tiny import build_tiny_pipeline  # noqa: E402
 from ddpo_group.rewards.shapes import shapes_alignment  # noqa: E402
-from ddpo_group.shapes import sample_dataset, shapes_prompts  # noqa: E402
+from ddpo_group.data.shapes import sample_dataset, shapes_prompts  # noqa: E402
 
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS_DIR = os.path.join(ROOT_DIR, "ddpo_group", "assets")
@@ -428,7 +428,7 @@ def _scenes_paths(args):
 
 def _scenes_data(args, state_dir, pipeline):
     """(images uint8 (N, 64, 64, 3), prompt rows (N,), unique prompts): rendered once, cached in the state dir."""
-    from ddpo_group.scenes import sample_dataset
+    from ddpo_group.data.scenes import sample_dataset
 
     path = os.path.join(state_dir, "data.npz")
     if os.path.exists(path):
@@ -576,7 +576,7 @@ def evaluate_scenes(pipeline, args) -> dict:
     from ddpo_group.rewards.geneval.metadata import read_metadata
     from ddpo_group.rewards.geneval.protocol import GenEvalScorer, format_table, summarize
     from ddpo_group.rewards.geneval.shapes_scenes import ShapesColorClassifier, ShapesDetector
-    from ddpo_group.scenes import evaluation_prompts_path
+    from ddpo_group.data.scenes import evaluation_prompts_path
 
     records = [r for r in read_metadata(evaluation_prompts_path()) for _ in range(args.eval_images_per_prompt)]
     generator = torch.Generator().manual_seed(args.seed + 2)
@@ -603,7 +603,7 @@ def evaluate_scenes(pipeline, args) -> dict:
 
 def _pretrain_scenes(args) -> dict:
     from ddpo_group.diffusion.tiny import build_tiny_scenes_pipeline
-    from ddpo_group.scenes import SCENE_WORDS
+    from ddpo_group.data.scenes import SCENE_WORDS
 
     output_dir, state_dir = _scenes_paths(args)
     os.makedirs(state_dir, exist_ok=True)

@@ -193,7 +193,7 @@ def test_scenes_main_jobs_train_on_generated_prompts_and_evaluate_on_the_held_ou
     assert config.pretrained.model == model
     assert config.reward_fn == "geneval" and dict(config.reward_kwargs["geneval"]) == {"detector": "shapes",
                                                                                         "score": "partial"}
-    assert config.prompt_fn == "ddpo_group.scenes:scene_training_prompts"
+    assert config.prompt_fn == "ddpo_group.data.scenes:scene_training_prompts"
     assert config.eval_prompt_fn == "geneval_scenes.jsonl" and config.eval_freq > 0
     # the two differ only by the model and what its family samples and trains with
     flow, unet = flat(grpo.get_config("tiny_scenes")), flat(grpo.get_config("tiny_scenes_sd"))

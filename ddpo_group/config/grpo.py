@@ -837,7 +837,7 @@ def tiny_scenes():
     config.pretrained.model = "tiny-scenes-sd3"
     config.reward_fn = "geneval"
     config.reward_kwargs["geneval"] = {"detector": "shapes", "score": "partial"}
-    config.prompt_fn = "ddpo_group.scenes:scene_training_prompts"
+    config.prompt_fn = "ddpo_group.data.scenes:scene_training_prompts"
     config.prompt_fn_kwargs = {"n_per_tag": 100, "seed": 0}
     config.eval_prompt_fn = "geneval_scenes.jsonl"
     config.eval_freq = 10

@@ -44,7 +44,7 @@ def family_for_model(model, revision=None):
         with open(os.path.join(path, "model_index.json")) as f:
             class_name = json.load(f).get("_class_name")
     elif not os.path.exists(path) and not str(model).startswith((".", "/", "~")) and str(model).count("/") == 1:
-        from ddpo_group.hub import check_hub
+        from ddpo_group.diffusion.hub import check_hub
 
         check_hub(str(model), "config.pretrained.model")  # the first time the hub is asked: a bounded wait
         try:

@@ -15,7 +15,7 @@ The same class holds the lagged sampling ("old") model of the forward-process ob
 adapter weights only), moved towards the policy by ``mixup(alpha)`` with the method's schedule.
 
 Under ``train.sharding="fsdp2"`` the copy is a frozen module of its own (``sharded_copy``), sharded exactly as
-the policy (ddpo_group/sharding.py): its parameters and the policy's are DTensors with the same placements,
+the policy (ddpo_group/training/sharding.py): its parameters and the policy's are DTensors with the same placements,
 so the mixup runs shard by shard on each process with no communication, and the copy is written with the
 sharded checkpoint, not as a safetensors file.
 """

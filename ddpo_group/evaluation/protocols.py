@@ -18,7 +18,7 @@ built (so a reward added by another module is found by name):
 A new protocol: a class with ``load_records``, ``check_ready``, ``score(images, records) -> [dict]``,
 ``summarize(results) -> dict``, ``format(summary) -> str``, registered with ``register_protocol(name, factory)``.
 
-Images are sampled with the fixed noise of ``ddpo_group.evaluation`` (image j of prompt i from the generator
+Images are sampled with the fixed noise of ``ddpo_group.evaluation.evaluator`` (image j of prompt i from the generator
 seeded by (seed, i, j)), so a protocol's "before" and "after" of a run differ only by the weights; or read from
 a folder in GenEval's layout (``score_folder``), the layout ``save_geneval_folder`` writes for GenEval's own
 scripts (the official numbers, docs/geneval.md).
@@ -34,12 +34,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ddpo_group.evaluation import not_finite_error, sample_generator
-from ddpo_group.prompts import PromptRecord, load_prompts
+from ddpo_group.evaluation.evaluator import not_finite_error, sample_generator
+from ddpo_group.data.prompts import PromptRecord, load_prompts
 from ddpo_group.rewards.geneval.metadata import GenEvalFormatError, check_record, check_vocabulary, read_metadata
 from ddpo_group.rewards.geneval.protocol import format_table, summarize
 from ddpo_group.rewards.registry import get_reward, list_rewards, resolve_reward
-from ddpo_group.run_dir import write_json_atomic
+from ddpo_group.runs.run_dir import write_json_atomic
 
 PROTOCOLS: dict[str, Callable] = {}
 
@@ -186,7 +186,7 @@ register_protocol("ocr", lambda device=None, **options: RewardMeanProtocol("ocr"
 @torch.no_grad()
 def score_policy(protocol, policy, records, images_per_prompt, num_steps, guidance_scale, eta, seed=1234,
                  batch_size=32, keep_images=False):
-    """Per-image results of `images_per_prompt` fixed-noise images of every record (ddpo_group.evaluation's
+    """Per-image results of `images_per_prompt` fixed-noise images of every record (ddpo_group.evaluation.evaluator's
     noise), each with "prompt_index" and "image_index"; with keep_images, also the images (P, J, H, W, 3) uint8.
     Images that are not finite stop it (SamplesNotFiniteError naming the first), as they stop training."""
     pairs = [(i, j) for i in range(len(records)) for j in range(images_per_prompt)]

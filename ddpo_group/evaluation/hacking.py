@@ -194,7 +194,7 @@ def hacking_section(runs) -> str:
         return "\n".join(parts)
     parts.append(f"<p>Divergence: the proxy (training reward, eval/reward_mean) at least {MARGIN:g} of its first "
                  f"evaluation's per-image std above its first evaluation while a gold reward is at least {MARGIN:g} "
-                 "of its own first std below its best evaluation so far (ddpo_group/hacking.py).</p>")
+                 "of its own first std below its best evaluation so far (ddpo_group/evaluation/hacking.py).</p>")
     for name in names:
         uri = "data:image/png;base64," + base64.b64encode(plot_proxy_vs_gold(runs, name)).decode("ascii")
         parts.append(f'<img class="plot" src="{uri}" alt="proxy vs gold {e(name)}">')

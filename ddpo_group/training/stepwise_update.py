@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ddpo_group.algos.losses import agg_loss, gaussian_kl, kl_penalty
 from ddpo_group.algos.stepwise import column_loss, grpo_loss
-from ddpo_group.diagnostics import GradShare, StepAccumulator
+from ddpo_group.training.diagnostics import GradShare, StepAccumulator
 
 
 @dataclasses.dataclass

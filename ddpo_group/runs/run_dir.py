@@ -45,10 +45,10 @@ import ml_collections
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from ddpo_group.config_check import FREE_FORM_FIELDS, ConfigError, load_base_config
-from ddpo_group.hacking import gold_specs
-from ddpo_group.inspect import read_metrics
-from ddpo_group.prompts import BUILTIN_PROMPT_SETS
+from ddpo_group.config.check import FREE_FORM_FIELDS, ConfigError, load_base_config
+from ddpo_group.evaluation.hacking import gold_specs
+from ddpo_group.report.inspect import read_metrics
+from ddpo_group.data.prompts import BUILTIN_PROMPT_SETS
 
 logger = logging.getLogger("ddpo_group")
 
@@ -253,7 +253,7 @@ class RunDir:
         except Exception as err:
             broken = _unreadable_checkpoint_file(checkpoint)
             if not broken and sharded is not None:
-                from ddpo_group.sharding import unreadable_sharded_file
+                from ddpo_group.training.sharding import unreadable_sharded_file
 
                 broken = unreadable_sharded_file(checkpoint)
             if broken:
@@ -311,7 +311,7 @@ class RunDir:
         acc.register_load_state_pre_hook(load_hook)
 
 
-# ---- sharded checkpoints (train.sharding="fsdp2", ddpo_group/sharding.py) ---------------------------------------
+# ---- sharded checkpoints (train.sharding="fsdp2", ddpo_group/training/sharding.py) ---------------------------------------
 # Kept in this block of its own: the sharded state is written and read by every process through
 # torch.distributed.checkpoint (ShardedState.save / load), beside Accelerate's state of the same checkpoint.
 
@@ -326,7 +326,7 @@ def save_sharded(directory, sharded, export=False):
 
 def check_sharded_checkpoint(checkpoint, sharded):
     """CheckpointError in one line when the checkpoint's sharding and the run's differ."""
-    from ddpo_group.sharding import SHARDED_META
+    from ddpo_group.training.sharding import SHARDED_META
 
     written_sharded = os.path.exists(os.path.join(checkpoint, SHARDED_META))
     if written_sharded and sharded is None:

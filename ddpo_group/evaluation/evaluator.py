@@ -14,12 +14,12 @@ results are gathered (every process gets the whole result); grid images stay on 
 
 The trainer's evaluation phase is an `Evaluator`: it evaluates the current weights on the config's
 evaluation prompts into the epoch's metrics (eval/*) and writes the fixed grid samples/eval_XXXX.png with
-samples/eval_XXXX.json (ddpo_group.grids: each image's prompt, reward, prompt_index and image_index, and the
+samples/eval_XXXX.json (ddpo_group.runs.grids: each image's prompt, reward, prompt_index and image_index, and the
 document's seed, prompts and (P, J) rewards). The final evaluation (the trainer's eval_only row, the final
 weights) keeps the images of more prompts than the grid's (FINAL_IMAGE_PROMPTS, all of a small prompt set) and
 marks its JSON "final": the report's best and worst samples come from it.
 With `config.eval_rewards` it also scores the same images with those evaluation-only ("gold") rewards
-(eval/gold/<name>_mean, _std) and flags the proxy rising while a gold falls (ddpo_group/hacking.py).
+(eval/gold/<name>_mean, _std) and flags the proxy rising while a gold falls (ddpo_group/evaluation/hacking.py).
 """
 
 import logging
@@ -29,14 +29,14 @@ import time
 import numpy as np
 import torch
 
-from ddpo_group.config_check import load_config_prompts
-from ddpo_group.edit_sources import reward_metadata, source_images
-from ddpo_group.grids import save_epoch_samples
-from ddpo_group.hacking import PROXY_KEY, describe, gold_key, gold_names, gold_specs
+from ddpo_group.config.check import load_config_prompts
+from ddpo_group.data.edit_sources import reward_metadata, source_images
+from ddpo_group.runs.grids import save_epoch_samples
+from ddpo_group.evaluation.hacking import PROXY_KEY, describe, gold_key, gold_names, gold_specs
 from ddpo_group.report.run import read_metrics
 from ddpo_group.rewards import AsyncRewardRunner, build_reward_fn
-from ddpo_group.rollout import SamplesNotFiniteError
-from ddpo_group.run_dir import METRICS_FILE
+from ddpo_group.training.rollout import SamplesNotFiniteError
+from ddpo_group.runs.run_dir import METRICS_FILE
 
 logger = logging.getLogger("ddpo_group")
 # The final evaluation keeps the images of the first max(eval_grid_prompts, this many) prompts for the report (held
@@ -339,7 +339,7 @@ class Evaluator:
         return gold[-1] - gold[0]
 
     def _divergence(self, epoch, metrics):
-        """Apply the divergence rule (ddpo_group/hacking.py) to the evaluations so far and this one: writes
+        """Apply the divergence rule (ddpo_group/evaluation/hacking.py) to the evaluations so far and this one: writes
         eval/gold/<name>_diverged (1.0 / 0.0) into `metrics`; returns the console lines of first divergences (the
         rule reads means only, so an earlier divergence, a resumed run's too, shows in the earlier flags)."""
         if self.history is None:

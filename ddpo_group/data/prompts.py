@@ -6,14 +6,14 @@
 
 - a built-in set: "simple_animals" (ddpo-pytorch's 45 bare animal names, e.g. "cat"),
   "imagenet_animals" (the 398 ImageNet-1k animal classes), "imagenet_dogs" (its classes
-  151-268), "shapes" (the tiny shapes world, `ddpo_group.shapes.shapes_prompts()`;
+  151-268), "shapes" (the tiny shapes world, `ddpo_group.data.shapes.shapes_prompts()`;
   metadata = the record's other fields + data_source "shapes");
 - "from_file" with `path=` (ddpo-pytorch's prompt_fn name);
 - a file path: *.txt (one prompt a line; blank lines and lines starting with # skipped),
   *.json (a list of records or {"prompts": [...]}) or *.jsonl (one record a line). A record
   is a string or an object {"prompt": ..., "data_source": ..., "ground_truth": ..., ...}
   whose fields other than "prompt" become the metadata the reward receives (an editing prompt's
-  "source_image" is a path relative to the file, made absolute here: ddpo_group/edit_sources.py). A file name not
+  "source_image" is a path relative to the file, made absolute here: ddpo_group/data/edit_sources.py). A file name not
   found as given is looked up in ddpo_group/assets/prompts/;
 - "package.module:function" or "path/to/file.py:function": a function called with
   `kwargs` that returns a list of strings, dicts or PromptRecords.
@@ -32,9 +32,9 @@ import json
 import os
 from typing import Any
 
-from ddpo_group.edit_sources import resolve_source_path
+from ddpo_group.data.edit_sources import resolve_source_path
 
-ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "prompts")
+ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "prompts")
 
 # Line ranges of imagenet_animals.txt (class indices), as ddpo-pytorch's imagenet_* prompt_fns.
 IMAGENET_DOGS = (151, 269)
@@ -157,11 +157,11 @@ def load_file(path: str) -> list[PromptRecord]:
 
 def shapes_records(**kwargs) -> list[PromptRecord]:
     """The shapes world's prompts; metadata = the other fields + data_source "shapes"."""
-    from ddpo_group.shapes import shapes_prompts
+    from ddpo_group.data.shapes import shapes_prompts
 
     records = []
     for i, item in enumerate(shapes_prompts(**kwargs)):
-        record = _record(item, f"ddpo_group.shapes.shapes_prompts() item {i}")
+        record = _record(item, f"ddpo_group.data.shapes.shapes_prompts() item {i}")
         records.append(PromptRecord(record.prompt, {**record.metadata, "data_source": "shapes"}))
     return records
 

@@ -2,7 +2,7 @@
 
 One epoch, in the order it happens:
 
-    evaluate            every eval_freq epochs: fixed-noise evaluation of the current weights (evaluation.py)
+    evaluate            every eval_freq epochs: fixed-noise evaluation of the current weights (evaluation/evaluator.py)
     sample_epoch        num_batches_per_epoch x batch_size trajectories per process, group_size images per
                         prompt; rewards run in a thread pool while the next batch samples (rollout.py)
     compute_advantages  on the gathered batch of all processes: PerPromptStatTracker or a registered
@@ -11,8 +11,8 @@ One epoch, in the order it happens:
     train_epoch         the update: per-step PPO / GRPO with exact on-policy ratio (stepwise_update.py), or a
                         forward-process objective, DiffusionNFT / AWM (forward_training.py)
     update_critic       gae / group_ppo: clipped value loss (critic.py)
-    log_epoch           metrics.jsonl, trackers, sample grids (metrics_log.py); atomic checkpoints every
-                        save_freq epochs (run_dir.py)
+    log_epoch           metrics.jsonl, trackers, sample grids (runs/metrics_log.py); atomic checkpoints every
+                        save_freq epochs (runs/run_dir.py)
 
 The Trainer holds what the phases share (config, accelerator, policy and models, rewards, prompts, the
 step counters) and the optimizer step; the run directory, stop signals, metrics and evaluation are its
@@ -29,18 +29,18 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from ddpo_group.config_check import check_config, load_config_prompts
-from ddpo_group.critic import update_critic
-from ddpo_group.epoch_advantages import EpochAdvantages
-from ddpo_group.evaluation import Evaluator
-from ddpo_group.forward_training import ForwardUpdate
-from ddpo_group.metrics_log import MetricsLog
-from ddpo_group.models import build_models
+from ddpo_group.config.check import check_config, load_config_prompts
+from ddpo_group.training.critic import update_critic
+from ddpo_group.training.epoch_advantages import EpochAdvantages
+from ddpo_group.evaluation.evaluator import Evaluator
+from ddpo_group.training.forward_training import ForwardUpdate
+from ddpo_group.runs.metrics_log import MetricsLog
+from ddpo_group.training.models import build_models
 from ddpo_group.rewards import AsyncRewardRunner, build_reward_fn
-from ddpo_group.rollout import sample_epoch
-from ddpo_group.run_control import RunControl
-from ddpo_group.run_dir import STOPPED_FILE, CheckpointError, RunDir, _lock_run_dir, find_checkpoint  # noqa: F401
-from ddpo_group.stepwise_update import LossConfig, StepwiseUpdate
+from ddpo_group.training.rollout import sample_epoch
+from ddpo_group.runs.run_control import RunControl
+from ddpo_group.runs.run_dir import STOPPED_FILE, CheckpointError, RunDir, _lock_run_dir, find_checkpoint  # noqa: F401
+from ddpo_group.training.stepwise_update import LossConfig, StepwiseUpdate
 
 logger = logging.getLogger("ddpo_group")
 

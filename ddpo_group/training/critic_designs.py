@@ -31,7 +31,7 @@ r[:, k] = R(decode(x0_hat(x_k))) at every step k (epoch_advantages.EpochAdvantag
 import torch
 
 from ddpo_group.algos.advantages import get_adv_estimator
-from ddpo_group.config_check import ConfigError
+from ddpo_group.config.check import ConfigError
 from ddpo_group.diffusion.ddim import ddim_x0_hat
 
 __all__ = ["CRITIC_KINDS", "check_critic_config", "critic_lambda", "ddim_x0_hat", "anchor_values", "keeps_x0_hat",

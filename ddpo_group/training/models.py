@@ -6,7 +6,7 @@ nothing here names a UNet, a VAE or a scheduler. The frozen parts run in the mix
 LoRA adapters (or a fully trained model) keep float32 master weights (docs/design.md §10).
 
 With ``train.sharding="fsdp2"`` the trainable module and its frozen copies (reference, old model) are sharded
-by ``ddpo_group.sharding`` instead of being wrapped in DDP by ``accelerator.prepare`` (docs/sharding.md).
+by ``ddpo_group.training.sharding`` instead of being wrapped in DDP by ``accelerator.prepare`` (docs/sharding.md).
 """
 
 import dataclasses
@@ -14,16 +14,16 @@ import os
 
 import torch
 
-from ddpo_group import sharding as sharding_lib
+from ddpo_group.training import sharding as sharding_lib
 from ddpo_group.algos import advantages as adv_lib
 from ddpo_group.algos.losses import get_policy_loss
-from ddpo_group.config_check import ConfigError
-from ddpo_group.critic import ValueNetwork
-from ddpo_group.critic_designs import check_critic_config
+from ddpo_group.config.check import ConfigError
+from ddpo_group.training.critic import ValueNetwork
+from ddpo_group.training.critic_designs import check_critic_config
 from ddpo_group.diffusion.base import configure_from_sample
 from ddpo_group.diffusion.policy import family_for_model, load_policy
-from ddpo_group.reference import ReferencePolicy
-from ddpo_group.rollout import check_group_noise
+from ddpo_group.training.reference import ReferencePolicy
+from ddpo_group.training.rollout import check_group_noise
 
 
 @dataclasses.dataclass
@@ -144,7 +144,7 @@ def build_models(config, accelerator):
 def _shard(config, policy, module, device):
     """train.sharding="fsdp2": frozen unsharded copies first (the reference unless it is the adapter-free base,
     the forward objectives' old model), then each of them and the module sharded block by block
-    (ddpo_group/sharding.py). Returns the copies {name: sharded module}."""
+    (ddpo_group/training/sharding.py). Returns the copies {name: sharded module}."""
     t = config.train
     copies = {}
     if t.use_reference_model and not (config.use_lora and t.reference_update_freq == 0):

@@ -16,7 +16,7 @@ from ddpo_group.algos.advantages import get_adv_estimator, registered_adv_estima
 from ddpo_group.algos.grouping import ADVANTAGE_NORMS
 from ddpo_group.algos.losses import AGG_MODES, KL_TYPES, registered_policy_losses
 from ddpo_group.diffusion.flow import CPS_LOG_PROBS, FLOW_GRIDS, SDE_TYPES
-from ddpo_group.plugins import PluginError, import_plugins
+from ddpo_group.config.plugins import PluginError, import_plugins
 from ddpo_group.rewards.base import is_video_reward
 from ddpo_group.rewards.combine import REWARD_AGGREGATIONS
 from ddpo_group.rewards.registry import check_reward_keywords, list_rewards, resolve_reward, unknown_reward_message
@@ -44,7 +44,7 @@ class ConfigError(ValueError):
 def load_config_prompts(config, field: str) -> list:
     """The prompt records of config.<field> ("prompt_fn" with prompt_fn_kwargs, or "eval_prompt_fn"); a file that
     is missing, empty or unreadable is a ConfigError naming the field."""
-    from ddpo_group.prompts import load_prompts
+    from ddpo_group.data.prompts import load_prompts
 
     kwargs = dict(config.prompt_fn_kwargs) if field == "prompt_fn" else {}
     try:
@@ -57,9 +57,9 @@ def load_config_prompts(config, field: str) -> list:
 
 def _check_edit_prompts(config, field, records):
     """An editing model's prompts carry readable source images of the run's resolution; other models' carry none
-    (ddpo_group/edit_sources.py); checked before any model loads (the family is known by the model's name)."""
+    (ddpo_group/data/edit_sources.py); checked before any model loads (the family is known by the model's name)."""
     from ddpo_group.diffusion.policy import family_for_model
-    from ddpo_group.edit_sources import SOURCE_FIELD, check_edit_prompts
+    from ddpo_group.data.edit_sources import SOURCE_FIELD, check_edit_prompts
 
     editing = getattr(family_for_model(config.pretrained.model), "conditions_on_images", False)
     if not editing and not any(SOURCE_FIELD in record.metadata for record in records):
@@ -458,7 +458,7 @@ def _check_reward_prompts(config):
     before any model loads; its ValueError is a ConfigError naming the prompt field. The training rewards and the
     gold rewards of the evaluations (which take no reward_kwargs); registered names and entry points only: the other
     specs are resolved when the rewards are built."""
-    from ddpo_group.hacking import gold_specs
+    from ddpo_group.evaluation.hacking import gold_specs
 
     kwargs_by_spec = config.reward_kwargs.to_dict()
     training = config.reward_weights.to_dict() or [config.reward_fn]
@@ -506,7 +506,7 @@ def _check_reward_modality(config, specs, field):
 
 def _check_eval_rewards(config):
     """config.eval_rewards: comma-separated reward specs that resolve, scored at evaluations (eval_freq > 0)."""
-    from ddpo_group.hacking import gold_specs
+    from ddpo_group.evaluation.hacking import gold_specs
 
     specs = gold_specs(config.eval_rewards)
     if specs and not config.eval_freq:

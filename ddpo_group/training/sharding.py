@@ -27,7 +27,7 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from ddpo_group.config_check import ConfigError
+from ddpo_group.config.check import ConfigError
 
 SHARDINGS = ("none", "fsdp2")
 # the directory of a checkpoint that holds the torch.distributed.checkpoint files (*.distcp, .metadata)

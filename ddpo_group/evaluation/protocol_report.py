@@ -1,7 +1,7 @@
 """The report's view of a run's evaluation protocols: an HTML fragment with each protocol's table.
 
 ``scripts/evaluate.py --protocol NAME --checkpoint RUN`` writes RUN/checkpoints/checkpoint_N/protocol_NAME.json
-(ddpo_group/protocols.py); ``protocol_tables_html(RUN)`` reads every such file and returns one table per
+(ddpo_group/evaluation/protocols.py); ``protocol_tables_html(RUN)`` reads every such file and returns one table per
 protocol, one row per evaluated checkpoint (oldest first): for GenEval the six tags, the overall score, % correct
 images and % correct prompts; for a reward-mean protocol the mean, its std and the number of images.
 Reads JSON only: imports nothing of the package.

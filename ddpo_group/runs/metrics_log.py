@@ -1,5 +1,5 @@
 """Metrics writing: one row per epoch into metrics.jsonl and the trackers, sample grids, debug dumps
-(docs/architecture.md). The run directory's files are named by ``ddpo_group.run_dir``.
+(docs/architecture.md). The run directory's files are named by ``ddpo_group.runs.run_dir``.
 
     log = MetricsLog(config, accelerator, run_dir)
     log.start()                                     # the trackers (tensorboard / wandb) when config.log_with
@@ -17,9 +17,9 @@ import sys
 
 import torch
 
-from ddpo_group.edit_sources import source_images
-from ddpo_group.grids import save_epoch_samples
-from ddpo_group.run_dir import write_json_atomic
+from ddpo_group.data.edit_sources import source_images
+from ddpo_group.runs.grids import save_epoch_samples
+from ddpo_group.runs.run_dir import write_json_atomic
 
 
 def phase_text(seconds):
@@ -44,7 +44,7 @@ def inspect_command():
     if os.path.isfile(script):
         relative = os.path.relpath(script)
         return shlex.quote(relative if not relative.startswith("..") else script)
-    checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "inspect_run.py")
+    checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts", "inspect_run.py")
     if os.path.isfile(checkout):
         return shlex.join([sys.executable, os.path.relpath(checkout)])
     return "ddpo-group-inspect"

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ddpo_group.batch import EpochBatch
-from ddpo_group.critic_designs import keeps_x0_hat
+from ddpo_group.training.batch import EpochBatch
+from ddpo_group.training.critic_designs import keeps_x0_hat
 from ddpo_group.diffusion.base import window_noise_levels
-from ddpo_group.edit_sources import reward_metadata, source_images
+from ddpo_group.data.edit_sources import reward_metadata, source_images
 from ddpo_group.rewards.base import RewardError
 from ddpo_group.rewards.combine import info_metrics
 
@@ -119,7 +119,7 @@ GROUP_NOISES = ("independent", "shared")
 
 def check_group_noise(config):
     """ConfigError naming the field for a sample.group_noise that cannot run (before the model loads)."""
-    from ddpo_group.config_check import ConfigError
+    from ddpo_group.config.check import ConfigError
 
     s = config.sample
     group_noise = s.get("group_noise", "independent")  # a config written before the field existed: independent

@@ -1,4 +1,4 @@
-"""The run report's former single module, kept so that `from ddpo_group.inspect import ...` goes on working.
+"""The run report's former single module, kept so that `from ddpo_group.report.inspect import ...` goes on working.
 
 The report lives in the package ddpo_group/report/ (run.py reads a run directory, markup.py, figures.py,
 tables.py, compare.py and page.py build the page); new code imports from there.

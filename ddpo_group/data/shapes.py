@@ -42,7 +42,7 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "cyan": (0, 255, 255),
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
-# Shapes drawn only in the scenes world (ddpo_group/scenes.py); the 108 prompts above use SHAPES alone.
+# Shapes drawn only in the scenes world (ddpo_group/data/scenes.py); the 108 prompts above use SHAPES alone.
 SCENE_ONLY_SHAPES: tuple[str, ...] = ("diamond", "cross", "ring", "star", "semicircle")
 ALL_SHAPES: tuple[str, ...] = SHAPES + SCENE_ONLY_SHAPES
 BACKGROUNDS: dict[str, tuple[int, int, int]] = {

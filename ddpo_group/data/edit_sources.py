@@ -134,7 +134,7 @@ def edit_pairs_html(run_dir: str, epoch: int | None = None, max_pairs: int = 16)
 
     Reads samples/epoch_XXXX.json (written by grids.save_epoch_samples with sources) and embeds the PNGs it names
     as data URIs, so the fragment stands alone; a file outside the run directory (links resolved) is never read,
-    its place says so. For ddpo_group/inspect.py's report (a section after the sample grids)."""
+    its place says so. For ddpo_group/report/inspect.py's report (a section after the sample grids)."""
     import base64
     import glob
     import html

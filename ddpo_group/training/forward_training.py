@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ddpo_group.algos.forward import matching_log_prob, nft_loss, nft_optimality, squared_error
-from ddpo_group.reference import ReferencePolicy
+from ddpo_group.training.reference import ReferencePolicy
 
 
 class ForwardUpdate:
