@@ -2,7 +2,7 @@
 evaluations compare with the main job's; and the command README's Configs table gives for each measures exactly it.
 
 Each variant's changed fields are declared here by hand (what its name says), not read from the code: a field
-changed in config/grpo.py without being declared, or declared without being changed, fails."""
+changed in its module of ddpo_group/config/variants/ without being declared, or declared without being changed, fails."""
 
 import os
 import re
@@ -200,3 +200,44 @@ def test_scenes_main_jobs_train_on_generated_prompts_and_evaluate_on_the_held_ou
     assert changed(unet, flow) - {"variant"} == {
         "pretrained.model", "sample.eta", "sample.sde_type", "sample.guidance_scale", "sample.max_sequence_length",
         "sample.resolution", "train.kl_type", "train.beta", "train.skip_last_steps"}
+
+
+# ---- where the variants live: ddpo_group/config/variants/, one module per purpose; grpo.py only assembles them
+VARIANTS_DIR = os.path.join(REPO_ROOT, "ddpo_group", "config", "variants")
+
+
+def _variant_modules():
+    """{module name: (its docstring, the names of the functions it defines at top level)} of config/variants/."""
+    import ast
+
+    modules = {}
+    for filename in sorted(os.listdir(VARIANTS_DIR)):
+        if filename.endswith(".py") and filename != "__init__.py":
+            with open(os.path.join(VARIANTS_DIR, filename)) as f:
+                tree = ast.parse(f.read())
+            defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+            modules[f"ddpo_group.config.variants.{filename[:-3]}"] = (ast.get_docstring(tree) or "", defined)
+    return modules
+
+
+def test_every_variant_is_a_function_defined_in_exactly_one_variants_module():
+    modules = _variant_modules()
+    for name, variant in grpo.VARIANTS.items():
+        assert callable(variant) and variant.__name__ == name, name
+        defined_in = [module for module, (_, defined) in modules.items() if name in defined]
+        assert defined_in == [variant.__module__], (name, defined_in, variant.__module__)
+        assert getattr(grpo, name) is variant  # grpo.tiny(), grpo.sd35() read as before the split
+
+
+def test_each_variants_module_says_its_purpose_and_names_its_variants_in_the_package_docstring():
+    from ddpo_group.config import variants
+
+    modules = _variant_modules()
+    assert set(modules) >= {f"ddpo_group.config.variants.{m}" for m in ("tiny", "sd", "flow", "tasks", "video_edit")}
+    for module, (docstring, defined) in modules.items():
+        assert len(docstring.split()) >= 10, f"{module}: its docstring says what purpose it holds"
+        assert f"{module.rpartition('.')[2]}.py" in variants.__doc__, f"{module}: listed in variants/__init__.py"
+        public = {name for name in defined if not name.startswith("_")}
+        assert public <= set(grpo.VARIANTS), f"{module} defines {public - set(grpo.VARIANTS)}: add them to VARIANTS"
+        with open(os.path.join(VARIANTS_DIR, module.rpartition(".")[2] + ".py")) as f:
+            assert len(f.read().splitlines()) < 600, f"{module}: over 600 lines, split it by purpose"
