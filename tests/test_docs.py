@@ -221,7 +221,8 @@ def parse_problem(kind, target, arguments):
     except _Parsed:
         return None
     except SystemExit as exit_:
-        return f"exit {exit_.code}: {stderr.getvalue().strip().splitlines()[-1:] or ''}"
+        said = stderr.getvalue().strip().splitlines()
+        return f"exit {exit_.code}: {said[-1] if said else '(nothing on stderr)'}"
     finally:
         sys.argv[:], sys.path[:] = saved[0], saved[1]
         os.environ.clear()
@@ -235,11 +236,13 @@ def test_documented_commands_parse(monkeypatch):
     commands = documented_commands()
     kinds = {kind for _, _, (kind, _, _) in commands}
     assert {"train", "script", "inspect", "module", "shell"} <= kinds, kinds  # the extraction finds each kind
-    problems = []
+    problems, seen = [], {}
     for page, line, (kind, target, arguments) in commands:
-        problem = parse_problem(kind, target, arguments)
-        if problem:
-            problems.append(f"{page}: {line}\n    -> {problem}")
+        key = (kind, target, tuple(arguments))
+        if key not in seen:
+            seen[key] = parse_problem(kind, target, arguments)
+        if seen[key]:
+            problems.append(f"{page}: {line}\n    -> {seen[key]}")
     assert not problems, "\n".join(problems)
 
 
