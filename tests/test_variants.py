@@ -1,5 +1,6 @@
 """The tiny_* algorithm variants are the main job (`tiny`) with only their method's fields changed, so their
-evaluations compare with the main job's; and the command README's Configs table gives for each measures exactly it.
+evaluations compare with the main job's; and the command the Configs table (docs/configs.md) gives for each measures
+exactly it.
 
 Each variant's changed fields are declared here by hand (what its name says), not read from the code: a field
 changed in its module of ddpo_group/config/variants/ without being declared, or declared without being changed, fails."""
@@ -91,7 +92,7 @@ def test_algorithm_variant_differs_from_tiny_only_in_its_declared_fields(variant
 @pytest.mark.parametrize("variant", sorted(DECLARED))
 def test_algorithm_variant_runs_the_main_jobs_task_and_evaluation(variant):
     config = grpo.get_config(variant)
-    # the main job as README describes it: 18 big-square prompts, shapes_alignment, 40 epochs of 2 x 32
+    # the main job as README.md describes it: 18 big-square prompts, shapes_alignment, 40 epochs of 2 x 32
     # trajectories of 10 steps in groups of 8, fixed-noise evaluation of 8 images per prompt every 10 epochs
     assert config.pretrained.model == "tiny-shapes"
     assert config.prompt_fn == "shapes_big_squares.txt"
@@ -141,21 +142,21 @@ def _load_bench():
     return load_script("benchmarks/bench_training.py")
 
 
-def readme_commands():
-    """{variant: bench_training.py arguments} from the rows of README's Configs table that give one."""
-    with open(os.path.join(REPO_ROOT, "README.md")) as f:
+def configs_table_commands():
+    """{variant: bench_training.py arguments} from the rows of the Configs table (docs/configs.md) that give one."""
+    with open(os.path.join(REPO_ROOT, "docs", "configs.md")) as f:
         text = f.read()
     prefix = re.search(r"`\.venv/bin/python benchmarks/bench_training\.py ([^`]*) ARGS`", text)
-    assert prefix, "README: the common bench_training.py command of the Configs table (`... ARGS`)"
+    assert prefix, "docs/configs.md: the common bench_training.py command of the Configs table (`... ARGS`)"
     commands = {}
     for row in re.findall(r"^\| `(tiny_\w+)` \|.*`(--common-variant [^`]*)`.*\|$", text, flags=re.M):
         commands[row[0]] = shlex.split(prefix.group(1)) + shlex.split(row[1])
     return commands
 
 
-def test_readme_gives_every_algorithm_variant_a_command_that_trains_exactly_it(tmp_path):
+def test_the_configs_table_gives_every_algorithm_variant_a_command_that_trains_exactly_it(tmp_path):
     bench = _load_bench()
-    commands = readme_commands()
+    commands = configs_table_commands()
     assert set(DECLARED) <= set(commands)
     for variant in sorted(DECLARED):
         args = bench.parse_args(commands[variant])

@@ -51,7 +51,7 @@ their map. A variant is read against the ones it derives from (tiny_* from tiny,
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
 tiny_early_window, tiny_window4, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
 prompts, sampler steps, group size, epochs and evaluation, so their evaluations compare with the main job's
-(tests/test_variants.py checks the changed fields; README "Configs" gives each one's measured result). A learning
+(tests/test_variants.py checks the changed fields; docs/configs.md gives each one's measured result). A learning
 rate differs from the main job's 2e-4 only where a measured sweep chose it, and the variant's docstring says so.
 """
 
