@@ -890,3 +890,7 @@ def get_config(name="sd15"):
     config.variant = name  # kept in the run's config.json: the report's headline names the variant
     return config
 
+
+from ddpo_group.config.next_image_variants import NEXT_IMAGE_VARIANTS  # noqa: E402  (issue 46: FLUX.2, Z-Image)
+
+VARIANTS.update(NEXT_IMAGE_VARIANTS)
