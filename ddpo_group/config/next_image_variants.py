@@ -73,6 +73,30 @@ def flux2_klein():
     return _window(config, 1, 2)  # sde_steps [1, 2]
 
 
+def zimage():
+    """Z-Image (Tongyi-MAI/Z-Image, 6B) with Flow-Factory's GRPO LoRA recipe (examples/grpo/lora/z_image/default.yaml); CFG 5 here is the pipeline's guidance 4."""
+    config = _flow_factory_lora(_grpo().sd35())
+    config.pretrained.model = "Tongyi-MAI/Z-Image"
+    config.sample.num_steps = 10  # num_inference_steps 10
+    config.sample.eta = 0.7  # Flow-SDE noise_level 0.7
+    config.sample.guidance_scale = 5.0  # its guidance_scale 4 is the pipeline's g of pos + g (pos - neg): w = g + 1
+    config.sample.resolution = 512
+    config.sample.max_sequence_length = 512  # ZImagePipeline's default
+    config.reward_fn = "pickscore"  # its reward: PickScore
+    config.train.skip_last_steps = 0  # the window (steps 1-3) never reaches the last step
+    return _window(config, 1, 3)  # sde_steps [1, 2, 3]
+
+
+def zimage_turbo():
+    """Z-Image-Turbo (Tongyi-MAI/Z-Image-Turbo): 8 steps, no CFG, Flow-Factory's GRPO LoRA recipe for it (examples/grpo/lora/z_image_turbo/default.yaml)."""
+    config = zimage()
+    config.pretrained.model = "Tongyi-MAI/Z-Image-Turbo"
+    # the model card's and diffusers' 8 steps (Flow-Factory samples 6 for training, 10 for evaluation)
+    config.sample.num_steps = 8
+    config.sample.guidance_scale = 1.0  # guidance_scale 0: distilled, no CFG
+    return config  # noise level 0.7, steps 1-3 stochastic, no KL, as zimage (the same recipe file's values)
+
+
 def _tiny(model):
     config = _grpo()._tiny_flow(model)
     config.sample.max_sequence_length = 32
@@ -92,9 +116,29 @@ def tiny_flux2_klein():
     return _tiny("tiny-flux2-klein")
 
 
+def tiny_zimage():
+    """A random-weight tiny Z-Image pipeline (tiny Qwen3 and tokenizer built in memory; CFG 4.5 = the pipeline's guidance 3.5), seconds: tests and smoke runs."""
+    return _tiny("tiny-zimage")
+
+
+def tiny_zimage_turbo():
+    """zimage_turbo's sampling on the random-weight tiny Z-Image: 8 steps, no CFG, steps 1-3 stochastic, no KL, seconds."""
+    config = _tiny("tiny-zimage")
+    turbo = zimage_turbo()
+    for field in ("num_steps", "eta", "guidance_scale", "sde_window_size", "sde_window", "sde_window_start"):
+        config.sample[field] = turbo.sample[field]
+    for field in ("use_reference_model", "use_kl_loss", "beta", "skip_last_steps"):
+        config.train[field] = turbo.train[field]
+    return config
+
+
 NEXT_IMAGE_VARIANTS = {
     "flux2": flux2,
     "flux2_klein": flux2_klein,
     "tiny_flux2": tiny_flux2,
     "tiny_flux2_klein": tiny_flux2_klein,
+    "zimage": zimage,
+    "zimage_turbo": zimage_turbo,
+    "tiny_zimage": tiny_zimage,
+    "tiny_zimage_turbo": tiny_zimage_turbo,
 }
