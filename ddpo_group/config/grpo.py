@@ -891,6 +891,6 @@ def get_config(name="sd15"):
     return config
 
 
-from ddpo_group.config.next_image_variants import NEXT_IMAGE_VARIANTS  # noqa: E402  (issue 46: FLUX.2, Z-Image)
+from ddpo_group.config.next_image_variants import next_image_variants  # noqa: E402  (issue 46: FLUX.2, Z-Image)
 
-VARIANTS.update(NEXT_IMAGE_VARIANTS)
+VARIANTS.update(next_image_variants(sd35=sd35, tiny_flow=_tiny_flow))

@@ -33,7 +33,13 @@ from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, created_in, seeded
+from ddpo_group.diffusion.tiny import IMAGE_SIZE, created_in, seeded
+from ddpo_group.diffusion.tiny_chat import (
+    build_tiny_mistral_tokenizer,
+    build_tiny_qwen3_tokenizer,
+    tiny_mistral3_config,
+    tiny_qwen3_config,
+)
 
 # FLUX.1's attention projections (the double-stream blocks) and the single-stream blocks' fused QKV + MLP input
 LORA_TARGET_MODULES = (
@@ -191,51 +197,6 @@ class Flux2KleinPolicy(_Flux2Base):
 # ---------------------------------------------------------------------------------------------------
 # Offline pipelines: tokenizers and text encoders built in memory from configs
 
-# Qwen3's chat template, as far as a one-turn prompt reads it (thinking on: nothing after the assistant header;
-# enable_thinking=False: an empty think block, as Qwen3's own template writes it)
-QWEN3_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
-# Mistral's chat with a system prompt, for the content lists Flux2Pipeline's format_input writes
-MISTRAL_CHAT_TEMPLATE = (
-    "<s>{% for message in messages %}{% for part in message['content'] %}"
-    "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ part['text'] }}[/SYSTEM_PROMPT]"
-    "{% else %}[INST]{{ part['text'] }}[/INST]{% endif %}{% endfor %}{% endfor %}"
-)
-
-
-def build_tiny_chat_tokenizer(template, special_tokens, extra_words=()):
-    """The tiny byte-level BPE of Qwen2's style (``qwen_image.build_tiny_qwen_tokenizer``: every shapes-world word one
-    token) with `special_tokens` and `extra_words` (one token each after a space) added and `template` as its chat
-    template; pads on the right."""
-    from ddpo_group.diffusion.qwen_image import build_tiny_qwen_tokenizer
-
-    tokenizer = build_tiny_qwen_tokenizer(tuple(TOKENIZER_WORDS) + tuple(extra_words))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *special_tokens]})
-    tokenizer.chat_template = template
-    tokenizer.padding_side = "right"
-    return tokenizer
-
-
-def build_tiny_qwen3_tokenizer():
-    """The tiny Qwen2-style tokenizer with Qwen3's chat template and think tokens (klein's and Z-Image's)."""
-    return build_tiny_chat_tokenizer(QWEN3_CHAT_TEMPLATE, ("<think>", "</think>"))
-
-
-def build_tiny_mistral_tokenizer():
-    """The tiny Qwen2-style BPE with Mistral's chat markers and the words of FLUX.2's system message (one token each),
-    so that the system message takes tens of tokens, not hundreds, and a prompt fits in a short max_sequence_length.
-    Not Pixtral's processor (which needs Mistral's tokenizer files): text prompts only, as the pipeline sends."""
-    import re
-
-    words = sorted(set(re.findall(r"[A-Za-z]+", SYSTEM_MESSAGE)))
-    return build_tiny_chat_tokenizer(
-        MISTRAL_CHAT_TEMPLATE, ("<s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"), words
-    )
-
-
 def _tiny_flux2_vae():
     """AutoencoderKLFlux2 of 2 blocks (scale factor 2), 4 latent channels (16 patchified), made-up batch-norm
     statistics (not 0 / 1, so the decode's de-normalisation is exercised)."""
@@ -262,47 +223,20 @@ def _finish(pipeline, sample_size):
     return pipeline
 
 
-def tiny_mistral3_config(vocab_size, hidden_size=16, num_hidden_layers=30, heads=2, head_dim=8, intermediate=32):
-    """A Mistral3Config of a `num_hidden_layers`-layer text model (the pipeline reads layers 10, 20 and 30) with a
-    1-block Pixtral vision tower (the class needs one; text prompts never run it)."""
-    from transformers import Mistral3Config
-
-    return Mistral3Config(
-        text_config=dict(model_type="mistral", vocab_size=vocab_size, hidden_size=hidden_size,
-                         intermediate_size=intermediate, num_hidden_layers=num_hidden_layers,
-                         num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim,
-                         max_position_embeddings=MAX_SEQUENCE_LENGTH + 64, pad_token_id=0),
-        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, head_dim=8, patch_size=14, image_size=56),
-        image_token_index=vocab_size,  # outside the vocab: no text prompt holds it
-    )
-
-
-def tiny_qwen3_config(vocab_size, hidden_size=16, num_hidden_layers=27, heads=2, head_dim=8, intermediate=32):
-    """A Qwen3Config of a `num_hidden_layers`-layer model (klein reads layers 9, 18 and 27; Z-Image the last but one)."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim,
-        max_position_embeddings=MAX_SEQUENCE_LENGTH + 64, pad_token_id=0,
-    )
-
-
 def build_tiny_flux2_pipeline(seed=0):
     """A Flux2Pipeline with random weights drawn from ``seed`` (CPU, float32), built offline ("tiny-flux2").
 
     transformer Flux2Transformer2DModel: 1 double + 1 single block of 2 heads x 8 (rope axes 2+2+2+2), 16 input
                 channels (4 latent channels patchified 2x2), guidance embedding (as FLUX.2 [dev]), text width 48
     text        Mistral3ForConditionalGeneration: 30 text layers of width 16 (the pipeline stacks layers 10, 20, 30:
-                48 = 3 x 16) and a 1-block vision tower; tokenizer ``build_tiny_mistral_tokenizer``
+                48 = 3 x 16) and a 1-block vision tower; tokenizer ``tiny_chat.build_tiny_mistral_tokenizer``
     vae         ``_tiny_flux2_vae``: scale factor 2, 32 x 32 images <-> 4 x 16 x 16 latents = 16 x 8 x 8 tokens
     scheduler   FlowMatchEulerDiscreteScheduler (FLUX.2's grid comes from the pipeline's empirical mu)
     Default image 32 x 32. The global torch RNG state is left unchanged; same seed -> same weights.
     """
     from transformers import Mistral3ForConditionalGeneration
 
-    tokenizer = build_tiny_mistral_tokenizer()
+    tokenizer = build_tiny_mistral_tokenizer(SYSTEM_MESSAGE)
     with seeded(seed):
         transformer = _tiny_flux2_transformer(48, guidance_embeds=True)
         vae = _tiny_flux2_vae()
@@ -315,8 +249,9 @@ def build_tiny_flux2_pipeline(seed=0):
 def build_tiny_flux2_klein_pipeline(seed=0, is_distilled=False):
     """A Flux2KleinPipeline with random weights drawn from ``seed`` (CPU, float32), built offline ("tiny-flux2-klein"):
     the tiny FLUX.2 transformer without a guidance embedding (klein has none) and ``_tiny_flux2_vae``; text: a 27-layer
-    Qwen3ForCausalLM of width 16 (klein stacks layers 9, 18, 27) with ``build_tiny_qwen3_tokenizer``. is_distilled: the
-    pipeline's flag of the step-distilled checkpoints (no CFG). Default image 32 x 32; global RNG state unchanged."""
+    Qwen3ForCausalLM of width 16 (klein stacks layers 9, 18, 27) with ``tiny_chat.build_tiny_qwen3_tokenizer``.
+    is_distilled: the pipeline's flag of the step-distilled checkpoints (no CFG). Default image 32 x 32; the global RNG
+    state is left unchanged."""
     from transformers import Qwen3ForCausalLM
 
     tokenizer = build_tiny_qwen3_tokenizer()
@@ -351,7 +286,8 @@ FLUX2_VAE = dict(latent_channels=32)  # AutoencoderKLFlux2's defaults are FLUX.2
 
 def _random_flux2(pipeline_class, transformer_config, text_encoder, seed, torch_dtype, **extra):
     """A `pipeline_class` of the published transformer, FLUX.2's VAE and a small text encoder of the real width."""
-    tokenizer = build_tiny_qwen3_tokenizer() if pipeline_class is Flux2KleinPipeline else build_tiny_mistral_tokenizer()
+    klein = pipeline_class is Flux2KleinPipeline
+    tokenizer = build_tiny_qwen3_tokenizer() if klein else build_tiny_mistral_tokenizer(SYSTEM_MESSAGE)
     with seeded(seed), created_in(torch_dtype):
         transformer = Flux2Transformer2DModel(**transformer_config).eval()
         vae = AutoencoderKLFlux2(**FLUX2_VAE).eval()

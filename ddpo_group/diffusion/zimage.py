@@ -29,9 +29,9 @@ from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sig
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.flux2 import build_tiny_qwen3_tokenizer, tiny_qwen3_config
 from ddpo_group.diffusion.lora import add_lora
 from ddpo_group.diffusion.tiny import IMAGE_SIZE, created_in, seeded, tiny_component_configs
+from ddpo_group.diffusion.tiny_chat import build_tiny_qwen3_tokenizer, tiny_qwen3_config
 
 # Z-Image's attention projections (its main layers and both refiners)
 LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
@@ -158,7 +158,7 @@ def build_tiny_zimage_pipeline(seed=0):
     transformer ZImageTransformer2DModel: 4-channel latents patchified 2x2 by the model, width 32 (2 heads x 16, rope
                 axes 4 + 6 + 6), 2 main layers and 1 layer in each refiner, caption width 16
     text        a 3-layer Qwen3Model of width 16 (the pipeline reads the last but one hidden state) with
-                ``flux2.build_tiny_qwen3_tokenizer`` (Qwen3's chat template, in memory)
+                ``tiny_chat.build_tiny_qwen3_tokenizer`` (Qwen3's chat template, in memory)
     vae         the tiny AutoencoderKL of the tiny FLUX.1 pipeline (scale factor 4, scaling 1.5305, shift 0.0609)
     scheduler   Z-Image-Turbo's (``ZIMAGE_SCHEDULER``)
     Default image 32 x 32 (``default_sample_size`` 8). The global torch RNG state is left unchanged.
@@ -185,6 +185,12 @@ def build_tiny_zimage_pipeline(seed=0):
 # layers of width 3840 (30 heads), 2 refiner layers each, caption width 2560 (Qwen3-4B); the VAE is FLUX.1's
 ZIMAGE_TRANSFORMER = dict(in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30,
                           cap_feat_dim=2560)
+# FLUX.1's VAE (black-forest-labs/FLUX.1-dev vae/), which Z-Image uses
+ZIMAGE_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, norm_num_groups=32,
+    sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+)
 
 
 def build_random_zimage_pipeline(seed=0, torch_dtype=torch.float32):
@@ -193,12 +199,10 @@ def build_random_zimage_pipeline(seed=0, torch_dtype=torch.float32):
     x 32 and a 64-wide MLP, the tiny tokenizer. Default image 1024 px. Its images mean nothing."""
     from transformers import Qwen3Model
 
-    from ddpo_group.diffusion.flux import FLUX_VAE
-
     tokenizer = build_tiny_qwen3_tokenizer()
     with seeded(seed), created_in(torch_dtype):
         transformer = ZImageTransformer2DModel(**ZIMAGE_TRANSFORMER).eval()
-        vae = AutoencoderKL(**FLUX_VAE).eval()
+        vae = AutoencoderKL(**ZIMAGE_VAE).eval()
         text_encoder = Qwen3Model(tiny_qwen3_config(len(tokenizer), 2560, 3, 4, 32, 64)).eval()
     pipeline = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**ZIMAGE_SCHEDULER), vae=vae,
                               text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
