@@ -56,6 +56,13 @@ def test_the_families_are_found_by_name_and_by_pipeline(pipelines):
         _policy(pipelines["dev"]).sample(PROMPTS, 2, 4.0, 0.0, negative_prompt="blurry")
 
 
+def test_a_negative_prompt_for_flux2_dev_is_refused_in_one_line_naming_the_field(tmp_path):
+    from ddpo_group.config_check import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^config\.sample\.negative_prompt='blurry': .*FLUX\.2 \[dev\]"):
+        Trainer(make_config(tmp_path, variant="tiny_flux2", sample__negative_prompt="blurry"))
+
+
 def test_the_tiny_builders_are_seeded_and_leave_the_global_rng_alone():
     state = torch.get_rng_state()
     a, b, c = (build_tiny_flux2_klein_pipeline(seed=s) for s in (0, 0, 1))
