@@ -162,3 +162,7 @@ def get_config(name="sd15"):
     config.variant = name  # kept in the run's config.json: the report's headline names the variant
     return config
 
+
+from ddpo_group.config.next_image_variants import next_image_variants  # noqa: E402  (issue 46: FLUX.2, Z-Image)
+
+VARIANTS.update(next_image_variants(sd35=sd35, tiny_flow=_tiny_flow))
