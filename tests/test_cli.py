@@ -15,6 +15,7 @@ HELP_NAMES = {
     "evaluate": ["--checkpoint", "--model", "--protocol", "--output", "--reward-timeout"],
     "inspect": ["RUN_DIR", "--compare", "--output", "--steps-png"],
     "serve": ["--serve", "--port", "--host", "--max-body-mb"],
+    "pretrain": ["--world", "--quick", "--output-dir", "--state-dir"],
 }
 
 
@@ -85,7 +86,8 @@ def test_ddpo_group_train_runs_a_tiny_epoch_from_any_directory(tmp_path):
 def test_the_scripts_are_thin_wrappers_around_the_package():
     for script, target in [("train.py", "ddpo_group.cli import train_main"),
                            ("inspect_run.py", "ddpo_group.cli import inspect_main"),
-                           ("evaluate.py", "from ddpo_group.cli import evaluate")]:
+                           ("evaluate.py", "from ddpo_group.cli import evaluate"),
+                           ("pretrain_tiny.py", "from ddpo_group.cli import pretrain")]:
         path = os.path.join(ROOT, "scripts", script)
         with open(path) as f:
             text = f.read()

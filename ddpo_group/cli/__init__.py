@@ -5,6 +5,7 @@ trl and huggingface-cli have.
     ddpo-group evaluate --checkpoint RUN_DIR [--protocol geneval] evaluate.py
     ddpo-group inspect RUN_DIR [--compare RUN_DIR2]               inspect.py   (also ddpo-group-inspect)
     ddpo-group serve REWARD [--port P]                            serve.py     (ddpo_group/rewards/server.py)
+    ddpo-group pretrain [--world scenes] [--quick]                pretrain.py
 
 `ddpo-group --help` lists the subcommands, `ddpo-group SUB --help` is the subcommand's own help. A subcommand's
 module is imported only when it runs, so `ddpo-group --help` imports no torch. The scripts in scripts/ are thin
@@ -42,6 +43,8 @@ SUBCOMMANDS = {
     "inspect": ("ddpo_group.cli.inspect", "inspect_main",
                 "an HTML report of a run directory (or two side by side, or per-step heat maps)"),
     "serve": ("ddpo_group.cli.serve", "serve_main", "serve a reward over HTTP to training runs elsewhere"),
+    "pretrain": ("ddpo_group.cli.pretrain", "main",
+                 "pretrain the tiny offline models (shapes world, scenes world) on a CPU"),
 }
 
 
@@ -81,4 +84,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run([prog, *rest])
     else:
         result = run(rest, prog=prog)
-    return result if isinstance(result, int) else 0  # evaluate returns its summary
+    return result if isinstance(result, int) else 0  # evaluate and pretrain return their summaries
