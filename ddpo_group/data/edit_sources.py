@@ -140,11 +140,12 @@ def edit_pairs_html(run_dir: str, epoch: int | None = None, max_pairs: int = 16)
     import html
     import json
 
-    from ddpo_group.report.run import inside_run
+    from ddpo_group.report.run import inside_run, unreadable_image
 
     samples = os.path.join(run_dir, "samples")
     documents = sorted(glob.glob(os.path.join(samples, "epoch_[0-9][0-9][0-9][0-9].json")))
-    documents = [d for d in documents if inside_run(d, run_dir)]  # load_run names the others in the report
+    # load_run names the others in the report: links out of the run, folders
+    documents = [d for d in documents if inside_run(d, run_dir) and os.path.isfile(d)]
     if epoch is not None:
         documents = [d for d in documents if d.endswith(f"epoch_{epoch:04d}.json")]
     if not documents:
@@ -158,6 +159,8 @@ def edit_pairs_html(run_dir: str, epoch: int | None = None, max_pairs: int = 16)
     def image(rel):
         if not inside_run(os.path.join(samples, str(rel)), run_dir):
             return f'<span class="missing">not shown: {html.escape(str(rel))} is outside the run directory</span>'
+        if (why := unreadable_image(os.path.join(samples, str(rel)))) is not None:  # a folder, a decompression bomb
+            return f'<span class="missing">not shown: {html.escape(str(rel))} ({html.escape(why)})</span>'
         with open(os.path.join(samples, rel), "rb") as f:
             data = base64.b64encode(f.read()).decode("ascii")
         return f'<img src="data:image/png;base64,{data}" style="width:128px;image-rendering:pixelated">'

@@ -168,6 +168,11 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
             if not _inside(entry, root):
                 # a link out of the run directory: the report reads the run's own files only
                 run.outside.append(str(entry.relative_to(path)))
+                continue
+            named = any(pattern.match(entry.name) for pattern in (_SAMPLE_PNG, _SAMPLE_JSON, _EVAL_PNG, _EVAL_JSON))
+            why = unreadable_image(entry) if entry.suffix == ".png" else None if entry.is_file() else "not a file"
+            if named and why is not None:  # a folder, or an image PIL refuses: left out, the report goes on
+                run.malformed.append(f"{entry.relative_to(path)} ({why})")
             elif match := _SAMPLE_PNG.match(entry.name):
                 run.grids[int(match.group(1))] = entry
             elif match := _SAMPLE_JSON.match(entry.name):
@@ -218,6 +223,11 @@ def _read_records(run: RunData, path: Path, evaluation: bool = False) -> tuple[d
             if not _inside(image_path, root):
                 # a samples file names images of its run only: nothing outside the run directory is embedded
                 record["outside"] = str(image)
+            elif (why := unreadable_image(image_path)) is not None:
+                record["unreadable"] = f"{image} ({why})"
+                note = f"{image_path.relative_to(run.path)} ({why})"
+                if note not in run.malformed:
+                    run.malformed.append(note)
             else:
                 record["image_path"] = image_path.resolve()
         out.append(record)
@@ -312,6 +322,29 @@ def inside_run(path: str | os.PathLike, run_dir: str | os.PathLike) -> bool:
         return _inside(Path(path), Path(run_dir).resolve())
     except (OSError, RuntimeError):
         return False
+
+
+def unreadable_image(path: str | os.PathLike) -> str | None:
+    """Why the image file `path` cannot be shown ("not a file", or PIL's error naming the reason: a file that is
+    no image, a decompression bomb whose header declares more pixels than PIL's limit, MAX_IMAGE_PIXELS, warnings
+    included), None when it can. Reads the header only. Every image the report embeds passes this first: a folder
+    or a bomb named like a sample is left out with a note instead of stopping the report."""
+    import warnings
+
+    from PIL import Image
+
+    if not os.path.isfile(path):
+        return "not a file"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                width, height = image.size
+    except Exception as err:  # noqa: BLE001 - any file a run holds: PIL raises many kinds on damaged input
+        return f"not a readable image: {type(err).__name__}: {err}"
+    if width < 1 or height < 1:
+        return f"not a readable image: {width}x{height} pixels"
+    return None
 
 
 def _inside(path: Path, root: Path) -> bool:
