@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ddpo_group.cli import inspect_main
-from ddpo_group.grids import save_epoch_samples
+from ddpo_group.runs.grids import save_epoch_samples
 
 
 def editing_run(path):
