@@ -149,3 +149,15 @@ def test_quick_keeps_the_options_given_with_it(pretrain):
     assert (args.eval_steps, args.dataset_size, args.unet_steps) == (0, 16, 3)
     args = pretrain.parse_args(["--world", "scenes", "--quick", "--unet-steps", "5"])
     assert (args.unet_steps, args.vae_steps, args.dataset_size) == (5, 3, 64)
+
+
+# Re-audit case: a samples file that cannot be read (not JSON, or records without a reward) stopped the whole report
+# (exit 2, nothing written), where an unreadable evaluation.json or protocol file is left out with a note
+@pytest.mark.parametrize("content", ["{", json.dumps({"records": [{"prompt": "p"}]}), "[1, 2]"])
+@pytest.mark.parametrize("name", ["samples/epoch_0001.json", "samples/eval_0001.json"])
+def test_an_unreadable_samples_file_is_left_out_with_a_note(tmp_path, capsys, name, content):
+    run = editing_run(tmp_path / "run")
+    (run / name).write_text(content)
+    assert inspect_main([str(run)]) == 0, capsys.readouterr().err
+    report = (run / "report.html").read_text()
+    assert "left out" in report and name.removeprefix("samples/") in report

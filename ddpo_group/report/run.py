@@ -181,6 +181,14 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                 run.eval_grids[int(match.group(1))] = entry
             elif match := _EVAL_JSON.match(entry.name):
                 run.eval_files[int(match.group(1))] = entry
+    for files in (run.sample_files, run.eval_files):
+        for epoch, entry in list(files.items()):
+            try:  # a samples file that cannot be read is left out, the report goes on
+                read_records_file(entry)
+            except (OSError, ValueError) as err:
+                why = str(err).removeprefix(f"{entry}: ") if isinstance(err, ValueError) else type(err).__name__
+                run.malformed.append(f"{entry.relative_to(path)} ({why})")
+                del files[epoch]
     for evaluation in sorted(path.glob("checkpoints/checkpoint_*/evaluation.json")):
         if not _CHECKPOINT.match(evaluation.parent.name):
             continue
@@ -199,19 +207,26 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     return run
 
 
-def _read_records(run: RunData, path: Path, evaluation: bool = False) -> tuple[dict, list[dict]]:
-    """(document, records) of a samples JSON (epoch_XXXX.json or eval_XXXX.json); each record gets `image_path`
-    (an absolute Path inside the run directory, or None) and, for evaluation files, prompt_index / image_index."""
+def read_records_file(path: Path) -> tuple[dict, list[dict]]:
+    """(document, records) of a samples JSON as written (a list of records, or an object with a "records" list),
+    each record an object with at least "prompt" and "reward"; a ValueError naming the file otherwise."""
     document = read_json(path)
     records = document.get("records") if isinstance(document, dict) else document
     if not isinstance(records, list):
         raise ValueError(f"{path}: expected a list of records or an object with a 'records' list")
-    document = document if isinstance(document, dict) else {}
-    group = document.get("group_size") if isinstance(document.get("group_size"), int) else None
-    out, root = [], run.path.resolve()
     for i, record in enumerate(records):
         if not isinstance(record, dict) or "prompt" not in record or "reward" not in record:
             raise ValueError(f"{path}: record {i} must be an object with at least 'prompt' and 'reward'")
+    return (document if isinstance(document, dict) else {}), records
+
+
+def _read_records(run: RunData, path: Path, evaluation: bool = False) -> tuple[dict, list[dict]]:
+    """(document, records) of a samples JSON (epoch_XXXX.json or eval_XXXX.json); each record gets `image_path`
+    (an absolute Path inside the run directory, or None) and, for evaluation files, prompt_index / image_index."""
+    document, records = read_records_file(path)
+    group = document.get("group_size") if isinstance(document.get("group_size"), int) else None
+    out, root = [], run.path.resolve()
+    for record in records:
         record = dict(record)
         if evaluation and group and "prompt_index" not in record and isinstance(record.get("index"), int):
             # evaluation files from before the indices were stored: image j of prompt i is record i * J + j

@@ -413,8 +413,13 @@ def video_samples_html(run_dir: str | os.PathLike, prefix: str = "epoch", max_gr
     for path in sorted(samples_dir.glob(f"{prefix}_*.json")):
         if not inside_run(path, run_dir) or not path.is_file():  # load_run names it in the report
             continue
-        with open(path, encoding="utf-8") as f:
-            document = json.load(f)
+        try:  # one that cannot be read: load_run names it in the report
+            with open(path, encoding="utf-8") as f:
+                document = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(document, dict):
+            continue
         if document.get("video") and document.get("grid") and (samples_dir / str(document["grid"])).is_file():
             documents.append(document)
     if not documents:
