@@ -161,3 +161,16 @@ def test_an_unreadable_samples_file_is_left_out_with_a_note(tmp_path, capsys, na
     assert inspect_main([str(run)]) == 0, capsys.readouterr().err
     report = (run / "report.html").read_text()
     assert "left out" in report and name.removeprefix("samples/") in report
+
+
+# Re-audit case: config.seed=-1 ended in numpy's "Seed must be between 0 and 2**32 - 1", naming no field
+@pytest.mark.parametrize("field", ["seed", "eval_seed"])
+@pytest.mark.parametrize("value", [-1, 2**40])
+def test_a_seed_out_of_range_is_named_by_its_field(tmp_path, field, value):
+    from helpers import make_config
+
+    from ddpo_group.config.check import ConfigError, check_config
+
+    with pytest.raises(ConfigError, match=rf"config\.{field}={value} must be .*2\*\*31 - 1"):
+        check_config(make_config(tmp_path, **{field: value}))
+    check_config(make_config(tmp_path, **{field: 2**31 - 1}))
