@@ -134,6 +134,13 @@ def parse_args(argv=None):
     scenes = args.world == "scenes"
     if args.vae_crop % 4:
         parser.error(f"argument --vae-crop: must be a multiple of 4 (the VAE's scale factor), got {args.vae_crop}")
+    for name in ("output_dir", "state_dir"):  # found out before the pretraining, not after it
+        path = getattr(args, name)
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            parser.error(f"argument --{name.replace('_', '-')}: {path} is a file; give a directory")
+    if args.vae_from is not None and not os.path.isdir(os.path.join(args.vae_from, "vae")):
+        parser.error(f"argument --vae-from: {args.vae_from} has no vae/ folder; give a pipeline directory this "
+                     "script wrote (e.g. ddpo_group/assets/tiny_scenes_sd3)")
     if args.arch == "sd3" and not scenes:
         parser.error("--arch sd3 is for --world scenes (the shapes world's tiny-shapes is a UNet)")
     given = {name for name, value in vars(args).items() if value != parser.get_default(name)}

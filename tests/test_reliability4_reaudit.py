@@ -174,3 +174,17 @@ def test_a_seed_out_of_range_is_named_by_its_field(tmp_path, field, value):
     with pytest.raises(ConfigError, match=rf"config\.{field}={value} must be .*2\*\*31 - 1"):
         check_config(make_config(tmp_path, **{field: value}))
     check_config(make_config(tmp_path, **{field: 2**31 - 1}))
+
+
+# Re-audit cases: pretrain_tiny.py with --state-dir or --output-dir naming a file (a FileExistsError traceback, the
+# output's only after the whole pretraining) or a missing --vae-from (diffusers' traceback about the internet)
+@pytest.mark.parametrize("option", ["--state-dir", "--output-dir", "--vae-from"])
+def test_a_pretrain_path_that_cannot_serve_is_one_line_when_parsed(pretrain, tmp_path, capsys, option):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    path = str(tmp_path / "missing") if option == "--vae-from" else str(a_file)
+    with pytest.raises(SystemExit) as stop:
+        pretrain.parse_args(["--world", "scenes", option, path])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert option in error and path in error
