@@ -188,3 +188,15 @@ def test_a_pretrain_path_that_cannot_serve_is_one_line_when_parsed(pretrain, tmp
     assert stop.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert option in error and path in error
+
+
+# Re-audit case: evaluate.py --seed -1 ended in "ValueError: expected non-negative integer", naming no option
+@pytest.mark.parametrize("value", ["-1", str(2**40)])
+def test_evaluate_refuses_a_seed_out_of_range_when_parsed(capsys, value):
+    from helpers import load_script
+
+    with pytest.raises(SystemExit) as stop:
+        load_script("scripts/evaluate.py").main(["--seed", value])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--seed" in error and value in error and "2**31 - 1" in error
