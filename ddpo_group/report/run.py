@@ -170,9 +170,9 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                 run.outside.append(str(entry.relative_to(path)))
                 continue
             named = any(pattern.match(entry.name) for pattern in (_SAMPLE_PNG, _SAMPLE_JSON, _EVAL_PNG, _EVAL_JSON))
-            why = unreadable_image(entry) if entry.suffix == ".png" else None if entry.is_file() else "not a file"
-            if named and why is not None:  # a folder, or an image PIL refuses: left out, the report goes on
-                run.malformed.append(f"{entry.relative_to(path)} ({why})")
+            if named and (why := unreadable_image(entry) if entry.suffix == ".png" else
+                          None if entry.is_file() else "not a file") is not None:
+                run.malformed.append(f"{entry.relative_to(path)} ({why})")  # a folder, a bomb: left out, noted
             elif match := _SAMPLE_PNG.match(entry.name):
                 run.grids[int(match.group(1))] = entry
             elif match := _SAMPLE_JSON.match(entry.name):
