@@ -82,6 +82,19 @@ def _images_per_prompt(text):
     return value
 
 
+def _seed(text):
+    """--seed: as the training config's eval_seed, 0 to MAX_SEED."""
+    from ddpo_group.config.check import MAX_SEED
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 2**31 - 1, got {text!r}")
+    return value
+
+
 def _seconds(text):
     """--reward-timeout: a number of seconds >= 0."""
     try:
@@ -233,7 +246,7 @@ def main(argv=None, prog=PROG):
     parser.add_argument("--num-steps", type=_positive_int, default=None, help="denoising steps (default: the run's, or 10)")
     parser.add_argument("--guidance-scale", type=_finite_float, default=None)
     parser.add_argument("--eta", type=_finite_float, default=None)
-    parser.add_argument("--seed", type=int, default=None, help="noise seed (default: the run's eval_seed, or 1234)")
+    parser.add_argument("--seed", type=_seed, default=None, help="noise seed (default: the run's eval_seed, or 1234)")
     parser.add_argument("--batch-size", type=_positive_int, default=64)
     parser.add_argument("--reward-timeout", type=_seconds, default=None,
                         help="seconds a batch's reward may take (default: the run's, or 600; 0: no limit)")

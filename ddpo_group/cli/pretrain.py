@@ -63,6 +63,26 @@ ASSETS_DIR = os.path.join(PACKAGE_DIR, "assets")
 DEFAULT_OUTPUT_DIR = os.path.join(ASSETS_DIR, "tiny_shapes")
 
 
+def number(kind, low=None, high=None, low_open=False, high_open=False):
+    """An argparse type: a finite `kind` (int or float) in [low, high] (an end open when `*_open`): NaN, inf, a
+    zero learning rate or a negative step count is refused when parsed, in argparse's one line naming the option."""
+    bounds = ([f"{'>' if low_open else '>='} {low}"] if low is not None else []) + (
+        [f"{'<' if high_open else '<='} {high}"] if high is not None else [])
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        above = low is None or (value > low if low_open else value >= low)
+        below = high is None or (value < high if high_open else value <= high)
+        if not (math.isfinite(value) and above and below):
+            raise argparse.ArgumentTypeError(f"must be a finite number {' and '.join(bounds)}, got {text!r}")
+        return value
+
+    return parse
+
+
 def parse_args(argv=None, prog=None):
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", choices=("shapes", "scenes"), default="shapes",
@@ -75,58 +95,73 @@ def parse_args(argv=None, prog=None):
                              "tiny_scenes or tiny_scenes_sd3)")
     parser.add_argument("--state-dir", default=None,
                         help="scenes world: where the resumable state goes (default runs/pretrain_scenes_ARCH)")
-    parser.add_argument("--max-minutes", type=float, default=0.0,
+    parser.add_argument("--max-minutes", type=number(float, 0), default=0.0,
                         help="scenes world: stop after this many minutes, the state saved; the same command goes on "
                              "(0: no limit)")
-    parser.add_argument("--checkpoint-every", type=int, default=250, help="scenes world: steps between saved states")
-    parser.add_argument("--stop-at-step", type=int, default=0,
+    parser.add_argument("--checkpoint-every", type=number(int, 1), default=250,
+                        help="scenes world: steps between saved states")
+    parser.add_argument("--stop-at-step", type=number(int, 0), default=0,
                         help="scenes world: stop when the denoiser stage reaches this step, the state saved (a schedule "
                              "run in parts gives the same weights as one run; 0: run to the end)")
     parser.add_argument("--vae-from", default=None,
                         help="scenes world: take the VAE of this pipeline directory instead of training one")
-    parser.add_argument("--vae-crop", type=int, default=32, help="scenes world: the VAE trains on crops of this size")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dataset-size", type=int, default=20000, help="rendered (image, prompt) pairs")
-    parser.add_argument("--vae-steps", type=int, default=1500)
-    parser.add_argument("--vae-batch-size", type=int, default=32)
-    parser.add_argument("--vae-lr", type=float, default=2e-3)
-    parser.add_argument("--kl-weight", type=float, default=1e-3, help="weight of the per-dimension KL term")
-    parser.add_argument("--unet-steps", type=int, default=3000)
-    parser.add_argument("--batch-size", type=int, default=64, help="UNet batch size")
-    parser.add_argument("--unet-lr", type=float, default=1e-3)
-    parser.add_argument("--cond-dropout", type=float, default=0.1, help="probability of the empty prompt")
-    parser.add_argument("--ema-decay", type=float, default=0.999)
-    parser.add_argument("--warmup-steps", type=int, default=100)
-    parser.add_argument("--eval-steps", type=int, default=50, help="DDIM steps of the final evaluation (0: skip it)")
-    parser.add_argument("--eval-images-per-prompt", type=int, default=2)
-    parser.add_argument("--guidance-scale", type=float, default=5.0)
-    parser.add_argument("--eta", type=float, default=1.0)
+    parser.add_argument("--vae-crop", type=number(int, 4, 64), default=32,
+                        help="scenes world: the VAE trains on crops of this size (a multiple of 4)")
+    parser.add_argument("--seed", type=number(int, 0), default=0)
+    parser.add_argument("--dataset-size", type=number(int, 1), default=20000,
+                        help="rendered (image, prompt) pairs")
+    parser.add_argument("--vae-steps", type=number(int, 0), default=1500)
+    parser.add_argument("--vae-batch-size", type=number(int, 1), default=32)
+    parser.add_argument("--vae-lr", type=number(float, 0, low_open=True), default=2e-3)
+    parser.add_argument("--kl-weight", type=number(float, 0), default=1e-3,
+                        help="weight of the per-dimension KL term")
+    parser.add_argument("--unet-steps", type=number(int, 1), default=3000)
+    parser.add_argument("--batch-size", type=number(int, 1), default=64, help="UNet batch size")
+    parser.add_argument("--unet-lr", type=number(float, 0, low_open=True), default=1e-3)
+    parser.add_argument("--cond-dropout", type=number(float, 0, 1, high_open=True), default=0.1,
+                        help="probability of the empty prompt")
+    parser.add_argument("--ema-decay", type=number(float, 0, 1, high_open=True), default=0.999)
+    parser.add_argument("--warmup-steps", type=number(int, 0), default=100)
+    parser.add_argument("--eval-steps", type=number(int, 0), default=50,
+                        help="DDIM steps of the final evaluation (0: skip it)")
+    parser.add_argument("--eval-images-per-prompt", type=number(int, 1), default=2)
+    parser.add_argument("--guidance-scale", type=number(float, 0), default=5.0)
+    parser.add_argument("--eta", type=number(float, 0), default=1.0)
     parser.add_argument("--samples-path", default=None, help="optional PNG grid of evaluation samples")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=number(int, 0), default=1,
                         help="torch threads; 1 (default) reproduces the shipped model and avoids oversubscription "
                              "on a shared CPU; 0 keeps torch's default")
     parser.add_argument("--quick", action="store_true", help="seconds-long smoke run (tiny step counts)")
     args = parser.parse_args(argv)
     scenes = args.world == "scenes"
+    if args.vae_crop % 4:
+        parser.error(f"argument --vae-crop: must be a multiple of 4 (the VAE's scale factor), got {args.vae_crop}")
+    for name in ("output_dir", "state_dir"):  # found out before the pretraining, not after it
+        path = getattr(args, name)
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            parser.error(f"argument --{name.replace('_', '-')}: {path} is a file; give a directory")
+    if args.vae_from is not None and not os.path.isdir(os.path.join(args.vae_from, "vae")):
+        parser.error(f"argument --vae-from: {args.vae_from} has no vae/ folder; give a pipeline directory this "
+                     "script wrote (e.g. ddpo_group/assets/tiny_scenes_sd3)")
     if args.arch == "sd3" and not scenes:
         parser.error("--arch sd3 is for --world scenes (the shapes world's tiny-shapes is a UNet)")
+    given = {name for name, value in vars(args).items() if value != parser.get_default(name)}
     if scenes:  # the scenes world's defaults where the shapes world's were not overridden
         for name, value in SCENES_DEFAULTS[args.arch].items():
-            if getattr(args, name) == parser.get_default(name):
+            if name not in given:
                 setattr(args, name, value)
     elif args.output_dir is None:
         args.output_dir = DEFAULT_OUTPUT_DIR
-    if args.quick:
-        args.dataset_size, args.vae_steps, args.unet_steps = 64, 3, 3
-        args.vae_batch_size, args.batch_size, args.warmup_steps = 8, 8, 1
-        args.eval_steps, args.eval_images_per_prompt = 2, 1
-    for name in ("dataset_size", "vae_batch_size", "batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 0.0 <= args.cond_dropout < 1.0:
-        raise ValueError(f"--cond-dropout must be in [0, 1), got {args.cond_dropout}")
+    if args.quick:  # tiny step counts, except where an option was given
+        for name, value in QUICK.items():
+            if name not in given:
+                setattr(args, name, value)
     return args
 
+
+# --quick: a seconds-long smoke run.
+QUICK = {"dataset_size": 64, "vae_steps": 3, "unet_steps": 3, "vae_batch_size": 8, "batch_size": 8, "warmup_steps": 1,
+         "eval_steps": 2, "eval_images_per_prompt": 1}
 
 # The scenes world's defaults (see docs/scenes.md for the measured times on this machine).
 SCENES_DEFAULTS = {
@@ -428,6 +463,58 @@ def _scenes_paths(args):
     return output, state
 
 
+# What a scenes state is made with: a resume with another value would silently train another schedule (or load
+# weights of another shape), so it is refused. The session's own options (--max-minutes, --stop-at-step,
+# --checkpoint-every, --threads, --output-dir, the evaluation's) may change between parts.
+RECORDED_OPTIONS = ("world", "arch", "quick", "seed", "dataset_size", "vae_from", "vae_crop", "vae_steps",
+                    "vae_batch_size", "vae_lr", "kl_weight", "unet_steps", "batch_size", "unet_lr", "cond_dropout",
+                    "ema_decay", "warmup_steps")
+OPTIONS_FILE = "options.json"
+
+
+def recorded_options(args) -> dict:
+    """The options of RECORDED_OPTIONS as the state directory's options.json holds them (--vae-from absolute)."""
+    options = {name: getattr(args, name) for name in RECORDED_OPTIONS}
+    if options["vae_from"] is not None:
+        options["vae_from"] = os.path.abspath(options["vae_from"])
+    return options
+
+
+def check_recorded_options(args, state_dir: str) -> None:
+    """A new state directory records the options it is made with (options.json); a resume with another value of
+    any of them stops in one line naming the option, the recorded value and the fix. A state directory from
+    before the options were recorded gets them now (what it was made with cannot be known: its weights' shapes
+    are checked when loaded)."""
+    path = os.path.join(state_dir, OPTIONS_FILE)
+    options = recorded_options(args)
+    if not os.path.exists(path):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(options, f, indent=2)
+        os.replace(tmp, path)
+        return
+    try:
+        with open(path) as f:
+            recorded = json.load(f)
+        if not isinstance(recorded, dict):
+            raise ValueError(f"a JSON {type(recorded).__name__}, not an object")
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"pretrain_tiny.py: error: --state-dir {state_dir}: its {OPTIONS_FILE} cannot be read "
+                         f"({err}); give another --state-dir to start afresh") from None
+    for name in RECORDED_OPTIONS:
+        if name not in recorded or recorded[name] == options[name]:
+            continue
+        option = "--" + name.replace("_", "-")
+        if name == "quick":  # a flag: with it or without it
+            made = ("with " if recorded[name] else "without ") + option
+            given = ("not with " if options[name] else "not without ") + option
+        else:
+            made, given = f"with {option} {recorded[name]}", f"not {options[name]}"
+        raise SystemExit(f"pretrain_tiny.py: error: {option}: the state in --state-dir {state_dir} was made {made}, "
+                         f"{given}; resume {made}, or give another --state-dir to start afresh (the state's options: "
+                         f"{path})")
+
+
 def _scenes_data(args, state_dir, pipeline):
     """(images uint8 (N, 64, 64, 3), prompt rows (N,), unique prompts): rendered once, cached in the state dir."""
     from ddpo_group.data.scenes import sample_dataset
@@ -517,8 +604,15 @@ def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir,
     latent_mean, latent_std = latents
     start_step, smooth, seconds = 0, None, 0.0
     if previous is not None and previous["stage"] == "denoiser":
-        for module, weights in zip(modules, previous["modules"]):
-            module.load_state_dict(weights)
+        try:
+            if len(previous["modules"]) != len(modules):
+                raise RuntimeError(f"{len(previous['modules'])} models saved, {len(modules)} expected")
+            for module, weights in zip(modules, previous["modules"]):
+                module.load_state_dict(weights)
+        except RuntimeError as err:  # another --arch (a state from before options.json recorded it)
+            raise SystemExit(f"pretrain_tiny.py: error: --arch {args.arch}: the state in --state-dir {state_dir} "
+                             f"does not fit it ({str(err).splitlines()[0]}); resume with the --arch it was made "
+                             "with, or give another --state-dir to start afresh") from None
         for ema, saved in zip(ema_params, previous["ema"]):
             ema.copy_(saved)
         optimizer.load_state_dict(previous["optimizer"])
@@ -609,6 +703,7 @@ def _pretrain_scenes(args) -> dict:
 
     output_dir, state_dir = _scenes_paths(args)
     os.makedirs(state_dir, exist_ok=True)
+    check_recorded_options(args, state_dir)
     deadline = time.time() + args.max_minutes * 60 if args.max_minutes else math.inf
     torch.manual_seed(args.seed)
     pipeline = build_tiny_scenes_pipeline(SCENE_WORDS, args.arch, seed=args.seed)

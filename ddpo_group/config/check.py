@@ -137,6 +137,8 @@ def _choice(value, choices, field):
 
 # The fixed evaluation draws this many images per prompt at most, at every evaluation.
 MAX_EVAL_IMAGES_PER_PROMPT = 1024
+# The largest seed: numpy's generators take 0 .. 2**32 - 1, and accelerate's set_seed adds the process index.
+MAX_SEED = 2**31 - 1
 
 
 def _positive(value, field, allow_zero=False):
@@ -229,6 +231,9 @@ def check_config(config, num_processes=1, has_gpu=None):
         for part in field.split("."):
             value = value[part]
         _positive(value, field)
+    for field in ("seed", "eval_seed"):
+        if not 0 <= config[field] <= MAX_SEED:
+            raise ConfigError(f"config.{field}={config[field]} must be from 0 to 2**31 - 1")
     _positive(config.save_freq, "save_freq", allow_zero=True)
     _positive(config.num_checkpoint_limit, "num_checkpoint_limit", allow_zero=True)
     _positive(config.log_images_every, "log_images_every", allow_zero=True)

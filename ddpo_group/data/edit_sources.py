@@ -138,34 +138,46 @@ def edit_pairs_html(run_dir: str, epoch: int | None = None, max_pairs: int = 16)
     import base64
     import glob
     import html
-    import json
+    from pathlib import Path
 
-    from ddpo_group.report.run import inside_run
+    from ddpo_group.report.run import inside_run, read_records_file, unreadable_image
 
     samples = os.path.join(run_dir, "samples")
     documents = sorted(glob.glob(os.path.join(samples, "epoch_[0-9][0-9][0-9][0-9].json")))
-    documents = [d for d in documents if inside_run(d, run_dir)]  # load_run names the others in the report
+    # load_run names the others in the report: links out of the run, folders
+    documents = [d for d in documents if inside_run(d, run_dir) and os.path.isfile(d)]
     if epoch is not None:
         documents = [d for d in documents if d.endswith(f"epoch_{epoch:04d}.json")]
-    if not documents:
+    document = None
+    for path in reversed(documents):  # the last one that can be read: load_run names the others in the report
+        try:
+            document, records = read_records_file(Path(path))
+            shown = Path(path).stem.removeprefix("epoch_")
+            break
+        except (OSError, ValueError):
+            continue
+    if document is None:
         return ""
-    with open(documents[-1], encoding="utf-8") as f:
-        document = json.load(f)
-    pairs = [r for r in document.get("records", []) if r.get("source_image")][:max_pairs]
+    pairs = [r for r in records if r.get("source_image")][:max_pairs]
     if not pairs:
         return ""
 
     def image(rel):
         if not inside_run(os.path.join(samples, str(rel)), run_dir):
             return f'<span class="missing">not shown: {html.escape(str(rel))} is outside the run directory</span>'
+        if (why := unreadable_image(os.path.join(samples, str(rel)))) is not None:  # a folder, a decompression bomb
+            return f'<span class="missing">not shown: {html.escape(str(rel))} ({html.escape(why)})</span>'
         with open(os.path.join(samples, rel), "rb") as f:
             data = base64.b64encode(f.read()).decode("ascii")
         return f'<img src="data:image/png;base64,{data}" style="width:128px;image-rendering:pixelated">'
 
+    def reward(value):
+        return f"{value:.4g}" if isinstance(value, (int, float)) else html.escape(str(value))
+
     rows = "".join(
-        f"<tr><td>{image(r['source_image'])}</td><td>&rarr;</td><td>{image(r['image'])}</td>"
-        f"<td>{html.escape(r['prompt'])}<br>reward {r['reward']:.4g}</td></tr>"
+        f"<tr><td>{image(r['source_image'])}</td><td>&rarr;</td><td>{image(r.get('image', ''))}</td>"
+        f"<td>{html.escape(str(r['prompt']))}<br>reward {reward(r['reward'])}</td></tr>"
         for r in pairs
     )
-    return (f"<section><h2>Edits of epoch {document['epoch']}: source &rarr; edited</h2>"
+    return (f"<section><h2>Edits of epoch {int(shown)}: source &rarr; edited</h2>"
             f"<table>{rows}</table></section>")

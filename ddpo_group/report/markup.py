@@ -16,7 +16,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from ddpo_group.report.run import finite
+from ddpo_group.report.run import finite, unreadable_image
 
 # The report's size cap: 8 MB of HTML. A 5000-epoch run's grids would make it 150 MB or more; past the cap the
 # sample grids are thinned evenly and the rest linked. Everything else (plots, evaluation, best and worst) comes first.
@@ -73,8 +73,10 @@ class Inline:
 
     def file(self, path: Path | None, alt: str, css_class: str, section: str) -> str:
         """An image file of the run: a sample at `shown_width`, a grid at its own size; a link past the cap."""
-        if path is None or not path.is_file():
+        if path is None or not path.exists():
             return f'<span class="missing">missing image: {esc(path)}</span>'
+        if (why := unreadable_image(path)) is not None:
+            return f'<span class="missing">not shown: {esc(path)} ({esc(why)})</span>'
         cost = data_uri_length(path.stat().st_size)
         if self.used + cost > self.limit:
             self.left_out.append((section, path))
@@ -106,6 +108,8 @@ def sample_figure(record: dict | None, caption: str, inline: Inline, section: st
         return f'<figure><span class="missing">none</span><figcaption>{esc(caption)}</figcaption></figure>'
     if record.get("outside"):
         image = f'<span class="missing">not shown: {esc(record["outside"])} is outside the run directory</span>'
+    elif record.get("unreadable"):
+        image = f'<span class="missing">not shown: {esc(record["unreadable"])}</span>'
     else:
         alt = alt or f"{caption} {record.get('prompt', '')}"
         image = inline.file(record.get("image_path"), alt, "sample", section)

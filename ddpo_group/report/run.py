@@ -168,6 +168,11 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
             if not _inside(entry, root):
                 # a link out of the run directory: the report reads the run's own files only
                 run.outside.append(str(entry.relative_to(path)))
+                continue
+            named = any(pattern.match(entry.name) for pattern in (_SAMPLE_PNG, _SAMPLE_JSON, _EVAL_PNG, _EVAL_JSON))
+            if named and (why := unreadable_image(entry) if entry.suffix == ".png" else
+                          None if entry.is_file() else "not a file") is not None:
+                run.malformed.append(f"{entry.relative_to(path)} ({why})")  # a folder, a bomb: left out, noted
             elif match := _SAMPLE_PNG.match(entry.name):
                 run.grids[int(match.group(1))] = entry
             elif match := _SAMPLE_JSON.match(entry.name):
@@ -176,6 +181,14 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                 run.eval_grids[int(match.group(1))] = entry
             elif match := _EVAL_JSON.match(entry.name):
                 run.eval_files[int(match.group(1))] = entry
+    for files in (run.sample_files, run.eval_files):
+        for epoch, entry in list(files.items()):
+            try:  # a samples file that cannot be read is left out, the report goes on
+                read_records_file(entry)
+            except (OSError, ValueError) as err:
+                why = str(err).removeprefix(f"{entry}: ") if isinstance(err, ValueError) else type(err).__name__
+                run.malformed.append(f"{entry.relative_to(path)} ({why})")
+                del files[epoch]
     for evaluation in sorted(path.glob("checkpoints/checkpoint_*/evaluation.json")):
         if not _CHECKPOINT.match(evaluation.parent.name):
             continue
@@ -194,19 +207,26 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     return run
 
 
-def _read_records(run: RunData, path: Path, evaluation: bool = False) -> tuple[dict, list[dict]]:
-    """(document, records) of a samples JSON (epoch_XXXX.json or eval_XXXX.json); each record gets `image_path`
-    (an absolute Path inside the run directory, or None) and, for evaluation files, prompt_index / image_index."""
+def read_records_file(path: Path) -> tuple[dict, list[dict]]:
+    """(document, records) of a samples JSON as written (a list of records, or an object with a "records" list),
+    each record an object with at least "prompt" and "reward"; a ValueError naming the file otherwise."""
     document = read_json(path)
     records = document.get("records") if isinstance(document, dict) else document
     if not isinstance(records, list):
         raise ValueError(f"{path}: expected a list of records or an object with a 'records' list")
-    document = document if isinstance(document, dict) else {}
-    group = document.get("group_size") if isinstance(document.get("group_size"), int) else None
-    out, root = [], run.path.resolve()
     for i, record in enumerate(records):
         if not isinstance(record, dict) or "prompt" not in record or "reward" not in record:
             raise ValueError(f"{path}: record {i} must be an object with at least 'prompt' and 'reward'")
+    return (document if isinstance(document, dict) else {}), records
+
+
+def _read_records(run: RunData, path: Path, evaluation: bool = False) -> tuple[dict, list[dict]]:
+    """(document, records) of a samples JSON (epoch_XXXX.json or eval_XXXX.json); each record gets `image_path`
+    (an absolute Path inside the run directory, or None) and, for evaluation files, prompt_index / image_index."""
+    document, records = read_records_file(path)
+    group = document.get("group_size") if isinstance(document.get("group_size"), int) else None
+    out, root = [], run.path.resolve()
+    for record in records:
         record = dict(record)
         if evaluation and group and "prompt_index" not in record and isinstance(record.get("index"), int):
             # evaluation files from before the indices were stored: image j of prompt i is record i * J + j
@@ -218,6 +238,11 @@ def _read_records(run: RunData, path: Path, evaluation: bool = False) -> tuple[d
             if not _inside(image_path, root):
                 # a samples file names images of its run only: nothing outside the run directory is embedded
                 record["outside"] = str(image)
+            elif (why := unreadable_image(image_path)) is not None:
+                record["unreadable"] = f"{image} ({why})"
+                note = f"{image_path.relative_to(run.path)} ({why})"
+                if note not in run.malformed:
+                    run.malformed.append(note)
             else:
                 record["image_path"] = image_path.resolve()
         out.append(record)
@@ -312,6 +337,29 @@ def inside_run(path: str | os.PathLike, run_dir: str | os.PathLike) -> bool:
         return _inside(Path(path), Path(run_dir).resolve())
     except (OSError, RuntimeError):
         return False
+
+
+def unreadable_image(path: str | os.PathLike) -> str | None:
+    """Why the image file `path` cannot be shown ("not a file", or PIL's error naming the reason: a file that is
+    no image, a decompression bomb whose header declares more pixels than PIL's limit, MAX_IMAGE_PIXELS, warnings
+    included), None when it can. Reads the header only. Every image the report embeds passes this first: a folder
+    or a bomb named like a sample is left out with a note instead of stopping the report."""
+    import warnings
+
+    from PIL import Image
+
+    if not os.path.isfile(path):
+        return "not a file"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                width, height = image.size
+    except Exception as err:  # noqa: BLE001 - any file a run holds: PIL raises many kinds on damaged input
+        return f"not a readable image: {type(err).__name__}: {err}"
+    if width < 1 or height < 1:
+        return f"not a readable image: {width}x{height} pixels"
+    return None
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -406,15 +406,20 @@ def video_samples_html(run_dir: str | os.PathLike, prefix: str = "epoch", max_gr
     import base64
     import html
 
-    from ddpo_group.report.run import inside_run
+    from ddpo_group.report.run import inside_run, unreadable_image
 
     samples_dir = Path(run_dir) / "samples"
     documents = []
     for path in sorted(samples_dir.glob(f"{prefix}_*.json")):
-        if not inside_run(path, run_dir):  # load_run names it in the report
+        if not inside_run(path, run_dir) or not path.is_file():  # load_run names it in the report
             continue
-        with open(path, encoding="utf-8") as f:
-            document = json.load(f)
+        try:  # one that cannot be read: load_run names it in the report
+            with open(path, encoding="utf-8") as f:
+                document = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(document, dict):
+            continue
         if document.get("video") and document.get("grid") and (samples_dir / str(document["grid"])).is_file():
             documents.append(document)
     if not documents:
@@ -424,6 +429,10 @@ def video_samples_html(run_dir: str | os.PathLike, prefix: str = "epoch", max_gr
         if not inside_run(samples_dir / str(document["grid"]), run_dir):
             parts.append(f'<p class="missing">epoch {html.escape(str(document["epoch"]))}: not shown: '
                          f'{html.escape(str(document["grid"]))} is outside the run directory</p>')
+            continue
+        if (why := unreadable_image(samples_dir / str(document["grid"]))) is not None:  # a decompression bomb
+            parts.append(f'<p class="missing">epoch {html.escape(str(document["epoch"]))}: not shown: '
+                         f'{html.escape(str(document["grid"]))} ({html.escape(why)})</p>')
             continue
         data = base64.b64encode((samples_dir / document["grid"]).read_bytes()).decode("ascii")
         caption = html.escape(f"epoch {document['epoch']} ({document['grid']}, animated WebP)")
