@@ -17,6 +17,9 @@ def _variant_lines() -> list[str]:
         name, _, text = line.strip().partition(" ")
         if name in grpo.VARIANTS:
             described[name] = text.strip()
+    for name, build in grpo.VARIANTS.items():  # a variant of another module: its docstring's first line
+        if name not in described and build.__doc__:
+            described[name] = build.__doc__.strip().splitlines()[0].rstrip(".")
     return [f"  {name:<16} {described.get(name, '')}" for name in grpo.VARIANTS]
 
 

@@ -890,3 +890,6 @@ def get_config(name="sd15"):
     config.variant = name  # kept in the run's config.json: the report's headline names the variant
     return config
 
+
+from ddpo_group.config.next_video_variants import NEXT_VIDEO_VARIANTS  # noqa: E402  (issue 46: Wan 2.2 A14B, Wan I2V)
+VARIANTS.update(NEXT_VIDEO_VARIANTS)

@@ -200,11 +200,16 @@ class WanExpertsPolicy(WanPolicy):
     @torch.no_grad()
     def sample(self, prompts, num_steps, guidance_scale, eta, *args, **kwargs):
         """The flow base's trajectories; with two experts also the expert of each step, extra_cond["experts"]
-        (B, T) int64 (0: the high-noise expert, 1: the low-noise one), the one ``_velocity`` ran."""
+        (B, T) int64 (0: the high-noise expert, 1: the low-noise one), the one ``_velocity`` ran. A step of an
+        expert that is not trained (config.train.experts) has mask 0: its log-prob has no gradient, the trainer
+        skips it as it skips an ODE step."""
         trajectories = super().sample(prompts, num_steps, guidance_scale, eta, *args, **kwargs)
         if self.two_experts:
             experts = self.expert_of(trajectories.timesteps.cpu()).to(trajectories.timesteps.device)
             trajectories.extra_cond = {**(trajectories.extra_cond or {}), "experts": experts}
+            if len(self.trained) < 2 and trajectories.mask.shape == experts.shape:
+                trained = (experts == self.trained[0]).to(trajectories.mask.device, trajectories.mask.dtype)
+                trajectories.mask = trajectories.mask * trained
         return trajectories
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
