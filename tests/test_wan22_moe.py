@@ -177,3 +177,28 @@ def test_lora_of_both_experts_loads_into_a_fresh_pipeline_and_the_run_resumes(tm
 def test_other_algorithms_train_both_experts(tmp_path, overrides):
     row = read_metrics(train(make_config(tmp_path, variant="tiny_wan22_moe", **cheap(**overrides))))[0]
     assert row["train/skipped_steps"] == 0 and math.isfinite(row["loss"])
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_both_experts_and_equals_one_process(tmp_path):
+    """tests/fsdp2_worker.py (two CPU processes on gloo) on the tiny twin with LoRA on both experts: its 2 steps are
+    one of each expert, so every step runs the idle expert on one row (the same collectives on both processes)."""
+    import json
+    import subprocess
+
+    from helpers import PYTHON, ROOT, free_port, subprocess_env
+
+    out = tmp_path / "result"
+    command = [os.path.join(os.path.dirname(PYTHON), "torchrun"), "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "tests/fsdp2_worker.py", str(out), "tiny-wan22-moe:lora"]
+    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads(open(f"{out}.{rank}.json").read())[0] for rank in (0, 1)]
+    first = ranks[0]
+    assert first["max_abs_weight_change"] > 1e-3 and first["max_abs_weight_diff"] <= 2e-5  # measured 1.9e-7
+    assert first["export_max_abs_diff"] == 0.0  # lora/ and lora_2/ of the gathered weights load back exactly
+    for kind in ("params", "grads", "optimizer"):  # both experts sharded: each process holds about half
+        per_rank = [rank["bytes"][kind] for rank in ranks]
+        assert sum(per_rank) == first["full_bytes"][kind] and max(per_rank) <= 0.55 * first["full_bytes"][kind]
+    for sharded, full in zip(first["norms"], first["full_norms"]):
+        assert sharded == pytest.approx(full, rel=1e-5)
