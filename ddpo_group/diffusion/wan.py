@@ -128,6 +128,11 @@ class WanPolicy(FlowMatchingPolicy):
 
     def configure(self, sde_type="", max_sequence_length=0, resolution=0, **flow_options):
         pipe = self.pipeline
+        if pipe.config.get("boundary_ratio") is not None and getattr(pipe, "transformer_2", None) is None:
+            raise ValueError(
+                f"config.pretrained.model: a Wan pipeline with boundary_ratio={pipe.config.get('boundary_ratio')} but "
+                "no transformer_2 (Wan 2.2 A14B's low-noise expert) has no model below the boundary; give it both"
+            )
         if resolution and resolution % (pipe.vae_scale_factor_spatial * self.patch_multiple):
             multiple = pipe.vae_scale_factor_spatial * self.patch_multiple
             raise ValueError(f"config.sample.resolution={resolution} must be a multiple of {multiple} for this model")
