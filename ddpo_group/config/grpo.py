@@ -891,5 +891,5 @@ def get_config(name="sd15"):
     return config
 
 
-from ddpo_group.config.next_video_variants import NEXT_VIDEO_VARIANTS  # noqa: E402  (issue 46: Wan 2.2 A14B, Wan I2V)
-VARIANTS.update(NEXT_VIDEO_VARIANTS)
+from ddpo_group.config.next_video_variants import next_video_variants  # noqa: E402  (issue 46: Wan 2.2 A14B, Wan I2V)
+VARIANTS.update(next_video_variants(VARIANTS))

@@ -308,10 +308,8 @@ class WanExpertsPolicy(WanPolicy):
                     os.path.join(output_dir, LORA_DIRS[index]),
                     transformer_lora_layers=get_peft_model_state_dict(expert, state_dict=part), safe_serialization=True,
                 )
-            elif part is not None:
-                from ddpo_group.sharding import save_full_weights
-
-                save_full_weights(expert, part, os.path.join(output_dir, EXPERT_DIRS[index]))
+            elif part is not None:  # a sharded full fine-tune's gathered weights
+                _save_expert(expert, part, os.path.join(output_dir, EXPERT_DIRS[index]))
             else:
                 expert.save_pretrained(os.path.join(output_dir, EXPERT_DIRS[index]), safe_serialization=True)
 
@@ -340,6 +338,21 @@ def _rows(cond, rows, batch):
     """The conditioning of `rows`: every per-row tensor (B, ...) indexed, anything else as it is."""
     return {name: value[rows.to(value.device)] if torch.is_tensor(value) and value.shape[:1] == (batch,) else value
             for name, value in cond.items()}
+
+
+def _save_expert(expert, state_dict, directory):
+    """save_pretrained's layout from a full state dict: config.json (WanTransformer3DModel's, whatever class FSDP2
+    made of the expert) and diffusion_pytorch_model.safetensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    config = dict(json.loads(expert.to_json_string()), _class_name=WanTransformer3DModel.__name__)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    save_file({name: value.contiguous() for name, value in state_dict.items()},
+              os.path.join(directory, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
 
 
 def _sub_state(state_dict, prefix):
