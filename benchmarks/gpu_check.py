@@ -110,6 +110,10 @@ ARCHS = {
     "wan": dict(model="random-wan21-1.3b", flow="wan21_t2v_1_3b", resolution=256, sample_steps=10, video=True),
     "tiny-wan": dict(model="tiny-wan", flow="wan21_t2v_1_3b", resolution=0, sample_steps=10, max_sequence_length=16,
                      num_frames=5, video=True),
+    # Wan 2.2 A14B: two 14B experts (random weights, 2 x 28 GB in bf16), sampled as wan22_a14b_t2v (5 frames, 480 px)
+    "wan22-a14b": dict(model="random-wan22-a14b", flow="wan22_a14b_t2v", resolution=480, sample_steps=10, video=True),
+    "tiny-wan22-moe": dict(model="tiny-wan22-moe", flow="wan22_a14b_t2v", resolution=0, sample_steps=10,
+                           max_sequence_length=16, num_frames=5, video=True),
     # SDXL 1.0 base's UNet at its 1024 px, sampled as the `sdxl` preset does (25 DDIM steps, CFG 5)
     "sdxl": dict(model="random-sdxl", flow=None, resolution=0, sample_steps=25),
     "tiny-sdxl": dict(model="tiny-sdxl", flow=None, resolution=0, sample_steps=25),

@@ -202,3 +202,19 @@ def test_fsdp2_shards_both_experts_and_equals_one_process(tmp_path):
         assert sum(per_rank) == first["full_bytes"][kind] and max(per_rank) <= 0.55 * first["full_bytes"][kind]
     for sharded, full in zip(first["norms"], first["full_norms"]):
         assert sharded == pytest.approx(full, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_gpu_check_rows_of_the_two_experts(tmp_path):
+    """benchmarks/gpu_check.py: wan22-a14b is Wan 2.2 A14B's architecture sampled as the wan22_a14b_t2v preset;
+    its tiny code path (tiny-wan22-moe) passes every check on the CPU."""
+    from test_flow_gpu_check import _gpu_check_module, run_check
+
+    gpu_check = _gpu_check_module()
+    spec = gpu_check.arch_settings("wan22-a14b", gpu_check.parse_args(["--arch", "wan22-a14b"]))
+    assert spec["model"] == "random-wan22-a14b" and spec["video"] and spec["resolution"] == 480
+    assert gpu_check.flow_sample_settings(spec)["guidance_scale"] == 4.0
+    result, results = run_check(tmp_path, "--arch", "tiny-wan22-moe", "--variants", "grpo")
+    assert result.returncode == 0 and "result: PASS" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    row = results["archs"]["tiny-wan22-moe"]["dtypes"]["bf16"]["variants"]["grpo"]
+    assert row["approx_kl_by_epoch"] == [0.0, 0.0] and row["on_policy_max_abs_log_ratio"] == 0.0
