@@ -123,6 +123,9 @@ def test_a_setting_only_two_experts_have_is_one_line_naming_the_field(tmp_path):
         assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="config.train.experts='middle' is not one of"):
         train(make_config(tmp_path, variant="tiny_wan22_moe", train__experts="middle"))
+    with pytest.raises(ValueError, match="config.train.experts='high' trains one expert, but the forward objective"):
+        train(make_config(tmp_path, variant="tiny_wan22_moe", **cheap(train__experts="high", train__objective="nft",
+                                                                       forward__num_timesteps=2)))
 
 
 def test_two_epochs_train_exactly_on_policy_and_an_untrained_expert_stays_as_it_was(tmp_path):
@@ -164,6 +167,16 @@ def test_lora_of_both_experts_loads_into_a_fresh_pipeline_and_the_run_resumes(tm
     module = again.prepare("cpu", torch.float32, use_lora=True, lora_rank=2)
     again.load_trainable(module, checkpoint, use_lora=True)
     assert (videos(again) - trained).abs().max() < 1e-5
+    import json
+
+    from helpers import load_script
+
+    evaluate = load_script("scripts/evaluate.py")  # the evaluation's loader: both adapters, guidance_scale_2
+    with open(os.path.join(run_dir, "config.json")) as f:
+        run_config = json.load(f)
+    evaluated = evaluate.load_checkpoint_policy(checkpoint, run_config)
+    assert evaluated.guidance_scale_2 == 3.0
+    assert (videos(evaluated) - trained).abs().max() < 1e-5
     config = make_config(tmp_path, variant="tiny_wan22_moe", num_epochs=2, resume_from=run_dir, **common)
     resumed = Trainer(config, overrides={"resume_from", "num_epochs"})
     assert (videos(resumed.policy) - trained).abs().max() < 1e-5

@@ -227,6 +227,17 @@ class WanExpertsPolicy(WanPolicy):
                                  "assigns a step to another expert than the one that sampled it")
         return super().step_log_prob(model, batch, rows, step_index, guidance_scale, eta)
 
+    def predict(self, model, x_t, timesteps, batch, rows, guidance_scale):
+        """The flow base's; with one expert trained, a prediction with gradient must be that expert's (the forward
+        objectives draw their own timesteps: one of the frozen expert has no gradient)."""
+        if self.two_experts and len(self.trained) < 2 and torch.is_grad_enabled():
+            if (self.expert_of(torch.as_tensor(timesteps).cpu()) != self.trained[0]).any():
+                raise ValueError(
+                    f"config.train.experts={['high', 'low'][self.trained[0]]!r} trains one expert, but the forward "
+                    "objective drew timesteps of the other (frozen) one: set train.experts='both' with "
+                    "train.objective='nft' / 'awm'")
+        return super().predict(model, x_t, timesteps, batch, rows, guidance_scale)
+
     def _model_input(self, latents, cond):
         """What the transformer reads for latents (B, C, f, h, w): the latents (image-to-video adds channels)."""
         return latents
