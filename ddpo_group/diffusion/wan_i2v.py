@@ -55,6 +55,7 @@ class WanI2VPolicy(WanExpertsPolicy):
     pipeline_class_names = ("WanImageToVideoPipeline",)
     offline_models = ("tiny-wan-i2v", "tiny-wan22-i2v", "random-wan21-i2v-14b", "random-wan22-i2v-a14b")
     conditions_on_images = True
+    anchor_refusal = "it animates a source image and its rewards read it, which the anchor's reward calls lack"
 
     @classmethod
     def supports(cls, pipeline):
