@@ -116,7 +116,8 @@ def check_edit_prompts(records, conditions_on_images: bool, resolution: int, fie
             record = records[has.index(False)]
             raise ValueError(
                 f"config.{field}: prompt {record.prompt!r} has no field '{SOURCE_FIELD}'; config.pretrained.model="
-                f"{model!r} edits an image: give each record a source image (a path relative to the prompt file)"
+                f"{model!r} conditions on an image (editing, image-to-video): give each record a source image (a path "
+                "relative to the prompt file)"
             )
         for record in records:
             read_source_image(record.metadata[SOURCE_FIELD], f"config.{field}: prompt {record.prompt!r}", resolution)
