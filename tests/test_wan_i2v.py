@@ -196,3 +196,20 @@ def test_lora_of_an_i2v_run_loads_into_a_fresh_pipeline_and_a_stopped_run_resume
 def test_the_two_expert_i2v_twin_trains_its_high_noise_expert_and_other_algorithms_run(tmp_path, overrides):
     row = read_metrics(train(make_config(tmp_path, variant="tiny_wan22_i2v", **cheap(**overrides))))[0]
     assert row["train/skipped_steps"] == 0 and math.isfinite(row["loss"])
+
+
+@pytest.mark.slow
+def test_the_gpu_check_rows_of_image_to_video(tmp_path):
+    """benchmarks/gpu_check.py: wan21-i2v / wan22-i2v are the published architectures (random weights) sampled as
+    the wan21_i2v / wan22_i2v presets from a first frame; the tiny code path passes every check on the CPU."""
+    from test_flow_gpu_check import _gpu_check_module, run_check
+
+    gpu_check = _gpu_check_module()
+    for arch, model, side in (("wan21-i2v", "random-wan21-i2v-14b", 240), ("wan22-i2v", "random-wan22-i2v-a14b", 480)):
+        spec = gpu_check.arch_settings(arch, gpu_check.parse_args(["--arch", arch]))
+        assert spec["model"] == model and spec["image_to_video"] and spec["resolution"] == side
+    result, results = run_check(tmp_path, "--arch", "tiny-wan-i2v", "--variants", "grpo")
+    assert result.returncode == 0 and "result: PASS" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    entry = results["archs"]["tiny-wan-i2v"]["dtypes"]["bf16"]
+    assert entry["num_frames"] == 5 and entry["ode_vs_pipeline_max_abs_image_diff"] < 0.1  # bf16
+    assert entry["variants"]["grpo"]["approx_kl_by_epoch"] == [0.0, 0.0]
