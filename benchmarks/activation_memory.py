@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_check  # noqa: E402  benchmarks/gpu_check.py: the architectures and their sampling settings
 import torch  # noqa: E402
 
-from ddpo_group.run_dir import write_json_atomic  # noqa: E402
+from ddpo_group.runs.run_dir import write_json_atomic  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

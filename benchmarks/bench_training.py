@@ -12,7 +12,7 @@ Every method is a named variant of config/grpo.py with its method fields changed
 work (model, prompts, reward, sample.*, train.batch_size, gradient accumulation, learning rate,
 seed) is copied from one common variant, so every method samples the same trajectories at epoch 0
 and differs only in how it trains. Each method runs in this process through
-`ddpo_group.trainer.Trainer(config).run()` into results_dir/runs/<mode>/<method>/, and its
+`ddpo_group.training.trainer.Trainer(config).run()` into results_dir/runs/<mode>/<method>/, and its
 metrics.jsonl is read back to build the tables.
 
 Definitions (also written into the JSON file):
@@ -58,8 +58,8 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "config"))
 import grpo  # noqa: E402  config/grpo.py
 import torch  # noqa: E402
 
-from ddpo_group import metrics_log  # noqa: E402
-from ddpo_group.trainer import Trainer  # noqa: E402
+from ddpo_group.runs import metrics_log  # noqa: E402
+from ddpo_group.training.trainer import Trainer  # noqa: E402
 
 FINAL_WINDOW = 3
 TRAIN_SPEEDUP_TARGET = 4.0

@@ -154,7 +154,7 @@ def run_one(method, seed, run_dir, epochs):
     import torch
 
     torch.set_num_threads(1)
-    from ddpo_group.trainer import Trainer
+    from ddpo_group.training.trainer import Trainer
 
     Trainer(method_config(method, seed, run_dir, epochs)).run()
 

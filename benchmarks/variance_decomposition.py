@@ -47,9 +47,9 @@ sys.path.insert(0, os.path.join(ROOT, "config"))
 
 import grpo  # noqa: E402  config/grpo.py
 
-from ddpo_group.config_check import load_config_prompts  # noqa: E402
-from ddpo_group.critic import ValueNetwork, compute_values  # noqa: E402
-from ddpo_group.critic_designs import anchor_values, decode_latents  # noqa: E402
+from ddpo_group.config.check import load_config_prompts  # noqa: E402
+from ddpo_group.training.critic import ValueNetwork, compute_values  # noqa: E402
+from ddpo_group.training.critic_designs import anchor_values, decode_latents  # noqa: E402
 from ddpo_group.diffusion.policy import load_policy  # noqa: E402
 from ddpo_group.diffusion.sd import step_log_prob  # noqa: E402
 from ddpo_group.rewards import build_reward_fn  # noqa: E402

@@ -1,7 +1,7 @@
 """One process of tests/test_sharding.py's two-process run (torchrun --nproc_per_node 2, gloo on the CPU).
 
 For each tiny model named on the command line, every process builds the same random-weight model (same seed),
-rank 0 keeps an unsharded copy, and the model is sharded with ddpo_group.sharding. Every process samples the
+rank 0 keeps an unsharded copy, and the model is sharded with ddpo_group.training.sharding. Every process samples the
 same global batch of B trajectories with the sharded model; process r trains on rows [r B/N, (r+1) B/N) and
 rank 0's copy on all B rows, with the same loss (minus advantage-weighted log-probs of the re-scored steps:
 the mean over the process's rows, so FSDP's average over processes is the mean over all B rows), the same
@@ -18,10 +18,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ddpo_group import sharding
+from ddpo_group.training import sharding
 from ddpo_group.diffusion.base import configure_from_sample
 from ddpo_group.diffusion.policy import load_policy
-from ddpo_group.reference import ReferencePolicy
+from ddpo_group.training.reference import ReferencePolicy
 
 STEPS, LR, MAX_NORM, ALPHA, BATCH, NUM_STEPS = 2, 1e-3, 0.05, 0.3, 4, 2
 

@@ -68,7 +68,7 @@ def lora_round_trip(tmp_path, variant, build_pipeline, sample):
     import torch
 
     from ddpo_group.diffusion.policy import policy_for
-    from ddpo_group.trainer import Trainer
+    from ddpo_group.training.trainer import Trainer
 
     config = make_config(tmp_path, variant=variant, **cheap(
         train__learning_rate=3e-2, use_lora=True, lora_rank=2, train__use_reference_model=True,

@@ -6,9 +6,9 @@ import subprocess
 import pytest
 import torch
 
-from ddpo_group import models as models_module
-from ddpo_group import trainer as trainer_module
-from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.training import models as models_module
+from ddpo_group.training import trainer as trainer_module
+from ddpo_group.config.check import ConfigError, check_config
 from helpers import PYTHON, ROOT, make_config, subprocess_env
 
 

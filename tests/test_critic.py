@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpo_group.critic import ValueNetwork, compute_values, num_parameters
+from ddpo_group.training.critic import ValueNetwork, compute_values, num_parameters
 
 
 def make_critic(seed=0, randomize_head=False):

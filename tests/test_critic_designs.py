@@ -1,4 +1,4 @@
-"""Critic designs (ddpo_group/critic_designs.py, docs/critic.md): the Tweedie anchor, the anchor + residual, the
+"""Critic designs (ddpo_group/training/critic_designs.py, docs/critic.md): the Tweedie anchor, the anchor + residual, the
 critic's own lambda. Expected values are computed here by hand: diffusers' own DDIM step for x0_hat, a direct
 UNet call, VAE decode and reward call for the anchor, the trajectory's reward for Monte-Carlo targets."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from diffusers import DDIMScheduler
 
-from ddpo_group.config_check import ConfigError
-from ddpo_group.critic_designs import (
+from ddpo_group.config.check import ConfigError
+from ddpo_group.training.critic_designs import (
     anchor_values,
     check_critic_config,
     critic_lambda,
@@ -19,7 +19,7 @@ from ddpo_group.critic_designs import (
     ddim_x0_hat,
 )
 from ddpo_group.diffusion.policy import load_policy
-from ddpo_group.trainer import Trainer
+from ddpo_group.training.trainer import Trainer
 from helpers import cheap, make_config, read_metrics
 
 
@@ -191,7 +191,7 @@ def test_variance_decomposition_statistics_by_hand():
 def test_study_methods_are_valid_configs(spec, tmp_path):
     from helpers import load_script
 
-    from ddpo_group.config_check import check_config
+    from ddpo_group.config.check import check_config
 
     bench = load_script("benchmarks/bench_training.py")
     config = bench.build_method_config(spec, "tiny-shapes", 40, str(tmp_path / "r"), common_variant="tiny", seed=42,

@@ -1,4 +1,4 @@
-"""Per-step diagnostics (ddpo_group/diagnostics.py, docs/diagnostics.md): each quantity against a
+"""Per-step diagnostics (ddpo_group/training/diagnostics.py, docs/diagnostics.md): each quantity against a
 hand computation, and the lists a training run writes into metrics.jsonl."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from ddpo_group.diagnostics import GradShare, StepAccumulator, advantage_step_stats, value_step_stats
-from ddpo_group.trainer import Trainer
+from ddpo_group.training.diagnostics import GradShare, StepAccumulator, advantage_step_stats, value_step_stats
+from ddpo_group.training.trainer import Trainer
 from helpers import cheap, make_config, read_metrics
 
 

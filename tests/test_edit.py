@@ -1,4 +1,4 @@
-"""Image editing (ddpo_group/edit_sources.py, FluxKontextPolicy in ddpo_group.diffusion.flux) on tiny pipelines.
+"""Image editing (ddpo_group/data/edit_sources.py, FluxKontextPolicy in ddpo_group.diffusion.flux) on tiny pipelines.
 
 Checked against values computed here: the source condition is the VAE encoder's mode of 2 x - 1, shifted and scaled;
 the velocity is the transformer called by hand on [target tokens ; source tokens] with the source's position ids in
@@ -18,14 +18,14 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from ddpo_group.config_check import ConfigError, load_config_prompts
+from ddpo_group.config.check import ConfigError, load_config_prompts
 from ddpo_group.diffusion.base import Trajectories
 from ddpo_group.diffusion.flux import FluxKontextPolicy, build_tiny_flux_kontext_pipeline
 from ddpo_group.diffusion.policy import family_for_model, load_policy, policy_for
-from ddpo_group.edit_sources import read_source_image, source_images
-from ddpo_group.prompts import load_prompts
-from ddpo_group.shapes import parse_prompt, render
-from ddpo_group.trainer import Trainer, train
+from ddpo_group.data.edit_sources import read_source_image, source_images
+from ddpo_group.data.prompts import load_prompts
+from ddpo_group.data.shapes import parse_prompt, render
+from ddpo_group.training.trainer import Trainer, train
 from helpers import cheap, make_config, read_metrics
 
 PROMPTS = ["a big blue circle on a white background", "a big green triangle on a black background"]
@@ -263,7 +263,7 @@ def test_bad_edit_prompts_are_one_line_naming_the_field(tmp_path):
 
 
 def test_the_report_fragment_shows_source_edited_pairs(tmp_path):
-    from ddpo_group.edit_sources import edit_pairs_html
+    from ddpo_group.data.edit_sources import edit_pairs_html
 
     run_dir = train(make_config(tmp_path, variant="tiny_flux_kontext", num_epochs=1, sample__num_steps=2))
     fragment = edit_pairs_html(run_dir)

@@ -14,8 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from ddpo_group import models as models_module
-from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.training import models as models_module
+from ddpo_group.config.check import ConfigError, check_config
 from helpers import PYTHON, ROOT, cheap, make_config, read_json, read_metrics, subprocess_env
 
 
@@ -70,7 +70,7 @@ def test_reward_kwargs_of_a_reward_not_in_use_are_refused(tmp_path, no_model_loa
 
 
 def test_a_misspelt_reward_argument_stops_the_run_before_any_model_loads(tmp_path, no_model_loading):
-    from ddpo_group.trainer import Trainer
+    from ddpo_group.training.trainer import Trainer
 
     config = make_config(tmp_path, reward_fn="jpeg_compressibility")
     config.reward_kwargs = {"jpeg_compressibility": {"qualty": 5}}  # it used to fail on the first images, after sampling
@@ -104,8 +104,8 @@ def test_reward_weights_that_are_all_zero_are_refused(tmp_path, no_model_loading
 
 
 def test_a_logdir_that_is_a_file_or_a_resume_from_that_is_a_file_is_named(tmp_path, no_model_loading):
-    from ddpo_group.run_dir import CheckpointError
-    from ddpo_group.trainer import Trainer
+    from ddpo_group.runs.run_dir import CheckpointError
+    from ddpo_group.training.trainer import Trainer
 
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
@@ -121,7 +121,7 @@ def test_a_logdir_that_is_a_file_or_a_resume_from_that_is_a_file_is_named(tmp_pa
                                              ("directory", "is a directory; give a .txt, .json or .jsonl file")])
 def test_a_bad_prompt_file_is_named_by_its_field_before_any_model_loads(tmp_path, no_model_loading, field, content,
                                                                         needle):
-    from ddpo_group.trainer import Trainer
+    from ddpo_group.training.trainer import Trainer
 
     prompts = tmp_path / "prompts.txt"
     if content == "directory":
@@ -234,7 +234,7 @@ def test_cpu_threads_follow_omp_num_threads_else_one(monkeypatch):
 @pytest.fixture(scope="module")
 def tensorboard_run(tmp_path_factory):
     pytest.importorskip("tensorboard")
-    from ddpo_group.trainer import train
+    from ddpo_group.training.trainer import train
 
     tmp_path = tmp_path_factory.mktemp("tb")
     config = make_config(tmp_path, **cheap(log_with="tensorboard", eval_freq=1, eval_images_per_prompt=1,
@@ -388,7 +388,7 @@ def test_a_run_with_relative_paths_and_a_url_keyed_reward_resumes_from_another_d
 def test_evaluate_scores_a_run_with_its_weighted_rewards_as_the_trainer_did(tmp_path):
     """A run trained on reward_weights (two rewards, not reward_fn): evaluate.py builds the run's reward as the
     trainer did, so the final weights score what the trainer's last evaluation logged."""
-    from ddpo_group.trainer import train
+    from ddpo_group.training.trainer import train
 
     config = make_config(tmp_path, **cheap(eval_freq=1, eval_images_per_prompt=1, num_epochs=1, reward_fn="",
                                            reward_weights={"shapes_color": 1.0, "shapes_area": 0.5}))

@@ -1,4 +1,4 @@
-"""Fixed-noise evaluation (ddpo_group.evaluation) and its rows in training: deterministic, independent of
+"""Fixed-noise evaluation (ddpo_group.evaluation.evaluator) and its rows in training: deterministic, independent of
 batching and of the number of processes, at epoch 0, every eval_freq epochs and at the end, and a resumed
 run neither repeats nor skips one."""
 
@@ -12,11 +12,11 @@ import torch
 
 from ddpo_group.diffusion.policy import policy_for
 from ddpo_group.diffusion.tiny import build_tiny_pipeline
-from ddpo_group.evaluation import evaluate
-from ddpo_group.prompts import load_prompts
+from ddpo_group.evaluation.evaluator import evaluate
+from ddpo_group.data.prompts import load_prompts
 from ddpo_group.rewards import build_reward_fn
 from ddpo_group.rewards.registry import register_reward
-from ddpo_group.trainer import Trainer, train
+from ddpo_group.training.trainer import Trainer, train
 from helpers import PYTHON, ROOT, free_port, make_config, read_metrics, subprocess_env
 
 RECORDS = load_prompts("shapes")[:5]
@@ -94,8 +94,8 @@ def test_the_evaluator_writes_the_evaluate_result_into_the_epoch_metrics(tmp_pat
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from ddpo_group.evaluation import Evaluator
-    from ddpo_group.run_dir import RunDir
+    from ddpo_group.evaluation.evaluator import Evaluator
+    from ddpo_group.runs.run_dir import RunDir
 
     config = make_config(tmp_path, eval_prompt_fn="", eval_images_per_prompt=3, eval_batch_size=4, eval_grid_prompts=2,
                          eval_seed=1234, sample__num_steps=3, sample__guidance_scale=3.0, sample__eta=1.0)

@@ -8,11 +8,11 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.config.check import ConfigError, check_config
 from ddpo_group.diffusion.flow import dance_sigmas, sde_step_with_logprob
 from ddpo_group.diffusion.policy import policy_for
 from ddpo_group.diffusion.tiny import build_tiny_pipeline, build_tiny_sd3_pipeline
-from ddpo_group.trainer import train
+from ddpo_group.training.trainer import train
 from helpers import cheap, make_config, read_metrics
 
 PROMPTS = ["a red circle", "a big blue square"]

@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.config.check import ConfigError, check_config
 from ddpo_group.diffusion.policy import policy_for
 from ddpo_group.diffusion.base import window_noise_levels
 from ddpo_group.diffusion.sampling import sample_trajectories, trajectory_log_probs
 from ddpo_group.diffusion.tiny import build_tiny_flux_pipeline, build_tiny_sd3_pipeline
 from ddpo_group.diffusion.tiny import build_tiny_pipeline as build_tiny_pipeline_sd
-from ddpo_group.trainer import Trainer, train
+from ddpo_group.training.trainer import Trainer, train
 from helpers import cheap, make_config, read_metrics
 
 PROMPTS = ["a red circle", "a big blue square"]

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.config.check import ConfigError, check_config
 from ddpo_group.diffusion.policy import load_policy
-from ddpo_group.trainer import Trainer, train
+from ddpo_group.training.trainer import Trainer, train
 from tests.helpers import make_config, read_metrics
 
 PROMPTS = ["a red square", "a blue circle"]

@@ -261,7 +261,7 @@ def test_the_shapes_detector_finds_every_object_of_a_scene_exactly():
 
 
 def test_generated_prompts_are_a_prompt_source_whose_metadata_is_the_record():
-    from ddpo_group.prompts import load_prompts
+    from ddpo_group.data.prompts import load_prompts
 
     records = load_prompts("ddpo_group.rewards.geneval.metadata:training_prompts", n_per_tag=2, seed=3,
                            tags="counting,position")
@@ -275,7 +275,7 @@ def test_generated_prompts_are_a_prompt_source_whose_metadata_is_the_record():
 def test_a_training_prompt_file_with_a_tag_not_one_of_the_six_is_refused_before_any_model_loads(tmp_path):
     from helpers import make_config
 
-    from ddpo_group.config_check import ConfigError, check_config
+    from ddpo_group.config.check import ConfigError, check_config
 
     square = {"include": [{"class": "square", "count": 1}], "prompt": "a photo of a square"}
     prompts = write_lines(tmp_path / "prompts.jsonl", [json.dumps({"tag": "single_object", **square}),

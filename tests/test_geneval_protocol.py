@@ -12,8 +12,8 @@ import torch
 from helpers import load_script, make_config, pil_jpeg_kb, tiny_clip_model
 from PIL import Image
 
-from ddpo_group.protocol_report import protocol_tables_html
-from ddpo_group.protocols import ProtocolError, get_protocol
+from ddpo_group.evaluation.protocol_report import protocol_tables_html
+from ddpo_group.evaluation.protocols import ProtocolError, get_protocol
 from ddpo_group.rewards.base import RewardError, RewardNotReadyError
 from ddpo_group.rewards.geneval.protocol import Detection
 from ddpo_group.rewards.geneval.shapes_scenes import SceneObject as O
@@ -136,14 +136,14 @@ def test_missing_detector_weights_and_unknown_names_are_one_line(tmp_path, evalu
 
 
 def test_a_reward_mean_protocol_needs_its_reward_registered():
-    from ddpo_group.protocols import RewardMeanProtocol
+    from ddpo_group.evaluation.protocols import RewardMeanProtocol
 
     with pytest.raises(ProtocolError, match="reward 'no_such_reward', which is not registered"):
         RewardMeanProtocol("no_such_reward")
 
 
 def test_the_ocr_protocol_averages_the_ocr_reward_over_images():
-    from ddpo_group.prompts import PromptRecord
+    from ddpo_group.data.prompts import PromptRecord
     from ddpo_group.rewards.ocr import Recogniser
 
     class Reads(Recogniser):  # a recogniser whose answers are known: the protocol's arithmetic is what is tested
@@ -165,8 +165,8 @@ def test_the_ocr_protocol_averages_the_ocr_reward_over_images():
 
 
 def test_a_reward_mean_protocol_is_the_mean_of_its_rewards_per_image():
-    from ddpo_group.protocols import RewardMeanProtocol
-    from ddpo_group.prompts import PromptRecord
+    from ddpo_group.evaluation.protocols import RewardMeanProtocol
+    from ddpo_group.data.prompts import PromptRecord
 
     protocol = RewardMeanProtocol("jpeg_incompressibility")
     pixels = np.random.default_rng(0).integers(0, 256, size=(3, 16, 16, 3), dtype=np.uint8)
@@ -319,7 +319,7 @@ def test_missing_transformers_weights_are_a_one_line_not_ready_error(tmp_path):
 
 
 def test_tiny_geneval_trains_two_epochs_and_is_evaluated_with_the_protocol(tmp_path, evaluate_script, capsys):
-    from ddpo_group.trainer import train
+    from ddpo_group.training.trainer import train
 
     config = make_config(tmp_path, "tiny_geneval", num_epochs=2, save_freq=2, eval_freq=0, log_images_every=0,
                          sample__num_steps=2, sample__batch_size=4, sample__num_batches_per_epoch=1,
@@ -365,7 +365,7 @@ def test_the_report_fragment_shows_each_checkpoints_table(tmp_path):
 
 @pytest.mark.parametrize("variant", ["tiny_geneval", "sd35_geneval", "sd35_nft_geneval"])
 def test_the_geneval_variants_pass_the_config_check(tmp_path, variant):
-    from ddpo_group.config_check import check_config
+    from ddpo_group.config.check import check_config
 
     config = check_config(make_config(tmp_path, variant))
     assert config.reward_fn == "geneval"

@@ -7,8 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from ddpo_group import grids
-from ddpo_group.grids import group_rows, make_grid, save_epoch_samples, save_png, to_uint8_hwc
+from ddpo_group.runs import grids
+from ddpo_group.runs.grids import group_rows, make_grid, save_epoch_samples, save_png, to_uint8_hwc
 
 
 def exact_images(n, height, width, seed=0):
@@ -214,7 +214,7 @@ class _CountingDraw:
 def test_captions_take_bounded_work_whatever_the_prompt(text):
     from PIL import Image, ImageDraw
 
-    from ddpo_group import grids
+    from ddpo_group.runs import grids
 
     draw = _CountingDraw(ImageDraw.Draw(Image.new("RGB", (10, 10))))
     lines = grids._fit_lines(draw, text, grids._font(), 150, 4)
@@ -225,7 +225,7 @@ def test_captions_take_bounded_work_whatever_the_prompt(text):
 
 
 def test_a_10000_character_prompt_gets_a_grid(tmp_path):
-    from ddpo_group.grids import save_epoch_samples
+    from ddpo_group.runs.grids import save_epoch_samples
 
     images = torch.rand(2, 3, 32, 32)
     path = save_epoch_samples(str(tmp_path), 0, images, ["z" * 10_000] * 2, np.array([0.1, 0.2]), np.array([1.0, -1.0]), 2)

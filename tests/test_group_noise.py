@@ -4,9 +4,9 @@ with ODE steps before an SDE window, branching at the window's start."""
 import pytest
 import torch
 
-from ddpo_group.config_check import ConfigError
-from ddpo_group.rollout import check_group_noise
-from ddpo_group.trainer import Trainer
+from ddpo_group.config.check import ConfigError
+from ddpo_group.training.rollout import check_group_noise
+from ddpo_group.training.trainer import Trainer
 from helpers import make_config
 
 
@@ -80,7 +80,7 @@ def test_group_noise_errors_name_the_field(tmp_path, overrides, words):
 def test_study_arms_are_valid_configs(spec, window, tmp_path):
     from helpers import load_script
 
-    from ddpo_group.config_check import check_config
+    from ddpo_group.config.check import check_config
 
     bench = load_script("benchmarks/bench_training.py")
     config = bench.build_method_config(spec, "tiny-shapes", 40, str(tmp_path / "r"), common_variant="tiny", seed=42,

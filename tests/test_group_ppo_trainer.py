@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from ddpo_group.trainer import Trainer
+from ddpo_group.training.trainer import Trainer
 from helpers import cheap, make_config, read_json, read_metrics
 
 pytestmark = pytest.mark.slow

@@ -14,11 +14,11 @@ import torch
 
 from ddpo_group.diffusion.policy import policy_for
 from ddpo_group.diffusion.tiny import build_tiny_pipeline, build_tiny_tokenizer
-from ddpo_group.evaluation import evaluate
-from ddpo_group.prompts import load_prompts
+from ddpo_group.evaluation.evaluator import evaluate
+from ddpo_group.data.prompts import load_prompts
 from ddpo_group.rewards import CombinedReward, RewardError, RewardNotReadyError, build_reward_fn, get_reward
 from ddpo_group.rewards.optional import group_ranks
-from ddpo_group.trainer import train
+from ddpo_group.training.trainer import train
 from helpers import (PYTHON, ROOT, free_port, make_config, read_dump, read_json, read_metrics, subprocess_env,
                      tiny_clip_model)
 
@@ -119,7 +119,7 @@ def test_the_rollouts_collector_scores_each_owned_group_once_complete_and_stops_
     from accelerate.state import AcceleratorState
 
     from ddpo_group.rewards import AsyncRewardRunner
-    from ddpo_group.rollout import GroupCollector
+    from ddpo_group.training.rollout import GroupCollector
     from group_reward_plugin import brightness_rank
 
     AcceleratorState._reset_state()

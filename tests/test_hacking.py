@@ -9,16 +9,16 @@ import subprocess
 import numpy as np
 import pytest
 
-from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.config.check import ConfigError, check_config
 from ddpo_group.diffusion.policy import policy_for
 from ddpo_group.diffusion.tiny import build_tiny_pipeline
-from ddpo_group.evaluation import Evaluator, evaluate, gold_reward_fn
-from ddpo_group.hacking import MARGIN, diverged_at, divergence, gold_names
-from ddpo_group.inspect import build_report
-from ddpo_group.prompts import load_prompts
+from ddpo_group.evaluation.evaluator import Evaluator, evaluate, gold_reward_fn
+from ddpo_group.evaluation.hacking import MARGIN, diverged_at, divergence, gold_names
+from ddpo_group.report.inspect import build_report
+from ddpo_group.data.prompts import load_prompts
 from ddpo_group.rewards import build_reward_fn
 from ddpo_group.rewards.registry import register_reward
-from ddpo_group.trainer import train
+from ddpo_group.training.trainer import train
 from helpers import PYTHON, ROOT, make_config, read_metrics, subprocess_env
 
 RECORDS = load_prompts("shapes")[:4]
@@ -134,7 +134,7 @@ def _evaluator(tmp_path, eval_rewards="test_gold_red"):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from ddpo_group.run_dir import RunDir
+    from ddpo_group.runs.run_dir import RunDir
 
     AcceleratorState._reset_state()
     (tmp_path / "r").mkdir(exist_ok=True)
@@ -271,4 +271,4 @@ def test_the_hacking_variant_passes_the_check_and_watches_a_gold_reward(tmp_path
 def test_the_monitor_module_imports_nothing_of_the_package():
     from test_architecture import _reachable
 
-    assert _reachable("ddpo_group.hacking") == set()
+    assert _reachable("ddpo_group.evaluation.hacking") == set()

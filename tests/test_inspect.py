@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from ddpo_group.cli import inspect_main
-from ddpo_group.grids import save_epoch_samples
-from ddpo_group.inspect import build_report, choose_prompts, load_run, metric_series, read_metrics, write_report
+from ddpo_group.runs.grids import save_epoch_samples
+from ddpo_group.report.inspect import build_report, choose_prompts, load_run, metric_series, read_metrics, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red circle", "a blue square", "a green triangle", "a white star"]
@@ -212,7 +212,7 @@ def _step_run(run_dir, rows):
 
 
 def test_step_matrix_nan_for_null_pads_and_skips_rows_without_lists():
-    from ddpo_group.inspect import step_matrix
+    from ddpo_group.report.inspect import step_matrix
 
     rows = [
         {"epoch": 0, "reward_mean": 0.1},  # a row from before the per-step metrics
@@ -229,7 +229,7 @@ def test_step_matrix_nan_for_null_pads_and_skips_rows_without_lists():
 def test_step_heatmaps_png_for_per_step_runs_and_report_section(tmp_path):
     from PIL import Image
 
-    from ddpo_group.inspect import write_step_heatmaps
+    from ddpo_group.report.inspect import write_step_heatmaps
 
     rows = [
         {"epoch": e, "reward_mean": 0.5, "steps/trained": [1, 0, 0], "steps/adv_mean": [0.0, None, None],

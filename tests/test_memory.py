@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import load_script, make_config
 
-from ddpo_group.config_check import ConfigError
-from ddpo_group.trainer import Trainer
+from ddpo_group.config.check import ConfigError
+from ddpo_group.training.trainer import Trainer
 
 activation_memory = load_script("benchmarks/activation_memory.py")
 SavedActivations = activation_memory.SavedActivations

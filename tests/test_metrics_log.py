@@ -1,4 +1,4 @@
-"""Metrics writing (ddpo_group/metrics_log.py): rows of metrics.jsonl with the epoch's reward statistics."""
+"""Metrics writing (ddpo_group/runs/metrics_log.py): rows of metrics.jsonl with the epoch's reward statistics."""
 
 import json
 
@@ -7,9 +7,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from ddpo_group.batch import EpochBatch, GatheredBatch
-from ddpo_group.metrics_log import MetricsLog, flatten_config
-from ddpo_group.run_dir import RunDir
+from ddpo_group.training.batch import EpochBatch, GatheredBatch
+from ddpo_group.runs.metrics_log import MetricsLog, flatten_config
+from ddpo_group.runs.run_dir import RunDir
 from helpers import make_config
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.config.check import ConfigError, check_config
 from ddpo_group.rewards import CombinedReward, RewardError, RewardNotReadyError, get_reward
 from ddpo_group.rewards.ocr import (
     OcrReward,

@@ -6,8 +6,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from ddpo_group import trainer as trainer_module
-from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.training import trainer as trainer_module
+from ddpo_group.config.check import ConfigError, check_config
 from helpers import cheap, grpo_advantages_numpy, make_config, read_dump
 
 PLUGIN = textwrap.dedent(

@@ -69,7 +69,7 @@ def test_lora_saved_by_the_policy_loads_into_a_fresh_pipeline(tmp_path):
 
 
 def test_the_trainer_names_no_part_of_a_model_family():
-    tree = ast.parse((pathlib.Path(ROOT) / "ddpo_group" / "trainer.py").read_text())
+    tree = ast.parse((pathlib.Path(ROOT) / "ddpo_group" / "training" / "trainer.py").read_text())
     names = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     names |= {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
     assert not names & {"unet", "vae", "text_encoder", "scheduler", "transformer", "load_pipeline"}
@@ -82,7 +82,7 @@ def test_the_base_class_lists_what_a_family_implements():
 
 
 def test_the_epoch_batch_carries_every_field_through_index_to_and_cat():
-    from ddpo_group.batch import EpochBatch, GatheredBatch
+    from ddpo_group.training.batch import EpochBatch, GatheredBatch
 
     policy = policy_for(build_tiny_pipeline(seed=0))
     trajectories = policy.sample(["a red circle", "a blue square", "a cat"], num_steps=2, guidance_scale=3.0, eta=1.0,

@@ -12,7 +12,7 @@ from diffusers import DDIMScheduler
 from ddpo_group.diffusion.ddim import ddim_step_with_logprob
 from ddpo_group.diffusion.sampling import sample_trajectories, trajectory_log_probs
 from ddpo_group.diffusion.tiny import build_tiny_pipeline
-from ddpo_group.trainer import Trainer, train
+from ddpo_group.training.trainer import Trainer, train
 from helpers import ROOT, make_config, read_metrics
 
 
@@ -175,7 +175,7 @@ def test_no_numpy_on_a_tensor_that_was_not_moved_to_the_cpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_shapes_rewards_take_cuda_images():
     from ddpo_group.rewards.shapes import shapes_alignment
-    from ddpo_group.shapes import parse_prompt, render
+    from ddpo_group.data.shapes import parse_prompt, render
 
     prompts = ["a big red circle on a white background", "a small blue square on a black background"]
     images = torch.stack([torch.as_tensor(render(parse_prompt(p))).permute(2, 0, 1).float() / 255 for p in prompts])

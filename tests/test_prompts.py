@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from ddpo_group.prompts import PromptRecord, load_prompts
+from ddpo_group.data.prompts import PromptRecord, load_prompts
 
 
 def test_simple_animals_are_ddpo_pytorch_bare_animal_names():
@@ -31,7 +31,7 @@ def test_imagenet_dogs_are_classes_151_to_268():
 
 
 def test_shapes_records_carry_the_shape_fields_and_data_source():
-    from ddpo_group.shapes import shapes_prompts
+    from ddpo_group.data.shapes import shapes_prompts
 
     items = shapes_prompts()
     records = load_prompts("shapes")

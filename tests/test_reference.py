@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig
 
 from ddpo_group.diffusion.tiny import build_tiny_pipeline
-from ddpo_group.reference import ReferencePolicy
+from ddpo_group.training.reference import ReferencePolicy
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from ddpo_group.algos.advantages import compute_grpo_advantages, compute_rloo_advantages
-from ddpo_group.config_check import ConfigError, check_config
-from ddpo_group.prompts import load_prompts
+from ddpo_group.config.check import ConfigError, check_config
+from ddpo_group.data.prompts import load_prompts
 from ddpo_group.rewards.combine import validate_rewards
 from ddpo_group.rewards.registry import RewardError
-from ddpo_group.trainer import CheckpointError, Trainer, find_checkpoint, train
+from ddpo_group.training.trainer import CheckpointError, Trainer, find_checkpoint, train
 from helpers import PYTHON, ROOT, cheap, make_config, read_metrics, subprocess_env
 
 
@@ -356,7 +356,7 @@ def test_ctrl_c_while_the_run_starts_is_one_line_and_exit_130(tmp_path):
     # own handler stops them cleanly); raised deterministically: a real SIGINT's moment cannot be chosen (one
     # that lands in an object's finalizer is swallowed by Python itself)
     code = (
-        "import ddpo_group.trainer as trainer\n"
+        "import ddpo_group.training.trainer as trainer\n"
         "def interrupted(*args, **kwargs):\n"
         "    raise KeyboardInterrupt\n"
         "trainer.train = interrupted\n"
@@ -394,7 +394,7 @@ def test_overwrite_replaces_the_earlier_run(finished_run, tmp_path):
 
 
 def test_a_live_run_locks_its_directory(finished_run, tmp_path):
-    from ddpo_group.trainer import _lock_run_dir
+    from ddpo_group.training.trainer import _lock_run_dir
 
     run_copy = tmp_path / "r"
     shutil.copytree(finished_run, run_copy)
@@ -492,7 +492,7 @@ def test_a_reward_can_ask_for_device_tensors():
 
 
 def test_a_stop_right_after_a_periodic_save_does_not_write_that_checkpoint_again(tmp_path, monkeypatch):
-    from ddpo_group.trainer import Trainer
+    from ddpo_group.training.trainer import Trainer
 
     plugin = tmp_path / "stopping_reward.py"
     calls = tmp_path / "calls"

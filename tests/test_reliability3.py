@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpo_group.inspect import load_run, write_report
+from ddpo_group.report.inspect import load_run, write_report
 from ddpo_group.rewards.combine import CombinedReward
 
 
@@ -66,10 +66,10 @@ def test_the_report_leaves_out_a_symlink_loop_under_samples(tmp_path):
 
 # 8. a LoRA rank above what the adapted layers can use is refused, naming the field and the bound
 def test_a_lora_rank_above_the_adapted_layers_width_is_refused_naming_the_bound(tmp_path):
-    from ddpo_group.config_check import ConfigError
+    from ddpo_group.config.check import ConfigError
     from ddpo_group.diffusion.lora import add_lora
     from ddpo_group.diffusion.tiny import build_tiny_pipeline
-    from ddpo_group.trainer import Trainer
+    from ddpo_group.training.trainer import Trainer
     from helpers import cheap, make_config
 
     # the tiny UNet (diffusion/tiny.py): attention at 32 channels (outer blocks) and 64 (the middle block); every
@@ -87,7 +87,7 @@ def test_a_lora_rank_above_the_adapted_layers_width_is_refused_naming_the_bound(
 # 9. a run whose weights diverged (non-finite samples) stops with one line naming the epoch, and failed.json
 def test_non_finite_samples_stop_the_run_naming_the_epoch(tmp_path):
     from ddpo_group.cli import one_line
-    from ddpo_group.trainer import train
+    from ddpo_group.training.trainer import train
     from helpers import cheap, make_config
 
     config = make_config(tmp_path, **cheap(num_epochs=3, train__learning_rate=1e30, eval_freq=0))
@@ -126,7 +126,7 @@ def stuck(images, prompts, metadata):  # its first call as good as never returns
 @pytest.mark.parametrize("where", ["reward_fn", "eval_rewards"])
 def test_a_reward_that_hangs_in_the_evaluation_is_stopped_at_reward_timeout(tmp_path, where):
     from ddpo_group.rewards.registry import RewardError
-    from ddpo_group.trainer import train
+    from ddpo_group.training.trainer import train
     from helpers import cheap, make_config
 
     plugin = tmp_path / "slow.py"
@@ -141,7 +141,7 @@ def test_a_reward_that_hangs_in_the_evaluation_is_stopped_at_reward_timeout(tmp_
 
 
 def test_a_stop_signal_while_an_evaluation_reward_hangs_stops_the_run(tmp_path):
-    from ddpo_group.trainer import train
+    from ddpo_group.training.trainer import train
     from helpers import cheap, make_config
 
     plugin = tmp_path / "slow.py"
@@ -188,7 +188,7 @@ def test_a_finished_run_says_so_and_a_run_ended_by_os_exit_does_not(tmp_path):
     import sys
     import textwrap
 
-    from ddpo_group.trainer import train
+    from ddpo_group.training.trainer import train
     from helpers import ROOT, cheap, make_config, subprocess_env
 
     run_dir = train(make_config(tmp_path, run_name="done", **cheap()))
@@ -271,7 +271,7 @@ def test_a_hub_that_never_answers_is_one_line_within_the_deadline(tmp_path, monk
 
 # Audit 2: a negative reward_timeout is refused by the config check, not blamed on a healthy reward later
 def test_a_negative_reward_timeout_is_refused_naming_the_field(tmp_path):
-    from ddpo_group.config_check import ConfigError, check_config
+    from ddpo_group.config.check import ConfigError, check_config
     from helpers import make_config
 
     with pytest.raises(ConfigError) as info:
@@ -283,7 +283,7 @@ def test_a_negative_reward_timeout_is_refused_naming_the_field(tmp_path):
 # Audit 2: a DDPO_GROUP_HUB_TIMEOUT that is not a positive number is one line naming it, not a silent 10 s
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf"])
 def test_a_bad_hub_timeout_is_one_line_naming_the_variable(monkeypatch, value):
-    from ddpo_group.hub import check_hub, hub_timeout
+    from ddpo_group.diffusion.hub import check_hub, hub_timeout
 
     monkeypatch.setenv("DDPO_GROUP_HUB_TIMEOUT", value)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

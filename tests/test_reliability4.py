@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ddpo_group.cli import inspect_main
-from ddpo_group.grids import save_epoch_samples
+from ddpo_group.runs.grids import save_epoch_samples
 from ddpo_group.report.page import write_report
 
 
@@ -65,7 +65,7 @@ def test_the_report_never_embeds_a_file_an_editing_run_names_outside_it(tmp_path
 
 
 def test_the_report_never_embeds_a_video_grid_named_outside_the_run(tmp_path):
-    from ddpo_group.grids import save_animation
+    from ddpo_group.runs.grids import save_animation
     from PIL import Image
 
     run = write_run(tmp_path / "run", [{"epoch": 0, "reward_mean": 0.5}])
@@ -102,7 +102,7 @@ def test_resuming_a_finished_run_with_nothing_to_do_changes_nothing(tmp_path):
     import sys
 
     from ddpo_group.report.run import read_metrics
-    from ddpo_group.trainer import train
+    from ddpo_group.training.trainer import train
     from helpers import ROOT, cheap, make_config, subprocess_env
 
     run_dir = train(make_config(tmp_path, **cheap(eval_freq=1, eval_images_per_prompt=1)))
@@ -123,7 +123,7 @@ def test_resuming_a_finished_run_with_nothing_to_do_changes_nothing(tmp_path):
 # 3. overwrite removes only what a run wrote: the user's files inside samples/ and checkpoints/ are kept and named,
 # and a mark copied into a user's folder proves nothing (the mark records the config.json its run wrote)
 def _started_run(tmp_path):
-    from ddpo_group.run_dir import RunDir
+    from ddpo_group.runs.run_dir import RunDir
     from helpers import make_config
 
     run_dir, config = RunDir.resolve(make_config(tmp_path))
@@ -136,7 +136,7 @@ def _files(root):
 
 
 def test_overwrite_keeps_and_names_the_files_a_user_put_inside_samples_and_checkpoints(tmp_path, caplog):
-    from ddpo_group.run_dir import RunDir, write_json_atomic
+    from ddpo_group.runs.run_dir import RunDir, write_json_atomic
     from helpers import make_config
 
     run_dir = _started_run(tmp_path)
@@ -175,7 +175,7 @@ def test_overwrite_keeps_and_names_the_files_a_user_put_inside_samples_and_check
 def test_overwrite_never_leaves_a_link_where_the_new_run_writes(tmp_path):
     """The re-audit's case: samples/epoch_0000 a link out of the run was kept as "not written by a run", and the new
     run wrote its images through it, outside the run directory. The link goes; what it points to stays untouched."""
-    from ddpo_group.run_dir import RunDir
+    from ddpo_group.runs.run_dir import RunDir
     from helpers import make_config
 
     run_dir = _started_run(tmp_path)
@@ -197,8 +197,8 @@ def test_overwrite_never_leaves_a_link_where_the_new_run_writes(tmp_path):
 
 @pytest.mark.parametrize("mark", ["copied", "older version"])
 def test_overwrite_refuses_a_folder_whose_mark_did_not_write_its_config(tmp_path, mark):
-    from ddpo_group.config_check import ConfigError
-    from ddpo_group.run_dir import RUN_MARK, RunDir
+    from ddpo_group.config.check import ConfigError
+    from ddpo_group.runs.run_dir import RUN_MARK, RunDir
     from helpers import make_config
 
     source = _started_run(tmp_path / "elsewhere")
@@ -226,8 +226,8 @@ def test_overwrite_refuses_a_folder_whose_mark_did_not_write_its_config(tmp_path
 
 
 def test_a_copied_mark_does_not_make_a_users_folder_a_run(tmp_path):
-    from ddpo_group.config_check import ConfigError
-    from ddpo_group.run_dir import RUN_MARK, RunDir
+    from ddpo_group.config.check import ConfigError
+    from ddpo_group.runs.run_dir import RUN_MARK, RunDir
     from helpers import make_config
 
     source = _started_run(tmp_path / "elsewhere")
@@ -282,8 +282,8 @@ def test_the_printed_commands_keep_a_path_with_spaces_whole(tmp_path):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from ddpo_group.metrics_log import MetricsLog
-    from ddpo_group.run_dir import STOPPED_FILE, RunDir
+    from ddpo_group.runs.metrics_log import MetricsLog
+    from ddpo_group.runs.run_dir import STOPPED_FILE, RunDir
     from helpers import make_config
 
     logdir = tmp_path / "my runs" / "it's here"
@@ -337,7 +337,7 @@ def test_the_report_never_blocks_on_a_fifo_inside_the_run(tmp_path, name):
     (run / "config.json").write_text("{}")
     os.mkfifo(run / name)
     assert not inside_run(run / name, run)
-    code = f"from ddpo_group.inspect import write_report; write_report({str(run)!r})"
+    code = f"from ddpo_group.report.inspect import write_report; write_report({str(run)!r})"
     done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (run / "report.html").is_file()

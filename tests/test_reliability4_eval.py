@@ -15,7 +15,7 @@ import torch
 from helpers import cheap, load_script, make_config
 from PIL import Image
 
-from ddpo_group.protocols import ProtocolError, get_protocol, read_geneval_folder
+from ddpo_group.evaluation.protocols import ProtocolError, get_protocol, read_geneval_folder
 from ddpo_group.rewards.geneval.protocol import Detection, keep_confident, numpy_argsort
 from ddpo_group.rewards.geneval.shapes_scenes import SceneObject as O
 from ddpo_group.rewards.geneval.shapes_scenes import render_scene
@@ -137,7 +137,7 @@ def test_a_bad_geneval_option_in_training_names_its_config_field(field, value):
 
 def test_a_percentage_threshold_stops_training_before_the_run_starts(tmp_path):
     from ddpo_group.cli import one_line
-    from ddpo_group.trainer import train
+    from ddpo_group.training.trainer import train
 
     config = make_config(tmp_path, variant="tiny_geneval", **cheap())
     config.reward_kwargs.geneval.threshold = 30  # 30 % meant: every detection (score <= 1) would be dropped
@@ -231,7 +231,7 @@ def test_the_ocr_protocol_checks_quoted_text_before_any_model_loads(tmp_path, ev
 
 
 def test_an_ocr_text_that_is_not_a_string_is_refused_naming_the_field(tmp_path, evaluate_script):
-    from ddpo_group.prompts import PromptRecord
+    from ddpo_group.data.prompts import PromptRecord
     from ddpo_group.rewards.base import RewardError
     from ddpo_group.rewards.ocr import OcrReward
 
@@ -263,7 +263,7 @@ def test_a_decompression_bomb_in_a_geneval_folder_is_named(tmp_path, evaluate_sc
 
 
 def test_an_edit_source_that_is_a_decompression_bomb_names_field_and_file(tmp_path):
-    from ddpo_group.edit_sources import read_source_image
+    from ddpo_group.data.edit_sources import read_source_image
 
     bomb = bomb_png(tmp_path / "source.png")
     with pytest.raises(ValueError) as info:
@@ -273,8 +273,8 @@ def test_an_edit_source_that_is_a_decompression_bomb_names_field_and_file(tmp_pa
 
 
 def test_an_edit_source_that_is_a_fifo_is_refused_without_blocking(tmp_path):
-    from ddpo_group.edit_sources import check_edit_prompts
-    from ddpo_group.prompts import PromptRecord
+    from ddpo_group.data.edit_sources import check_edit_prompts
+    from ddpo_group.data.prompts import PromptRecord
 
     fifo = tmp_path / "source.png"
     os.mkfifo(fifo)
@@ -304,7 +304,7 @@ PRUNED = {}
 def prune_while_scored(images, prompts, metadata):
     """Score 0.5; on its first call save a newer checkpoint and prune to one, as a live run with
     num_checkpoint_limit=1 does (run_dir._prune_checkpoints, the trainer's own)."""
-    from ddpo_group.run_dir import _prune_checkpoints
+    from ddpo_group.runs.run_dir import _prune_checkpoints
 
     root = PRUNED.pop("root", None)
     if root:
@@ -315,7 +315,7 @@ def prune_while_scored(images, prompts, metadata):
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    from ddpo_group.trainer import train
+    from ddpo_group.training.trainer import train
 
     return train(make_config(tmp_path_factory.mktemp("run"), **cheap(eval_freq=0)))
 
@@ -335,7 +335,7 @@ def test_the_result_survives_a_checkpoint_pruned_during_the_evaluation(trained_r
 
 
 def test_a_protocol_result_of_a_pruned_checkpoint_goes_to_the_run_directory(tmp_path, evaluate_script):
-    from ddpo_group.protocols import write_protocol_results
+    from ddpo_group.evaluation.protocols import write_protocol_results
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -379,7 +379,7 @@ def test_a_run_with_a_remote_reward_logs_the_reward_computed_locally(tmp_path):
     (tmp_path / "eval.txt").write_text("a red circle\na blue square\n")
     overrides = cheap(debug_dump=True, eval_freq=1, eval_prompt_fn=str(tmp_path / "eval.txt"))
     with make_server(neg_jpeg_kb) as url:
-        from ddpo_group.trainer import Trainer
+        from ddpo_group.training.trainer import Trainer
 
         remote_dir = Trainer(make_config(tmp_path, run_name="remote", reward_fn=url, **overrides)).run()
     local_dir = Trainer(make_config(tmp_path, run_name="local", reward_fn="jpeg_compressibility", **overrides)).run()
@@ -396,7 +396,7 @@ def test_a_run_with_a_remote_reward_logs_the_reward_computed_locally(tmp_path):
 
 
 def test_a_run_with_a_dead_url_stops_before_anything_is_written(tmp_path):
-    from ddpo_group.trainer import Trainer
+    from ddpo_group.training.trainer import Trainer
 
     url = _closed_port_url()
     config = make_config(tmp_path, reward_fn=url, **cheap())

@@ -1,4 +1,4 @@
-"""The run report a researcher trusts at a glance (ddpo_group.inspect): the headline, best / worst samples of the
+"""The run report a researcher trusts at a glance (ddpo_group.report.inspect): the headline, best / worst samples of the
 final weights, compare mode's paired evaluation cells, the size cap, failed runs, readable images and plots.
 
 Two real runs of the `test` variant (seconds) are shared by the module; other run directories are written here
@@ -15,8 +15,8 @@ from helpers import cheap, make_config, read_metrics
 from PIL import Image
 
 from ddpo_group.cli import inspect_main
-from ddpo_group.grids import save_epoch_samples
-from ddpo_group.inspect import (
+from ddpo_group.runs.grids import save_epoch_samples
+from ddpo_group.report.inspect import (
     MAX_REPORT_BYTES,
     build_report,
     evaluation_figure,
@@ -25,10 +25,10 @@ from ddpo_group.inspect import (
     thin_evenly,
     write_report,
 )
-from ddpo_group.prompts import load_prompts
+from ddpo_group.data.prompts import load_prompts
 from ddpo_group.rewards.registry import register_reward
-from ddpo_group.run_dir import RunDir
-from ddpo_group.trainer import train
+from ddpo_group.runs.run_dir import RunDir
+from ddpo_group.training.trainer import train
 
 
 @register_reward("test_report_brightness")

@@ -186,7 +186,7 @@ def test_eval_grid_captions_and_repeated_rows(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from ddpo_group.grids import make_grid, save_epoch_samples
+    from ddpo_group.runs.grids import make_grid, save_epoch_samples
 
     images = np.zeros((3, 3, 4, 4))
     path = save_epoch_samples(tmp_path, 0, images, ["p", "q", "p"], [0.5, 0.25, 1.0], None, group_size=1,
@@ -200,8 +200,8 @@ def test_a_finished_run_leaves_no_lock_and_the_summary_prints_commands_that_run(
     import os
     import sys
 
-    from ddpo_group.metrics_log import inspect_command, phase_text
-    from ddpo_group.run_dir import RunDir
+    from ddpo_group.runs.metrics_log import inspect_command, phase_text
+    from ddpo_group.runs.run_dir import RunDir
     from helpers import make_config
 
     run_dir, config = RunDir.resolve(make_config(tmp_path))

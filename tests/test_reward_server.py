@@ -289,7 +289,7 @@ def test_without_uvicorn_the_core_trains_and_the_command_says_what_to_install():
     server module import, a reward builds, and --serve exits with one line naming the extra."""
     code = (
         "import sys; sys.modules['uvicorn'] = None\n"
-        "import ddpo_group.trainer, ddpo_group.cli, ddpo_group.rewards.server as server\n"
+        "import ddpo_group.training.trainer, ddpo_group.cli, ddpo_group.rewards.server as server\n"
         "from ddpo_group.rewards import build_reward_fn\n"
         "assert build_reward_fn('jpeg_compressibility').names == ['jpeg_compressibility']\n"
         "server.main(['--serve', 'jpeg_compressibility', '--port', '0'])\n"

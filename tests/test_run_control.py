@@ -1,4 +1,4 @@
-"""Stop requests (ddpo_group/run_control.py): a signal asks for a stop, every process sees it, a second one exits."""
+"""Stop requests (ddpo_group/runs/run_control.py): a signal asks for a stop, every process sees it, a second one exits."""
 
 import contextlib
 import json
@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from helpers import PYTHON, ROOT, subprocess_env
 
-from ddpo_group.run_control import RunControl
+from ddpo_group.runs.run_control import RunControl
 
 
 def _accelerator():
@@ -37,7 +37,7 @@ def test_a_second_signal_exits_at_once_with_128_plus_the_signal():
     code = textwrap.dedent("""
         import os, signal, time
         from accelerate import Accelerator
-        from ddpo_group.run_control import RunControl
+        from ddpo_group.runs.run_control import RunControl
         control = RunControl(Accelerator(cpu=True))
         control.install()
         os.kill(os.getpid(), signal.SIGTERM)
@@ -55,7 +55,7 @@ def test_a_second_signal_exits_at_once_with_128_plus_the_signal():
 _CHILD = """
 import json, sys, time
 from accelerate import Accelerator
-from ddpo_group.run_control import RunControl
+from ddpo_group.runs.run_control import RunControl
 with RunControl(Accelerator(cpu=True)) as control:
     print("ready", flush=True)
     start = time.time()
@@ -117,7 +117,7 @@ def test_the_launchers_exit_is_not_a_second_signal(tmp_path):
 def test_a_launcher_stopped_before_the_run_control_is_installed_ends_its_process(tmp_path):
     # the CLI's first step: a launcher stopped while the models load (no handler yet) ends the process at once
     script = tmp_path / "loading.py"
-    script.write_text("import time\nfrom ddpo_group.run_control import end_with_launcher\n"
+    script.write_text("import time\nfrom ddpo_group.runs.run_control import end_with_launcher\n"
                       "print('ready', end_with_launcher(), flush=True)\ntime.sleep(60)\n")
     launcher = subprocess.Popen(
         [os.path.join(os.path.dirname(PYTHON), "accelerate"), "launch", "-q", "--config_file",

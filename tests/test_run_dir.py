@@ -1,4 +1,4 @@
-"""The run directory (ddpo_group/run_dir.py) on its own: resolving a run, starting it, markers, checkpoints."""
+"""The run directory (ddpo_group/runs/run_dir.py) on its own: resolving a run, starting it, markers, checkpoints."""
 
 import json
 import os
@@ -8,8 +8,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from ddpo_group.config_check import ConfigError
-from ddpo_group.run_dir import (
+from ddpo_group.config.check import ConfigError
+from ddpo_group.runs.run_dir import (
     CONFIG_FILE,
     FAILED_FILE,
     METRICS_FILE,
@@ -115,7 +115,7 @@ def test_a_missing_checkpoint_is_named(tmp_path):
 
 
 def test_relative_file_specs_of_eval_rewards_are_stored_absolute(tmp_path, monkeypatch):
-    from ddpo_group.run_dir import with_resolved_paths
+    from ddpo_group.runs.run_dir import with_resolved_paths
 
     (tmp_path / "gold").mkdir()
     (tmp_path / "gold" / "mine.py").write_text("def score(images, prompts, metadata):\n    return images.mean((1, 2, 3)), {}\n")
@@ -200,7 +200,7 @@ def test_a_second_overwrite_while_the_first_removes_the_run_is_refused(tmp_path,
 # Issue 34, item 13: safetensors' own error for a full disk is the one-line checkpoint error, and leaves no temporary
 @pytest.mark.parametrize("where", ["accelerator state", "weight copy"])
 def test_safetensors_failing_on_a_full_disk_is_one_line_and_leaves_no_temporary(tmp_path, monkeypatch, where):
-    import ddpo_group.run_dir as run_dir_module
+    import ddpo_group.runs.run_dir as run_dir_module
     from safetensors import SafetensorError
 
     run_dir, config = RunDir.resolve(make_config(tmp_path))

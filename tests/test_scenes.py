@@ -1,4 +1,4 @@
-"""The scenes world (ddpo_group/scenes.py, docs/scenes.md): its prompts, the held-out set, the scenes and their
+"""The scenes world (ddpo_group/data/scenes.py, docs/scenes.md): its prompts, the held-out set, the scenes and their
 detection, the shipped models and their pretraining."""
 
 import json
@@ -11,11 +11,11 @@ import pytest
 import torch
 from helpers import load_script
 
-from ddpo_group import scenes
+from ddpo_group.data import scenes
 from ddpo_group.rewards.geneval.metadata import read_metadata, record_identity
 from ddpo_group.rewards.geneval.protocol import Detection, GenEvalScorer, relative_position
 from ddpo_group.rewards.geneval.shapes_scenes import ShapesColorClassifier, ShapesDetector, classify_shape
-from ddpo_group.shapes import ALL_SHAPES, SHAPES, shape_coverage
+from ddpo_group.data.shapes import ALL_SHAPES, SHAPES, shape_coverage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS = os.path.join(ROOT, "ddpo_group", "assets")
@@ -139,7 +139,7 @@ def test_the_detector_finds_every_held_out_scene_correct():
 
 
 def test_the_shapes_world_keeps_its_three_shapes_and_108_prompts():
-    from ddpo_group.shapes import shapes_prompts
+    from ddpo_group.data.shapes import shapes_prompts
 
     assert SHAPES == ("circle", "square", "triangle")
     assert len(shapes_prompts()) == 108
@@ -185,8 +185,8 @@ def test_a_shipped_scenes_model_loads_by_name_and_samples_64_px_scenes(name, dir
 
 
 def test_an_evaluation_of_tagged_prompts_logs_genevals_table_by_tag():
-    from ddpo_group.evaluation import tag_table
-    from ddpo_group.prompts import PromptRecord
+    from ddpo_group.evaluation.evaluator import tag_table
+    from ddpo_group.data.prompts import PromptRecord
 
     records = [PromptRecord("a", {"tag": "counting"}), PromptRecord("b", {"tag": "counting"}),
                PromptRecord("c", {"tag": "position"})]
@@ -200,7 +200,7 @@ def test_an_evaluation_of_tagged_prompts_logs_genevals_table_by_tag():
 def test_the_report_shows_a_tagged_evaluation_by_tag_first_and_last(tmp_path):
     from PIL import Image
 
-    from ddpo_group.protocol_report import tag_evaluations_html
+    from ddpo_group.evaluation.protocol_report import tag_evaluations_html
 
     run = tmp_path / "run"
     (run / "samples" / "eval_0000").mkdir(parents=True)

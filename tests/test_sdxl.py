@@ -20,7 +20,7 @@ from ddpo_group.diffusion.policy import family_for_model, load_policy, policy_fo
 from ddpo_group.diffusion.sampling import trajectory_log_probs
 from ddpo_group.diffusion.sd import StableDiffusionXLPolicy
 from ddpo_group.diffusion.tiny import build_tiny_sdxl_pipeline
-from ddpo_group.trainer import Trainer, train
+from ddpo_group.training.trainer import Trainer, train
 from helpers import cheap, lora_round_trip, make_config, read_metrics
 
 PROMPTS = ["a red circle", "a big blue square on a white background"]

@@ -1,4 +1,4 @@
-"""The shapes world (ddpo_group/shapes.py) and its rewards (ddpo_group/rewards/shapes.py)."""
+"""The shapes world (ddpo_group/data/shapes.py) and its rewards (ddpo_group/rewards/shapes.py)."""
 
 import math
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from ddpo_group import shapes
+from ddpo_group.data import shapes
 from ddpo_group.rewards import shapes as shape_rewards
 from ddpo_group.rewards.registry import get_reward
-from ddpo_group.shapes import ShapeSpec, parse_prompt, prompt_from_spec, render, sample_dataset, shapes_prompts
+from ddpo_group.data.shapes import ShapeSpec, parse_prompt, prompt_from_spec, render, sample_dataset, shapes_prompts
 
 
 def to_tensor(images_uint8):

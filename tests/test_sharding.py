@@ -1,4 +1,4 @@
-"""FSDP2 sharding (train.sharding="fsdp2", ddpo_group/sharding.py) with two CPU processes on gloo.
+"""FSDP2 sharding (train.sharding="fsdp2", ddpo_group/training/sharding.py) with two CPU processes on gloo.
 
 tests/fsdp2_worker.py trains the tiny SD, SD3 and FLUX models sharded over two processes and, on rank 0, an
 unsharded copy on the same global batch; the trainer runs end to end under torchrun, resumes, and loads its
@@ -13,8 +13,8 @@ import subprocess
 import pytest
 from helpers import PYTHON, ROOT, free_port, make_config, read_metrics, subprocess_env
 
-from ddpo_group import sharding
-from ddpo_group.config_check import ConfigError
+from ddpo_group.training import sharding
+from ddpo_group.config.check import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def test_a_model_without_known_blocks_is_refused(tmp_path):
 
 
 def test_a_checkpoint_of_the_other_sharding_is_refused_in_one_line(tmp_path):
-    from ddpo_group.run_dir import CheckpointError, check_sharded_checkpoint
+    from ddpo_group.runs.run_dir import CheckpointError, check_sharded_checkpoint
 
     (tmp_path / "sharding.json").write_text(json.dumps({"num_processes": 2, "copies": []}))
     with pytest.raises(CheckpointError, match=r"written with train.sharding='fsdp2'; resume it with"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpo_group.stat_tracking import PerPromptStatTracker
+from ddpo_group.algos.stat_tracking import PerPromptStatTracker
 
 EPS = 1e-6
 PROMPTS = ["a", "a", "b"]

@@ -10,11 +10,11 @@ import torch
 
 from ddpo_group.algos.advantages import get_adv_estimator
 from ddpo_group.algos.step_gain import compute_step_gain_advantages, step_reward_gains
-from ddpo_group.config_check import ConfigError, check_config
-from ddpo_group.critic_designs import anchor_values, check_critic_config
+from ddpo_group.config.check import ConfigError, check_config
+from ddpo_group.training.critic_designs import anchor_values, check_critic_config
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy
 from ddpo_group.diffusion.policy import load_policy
-from ddpo_group.trainer import Trainer
+from ddpo_group.training.trainer import Trainer
 from helpers import cheap, make_config, read_metrics
 
 EPS = 1e-6

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ddpo_group.trainer import train
+from ddpo_group.training.trainer import train
 from helpers import cheap, make_config, read_metrics
 from test_judge_reward import ChatServer
 

@@ -23,7 +23,7 @@ from ddpo_group.algos.losses import agg_loss, gaussian_kl, get_policy_loss
 from ddpo_group.diffusion.sd import step_log_prob
 from ddpo_group.diffusion.tiny import build_tiny_pipeline
 from ddpo_group.rewards.registry import RewardError
-from ddpo_group.trainer import CheckpointError, Trainer, find_checkpoint, train
+from ddpo_group.training.trainer import CheckpointError, Trainer, find_checkpoint, train
 from helpers import (
     PYTHON,
     ROOT,

@@ -17,17 +17,17 @@ import pytest
 import torch
 from PIL import Image
 
-from ddpo_group.config_check import ConfigError, check_config
+from ddpo_group.config.check import ConfigError, check_config
 from ddpo_group.diffusion.base import Trajectories
 from ddpo_group.diffusion.policy import family_for_model, load_policy, policy_for
 from ddpo_group.diffusion.sampling import trajectory_log_probs
 from ddpo_group.diffusion.wan import WanPolicy, build_tiny_wan_pipeline
-from ddpo_group.evaluation import evaluate
-from ddpo_group.grids import save_epoch_samples, video_samples_html
-from ddpo_group.prompts import PromptRecord
+from ddpo_group.evaluation.evaluator import evaluate
+from ddpo_group.runs.grids import save_epoch_samples, video_samples_html
+from ddpo_group.data.prompts import PromptRecord
 from ddpo_group.rewards import CombinedReward, register_reward
 from ddpo_group.rewards.base import frame_indices
-from ddpo_group.trainer import Trainer, train
+from ddpo_group.training.trainer import Trainer, train
 from helpers import cheap, lora_round_trip, make_config, read_metrics
 
 PROMPTS = ["a red circle", "a big blue square on a white background"]

@@ -14,12 +14,12 @@ import os
 import pytest
 import torch
 
-from ddpo_group.config_check import ConfigError
+from ddpo_group.config.check import ConfigError
 from ddpo_group.diffusion.base import Trajectories
 from ddpo_group.diffusion.policy import family_for_model, load_policy, policy_for
 from ddpo_group.diffusion.wan import WanPolicy, build_tiny_wan_pipeline
 from ddpo_group.diffusion.wan_moe import WanExperts, WanMoEPolicy, build_tiny_wan22_moe_pipeline
-from ddpo_group.trainer import Trainer, train
+from ddpo_group.training.trainer import Trainer, train
 from helpers import cheap, make_config, read_metrics
 
 PROMPTS = ["a red circle", "a big blue square on a white background"]
@@ -169,9 +169,7 @@ def test_lora_of_both_experts_loads_into_a_fresh_pipeline_and_the_run_resumes(tm
     assert (videos(again) - trained).abs().max() < 1e-5
     import json
 
-    from helpers import load_script
-
-    evaluate = load_script("scripts/evaluate.py")  # the evaluation's loader: both adapters, guidance_scale_2
+    from ddpo_group.cli import evaluate  # the evaluation's loader: both adapters, guidance_scale_2
     with open(os.path.join(run_dir, "config.json")) as f:
         run_config = json.load(f)
     evaluated = evaluate.load_checkpoint_policy(checkpoint, run_config)

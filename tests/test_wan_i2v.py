@@ -22,13 +22,13 @@ import torch
 from PIL import Image
 
 import diffusers.pipelines.wan.pipeline_wan_i2v as pipeline_wan_i2v
-from ddpo_group.config_check import ConfigError, load_config_prompts
+from ddpo_group.config.check import ConfigError, load_config_prompts
 from ddpo_group.diffusion.base import Trajectories
 from ddpo_group.diffusion.policy import family_for_model, load_policy, policy_for
 from ddpo_group.diffusion.wan_i2v import WanI2VPolicy, build_tiny_wan22_i2v_pipeline, build_tiny_wan_i2v_pipeline
-from ddpo_group.edit_sources import read_source_image
-from ddpo_group.prompts import load_prompts
-from ddpo_group.trainer import Trainer, train
+from ddpo_group.data.edit_sources import read_source_image
+from ddpo_group.data.prompts import load_prompts
+from ddpo_group.training.trainer import Trainer, train
 from helpers import cheap, make_config, read_metrics
 
 PROMPTS = ["a red circle", "a big blue square on a white background"]

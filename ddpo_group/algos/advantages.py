@@ -53,7 +53,7 @@ A new estimator is one function:
 above. Registration checks that the function accepts these keywords (or **kwargs). Importing
 this module registers only grpo, gae and rloo. "group_ppo" lives in
 `ddpo_group.algos.grouping`, "step_gain" in `ddpo_group.algos.step_gain` and "ddpo" (the per-prompt tracker) in
-`ddpo_group.stat_tracking`;
+`ddpo_group.algos.stat_tracking`;
 `get_adv_estimator` imports those modules on first use of a name it does not know, so the
 registry stays free of import-time side effects.
 
@@ -91,7 +91,7 @@ ADV_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimator] = {}
 ESTIMATOR_KEYWORDS = ("rewards", "prompt_ids", "mask", "token_level_rewards", "values", "config")
 
 # Modules that register estimators of their own, imported on first lookup of an unknown name.
-_LAZY_ESTIMATOR_MODULES = ("ddpo_group.algos.grouping", "ddpo_group.algos.step_gain", "ddpo_group.stat_tracking")
+_LAZY_ESTIMATOR_MODULES = ("ddpo_group.algos.grouping", "ddpo_group.algos.step_gain", "ddpo_group.algos.stat_tracking")
 
 
 def register_adv_est(

@@ -28,7 +28,7 @@ above. The papers' own choices of predictor and normalisation may differ; their 
 this was written, so this module states only its own formula.
 
 Pure math: (B, T) tensors in, (B, T) tensors out, no trainer, no I/O. The trainer provides `step_rewards`
-(the estimator's property ``needs_step_rewards``; ddpo_group/epoch_advantages.py).
+(the estimator's property ``needs_step_rewards``; ddpo_group/training/epoch_advantages.py).
 """
 
 from typing import Any

@@ -8,7 +8,7 @@ fields; override any field on the command line:
     accelerate launch scripts/train.py --config config/grpo.py:tiny --config.train.beta=0.01
 
 Field names follow ddpo-pytorch where it has one (sample.*, train.*, prompt_fn, reward_fn,
-per_prompt_stat_tracking.*), so that its users feel at home. `ddpo_group.config_check`
+per_prompt_stat_tracking.*), so that its users feel at home. `ddpo_group.config.check`
 validates a config before any model loads.
 """
 
@@ -59,7 +59,7 @@ def get_config():
     config.log_with = "none"
     # Project name for wandb / tensorboard.
     config.project_name = "ddpo-group"
-    # Evaluation with fixed noise (ddpo_group/evaluation.py): every eval_freq epochs (0: never), before the
+    # Evaluation with fixed noise (ddpo_group/evaluation/evaluator.py): every eval_freq epochs (0: never), before the
     # first update (logged on the epoch-0 row as eval/reward_mean, eval/reward_std, eval/<reward>) and once
     # more after the last epoch (a row of its own with epoch = num_epochs). Two evaluations differ only by
     # the weights: image j of prompt i always starts from the same noise.
@@ -79,13 +79,13 @@ def get_config():
     # e.g. "shapes_alignment" or "aesthetic,clip_score". Each evaluation also scores its images with each of them
     # (eval/gold/<name>_mean, eval/gold/<name>_std; the training reward stays eval/reward_mean) and flags
     # eval/gold/<name>_diverged = 1 when the training reward has risen while that gold reward fell (the rule:
-    # ddpo_group/hacking.py); the console says so once and the report draws both. They never train; they take no
+    # ddpo_group/evaluation/hacking.py); the console says so once and the report draws both. They never train; they take no
     # keyword arguments (wrap one in a file.py:function for that). Needs eval_freq > 0.
     config.eval_rewards = ""
     # Write each rank's rewards, prompt ids and advantages to run_dir/debug/ every epoch (tests, debugging).
     config.debug_dump = False
     # Plugins imported before the config is checked: comma-separated module names or .py paths that
-    # register an advantage estimator, a policy loss or a reward, then selected by name (ddpo_group/plugins.py).
+    # register an advantage estimator, a policy loss or a reward, then selected by name (ddpo_group/config/plugins.py).
     config.plugins = ""
 
     ###### Pretrained model ######
@@ -237,7 +237,7 @@ def get_config():
     # alpha 1.0 is a hard sync; freq 0 never updates (the reference stays the initial policy).
     train.reference_model_mixup_alpha = 1.0
     train.reference_update_freq = 0
-    # Measure steps/grad_share (each denoising step's share of the policy gradient's norm, ddpo_group/diagnostics.py)
+    # Measure steps/grad_share (each denoising step's share of the policy gradient's norm, ddpo_group/training/diagnostics.py)
     # every this many epochs (0: never). It costs one squared norm per trainable parameter per backward, no copy.
     train.grad_share_every = 1
     # (trajectory, step) pairs per critic call when computing values without gradients; 0: all at once.
@@ -303,7 +303,7 @@ def get_config():
     # Value-only epochs at the start: for this many epochs the critic trains and the actor does not (a warm-up, so
     # that the first actor updates see a critic that has seen data). They sample and count as epochs.
     critic.warmup_epochs = 0
-    # Critic designs (ddpo_group/critic_designs.py, docs/critic.md). What V(x_t) is: "network" (the ValueNetwork
+    # Critic designs (ddpo_group/training/critic_designs.py, docs/critic.md). What V(x_t) is: "network" (the ValueNetwork
     # above), "anchor" (the reward of the decoded one-step prediction x0_hat(x_t), Tweedie for DDIM: no learning;
     # one model call, one decode and one reward call per step with a density) or "anchor_residual" (the anchor plus
     # the ValueNetwork trained on returns - anchor). DDIM families (SD 1.x/2.x, the tiny models) only.
@@ -352,7 +352,7 @@ def get_config():
     config.reward_frames = 4
     # Keyword arguments of each reward, by reward name, e.g. {"aesthetic": {"weights_path": "/path/mlp.safetensors"}}.
     # On the command line: the whole dict (--config.reward_kwargs='{"ocr": {"allow_unquoted": true}}') or one keyword,
-    # --config.reward_kwargs.ocr.allow_unquoted=True (the CLI creates the reward's entry: ddpo_group/cli.py).
+    # --config.reward_kwargs.ocr.allow_unquoted=True (the CLI creates the reward's entry: ddpo_group/cli/train.py).
     config.reward_kwargs = ml_collections.ConfigDict(allow_dotted_keys=True)
 
     return config

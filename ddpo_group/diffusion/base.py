@@ -236,7 +236,7 @@ class DiffusionPolicy:
     conditions_on_images                  class attribute, True for an image-editing family: its `sample` takes
                                           source_images (B, 3, H, W) float in [0, 1], one per prompt, and keeps
                                           their encoding in Trajectories.extra_cond (re-scored exactly); the
-                                          callers pass source_images only to such a family (edit_sources.py)
+                                          callers pass source_images only to such a family (data/edit_sources.py)
     step_log_prob(model, batch, rows, step_index, guidance_scale, eta) -> (log_prob, mean, std)
                                           one stored step re-scored with `model`, with autograd
     forward_noise(x0, noise, timesteps) -> (x_t, target, x0_scale)
@@ -275,7 +275,7 @@ class DiffusionPolicy:
     # decode exist, and its rewards read the decoded images alone); else why not, for the ConfigError
     anchor_refusal = "it has no one-step prediction x0_hat"
     # the trainable module's attributes whose modules (each element of a ModuleList) are FSDP2 units
-    # (train.sharding="fsdp2", ddpo_group/sharding.py); empty: no block structure known, sharding refused
+    # (train.sharding="fsdp2", ddpo_group/training/sharding.py); empty: no block structure known, sharding refused
     shard_blocks = ()
 
     def __init__(self, pipeline):

@@ -151,7 +151,7 @@ def ddim_x0_hat(scheduler, model_output, timesteps, x_t):
     v_prediction: x0_hat = sqrt(abar_t) x_t - sqrt(1 - abar_t) v
     sample:       x0_hat = model_output
     abar_t = scheduler.alphas_cumprod[t], t (B,) or a scalar. No clipping (the scheduler's clip_sample is a
-    sampling choice, not part of the prediction). The anchor critic reads it (ddpo_group/critic_designs.py).
+    sampling choice, not part of the prediction). The anchor critic reads it (ddpo_group/training/critic_designs.py).
     """
     x_t, model_output = x_t.float(), model_output.float()
     timesteps = torch.as_tensor(timesteps, device="cpu").long().reshape(-1)

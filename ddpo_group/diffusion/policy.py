@@ -14,7 +14,10 @@ protocol:
 Imports go one way (docs/architecture.md): this module -> the families -> ``base``.
 """
 
-from ddpo_group.diffusion import flux, qwen_image, sd, sd3, wan, wan_i2v, wan_moe  # noqa: F401  the registration lines (one per family)
+from ddpo_group.diffusion import flux, qwen_image, sd, sd3, wan  # noqa: F401  the registration lines (one per family)
+from ddpo_group.diffusion import flux2  # noqa: F401  FLUX.2 [dev] and [klein]
+from ddpo_group.diffusion import zimage  # noqa: F401  Z-Image and Z-Image-Turbo
+from ddpo_group.diffusion import wan_i2v, wan_moe  # noqa: F401  Wan image-to-video, Wan 2.2 A14B's two experts
 from ddpo_group.diffusion.base import FAMILIES, DiffusionPolicy, register_family  # noqa: F401  (re-exported)
 
 
@@ -44,7 +47,7 @@ def family_for_model(model, revision=None):
         with open(os.path.join(path, "model_index.json")) as f:
             class_name = json.load(f).get("_class_name")
     elif not os.path.exists(path) and not str(model).startswith((".", "/", "~")) and str(model).count("/") == 1:
-        from ddpo_group.hub import check_hub
+        from ddpo_group.diffusion.hub import check_hub
 
         check_hub(str(model), "config.pretrained.model")  # the first time the hub is asked: a bounded wait
         try:

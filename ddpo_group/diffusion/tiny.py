@@ -505,7 +505,7 @@ def build_tiny_scenes_pipeline(words, arch="sd3", seed=0):
     """The scenes world's tiny pipeline with random weights drawn from ``seed`` (CPU, float32), built offline:
     arch "sd3" a StableDiffusion3Pipeline (two 16-token CLIP encoders, no T5, FlowMatchEulerDiscreteScheduler
     shift 3.0, the VAE with SD3's scaling and shift), "sd" a StableDiffusionPipeline with DDIM. ``words``: the
-    tokenizer's whole words (``ddpo_group.scenes.SCENE_WORDS``; this layer does not import the world). The
+    tokenizer's whole words (``ddpo_group.data.scenes.SCENE_WORDS``; this layer does not import the world). The
     pretrained copies are the shipped ``tiny-scenes-sd3`` and ``tiny-scenes``."""
     tokenizer = build_tiny_tokenizer(words, model_max_length=SCENES_MAX_LENGTH)
     configs = scenes_component_configs(len(tokenizer))

@@ -23,10 +23,10 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from ddpo_group.edit_sources import edit_pairs_html
-from ddpo_group.grids import video_samples_html
-from ddpo_group.hacking import hacking_section
-from ddpo_group.protocol_report import protocol_tables_html, tag_evaluations_html
+from ddpo_group.data.edit_sources import edit_pairs_html
+from ddpo_group.runs.grids import video_samples_html
+from ddpo_group.evaluation.hacking import hacking_section
+from ddpo_group.evaluation.protocol_report import protocol_tables_html, tag_evaluations_html
 from ddpo_group.report.compare import paired_evaluation, prompt_means_table
 from ddpo_group.report.figures import (
     STEP_LABELS,
@@ -326,7 +326,7 @@ def run_labels(runs: Sequence[RunData]) -> list[str]:
 
 def _task_sections(runs) -> str:
     """What the task and modality modules render from a run directory, each "" when it does not apply: the
-    evaluation protocols' tables (GenEval, OCR: protocol_report.py), the animated grids of a video run
+    evaluation protocols' tables (GenEval, OCR: evaluation/protocol_report.py), the animated grids of a video run
     (grids.video_samples_html) and the source -> edited pairs of an editing run (edit_sources.edit_pairs_html)."""
     parts = []
     for run in runs:
@@ -426,7 +426,7 @@ def write_step_heatmaps(run_dirs: Sequence[str | os.PathLike], output: str | os.
     """Write the per-step heat maps of one or more runs (a column each) as one PNG, atomically.
 
     keys: "steps/..." metrics to draw (default: every one some run logged); names: column titles."""
-    from ddpo_group.grids import atomic_write
+    from ddpo_group.runs.grids import atomic_write
 
     runs = [load_run(path) for path in run_dirs]
     for run, name in zip(runs, names or []):
@@ -461,7 +461,7 @@ def write_report(
 ) -> Path:
     """Build the report and write it (atomically) to `output`; default run_dir/report.html,
     or run_dir/report_vs_<compare name>.html with `compare`. Returns the path written."""
-    from ddpo_group.grids import atomic_write
+    from ddpo_group.runs.grids import atomic_write
 
     if output is None:
         name = "report.html" if compare is None else f"report_vs_{Path(compare).resolve().name}.html"

@@ -5,10 +5,10 @@ A run directory is what the trainer writes (docs/CONTRACTS.md, "run directory"):
     run_dir/metrics.jsonl          one JSON object per epoch (required, unless the run failed or stopped before it)
     run_dir/config.json            the run's config (optional)
     run_dir/failed.json, stopped.json, resumes.jsonl    how the run ended, its resumes (optional)
-    run_dir/samples/epoch_XXXX.png / .json / epoch_XXXX/NNN.png   (ddpo_group.grids, optional)
-    run_dir/samples/eval_XXXX.png / .json / eval_XXXX/NNN.png     (ddpo_group.evaluation, optional)
+    run_dir/samples/epoch_XXXX.png / .json / epoch_XXXX/NNN.png   (ddpo_group.runs.grids, optional)
+    run_dir/samples/eval_XXXX.png / .json / eval_XXXX/NNN.png     (ddpo_group.evaluation.evaluator, optional)
 
-`read_metrics` is metrics.jsonl's one reading rule (the resume in run_dir.py and evaluation.py use it too).
+`read_metrics` is metrics.jsonl's one reading rule (the resume in runs/run_dir.py and evaluation/evaluator.py use it too).
 Nothing here draws or writes HTML; the report's other modules read runs through this one.
 """
 

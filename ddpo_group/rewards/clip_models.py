@@ -87,7 +87,7 @@ def load_clip_model(model, reward: str, field: str = "clip_model", model_class: 
 def check_reward_hub(spec, reward: str, field: str) -> None:
     """Before a reward loads hub id `spec` (its keyword argument `field`): a hub that never answers is
     RewardNotReadyError in one line (``hub.check_hub``), not minutes of huggingface_hub's retries."""
-    from ddpo_group.hub import HubUnreachableError, check_hub
+    from ddpo_group.diffusion.hub import HubUnreachableError, check_hub
 
     try:
         check_hub(spec, f"reward_kwargs.{reward}.{field}")

@@ -1,7 +1,7 @@
 """Rewards of the shapes world: does the image show what the prompt asks for?
 
 Each reward reads the requested colour, shape, background and size from the prompt
-(``ddpo_group.shapes.parse_prompt``; the metadata fields ``color``/``shape``/
+(``ddpo_group.data.shapes.parse_prompt``; the metadata fields ``color``/``shape``/
 ``background``/``size`` when the prompt does not parse) and scores every image in [0, 1],
 1 = matches the prompt. Pixels are RGB in [0, 1]; distances are Euclidean divided by
 sqrt(3), so they lie in [0, 1].
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ddpo_group.rewards.base import register_reward
-from ddpo_group.shapes import BACKGROUNDS, COLORS, SHAPES, ShapeSpec, parse_prompt, shape_coverage
+from ddpo_group.data.shapes import BACKGROUNDS, COLORS, SHAPES, ShapeSpec, parse_prompt, shape_coverage
 
 FG_LOW, FG_HIGH = 0.10, 0.25
 COLOR_TOLERANCE = 0.25
@@ -69,7 +69,7 @@ def specs_from_prompts(prompts, metadata=None) -> list[ShapeSpec]:
             else:
                 raise ValueError(
                     f"shapes reward: prompt {prompt!r} (index {i}) is not a shapes-world prompt and its metadata "
-                    f"lacks {list(_SPEC_FIELDS)}; use prompts from ddpo_group.shapes.shapes_prompts()"
+                    f"lacks {list(_SPEC_FIELDS)}; use prompts from ddpo_group.data.shapes.shapes_prompts()"
                 ) from None
     return specs
 

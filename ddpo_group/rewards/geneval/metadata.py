@@ -13,7 +13,7 @@ A record (one JSON object a line, djghosh13/geneval ``prompts/evaluation_metadat
               j the index of an EARLIER include clause, relation one of "left of", "right of", "above", "below"
     exclude   optional list of {"class": str, "count": int >= 1}
 
-Other fields are kept. Loaded as prompts (``ddpo_group.prompts.load_prompts`` on the .jsonl file, or the
+Other fields are kept. Loaded as prompts (``ddpo_group.data.prompts.load_prompts`` on the .jsonl file, or the
 generator below as a ``module:function`` prompt source), the record's fields other than "prompt" are the
 metadata the ``geneval`` reward reads.
 
@@ -93,7 +93,7 @@ def read_metadata(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise GenEvalFormatError(f"GenEval metadata file {path!r} does not exist; give GenEval's "
                                  "prompts/evaluation_metadata.jsonl or a file in its format")
-    from ddpo_group.prompts import jsonl_items
+    from ddpo_group.data.prompts import jsonl_items
 
     records = [check_record(item, where) for item, where in
                jsonl_items(path, GenEvalFormatError, "; one GenEval record a line")]

@@ -4,10 +4,10 @@ them, and the GenEval records of the tiny model's task (variant ``tiny_geneval``
 Vocabulary. The shapes world keeps its own words in GenEval's places: the classes are its shapes (circle,
 square, triangle) instead of the 80 COCO classes, the colours its six (red, green, blue, yellow, magenta, cyan)
 instead of GenEval's ten. The rules of ``protocol.py`` read classes and colours as plain strings, so nothing
-else changes; the tiny model's tokenizer knows only these words (``ddpo_group/shapes.py``).
+else changes; the tiny model's tokenizer knows only these words (``ddpo_group/data/shapes.py``).
 
 Scene. ``render_scene`` draws each ``SceneObject`` over a flat background with the shapes world's
-anti-aliased coverage (``ddpo_group.shapes.shape_coverage``), later objects over earlier ones.
+anti-aliased coverage (``ddpo_group.data.shapes.shape_coverage``), later objects over earlier ones.
 
 Detector (``ShapesDetector``), exact on rendered scenes whose objects do not touch one of the same colour:
 
@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from ddpo_group.rewards.geneval.protocol import Detection
-from ddpo_group.shapes import ALL_SHAPES, BACKGROUNDS, COLORS, SHAPES, parse_prompt, shape_coverage
+from ddpo_group.data.shapes import ALL_SHAPES, BACKGROUNDS, COLORS, SHAPES, parse_prompt, shape_coverage
 
 ALPHA_MIN = 0.5
 RESIDUAL_MAX = 0.15
@@ -184,7 +184,7 @@ def shapes_world_records(prompts: str = "shapes_squares.txt") -> list[dict]:
     """GenEval records of shapes-world prompts (the tags one object can show): a small shape asks for the shape
     (single_object: include {shape, 1}), a big one for the shape in its colour (colors: include {shape, 1,
     colour}). `prompts`: a shapes-world prompt file (ddpo_group/assets/prompts) or path."""
-    from ddpo_group.prompts import load_prompts
+    from ddpo_group.data.prompts import load_prompts
 
     records = []
     for record in load_prompts(prompts):

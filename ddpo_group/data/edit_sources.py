@@ -1,0 +1,173 @@
+"""Source images of image-editing prompts: reading them, checking them, handing them to the policy and the rewards.
+
+An editing model (FLUX.1 Kontext, Qwen-Image-Edit: a family with ``conditions_on_images``) edits one source
+image per prompt. A prompt record names it in its metadata (docs/editing.md):
+
+    {"prompt": "make the circle blue", "source_image": "sources/red_circle.png"}
+
+a path relative to the prompt file (``prompts.py`` makes it absolute when it reads the file). The image must be
+an RGB(A) / grayscale file PIL reads, of exactly the sampled resolution (sample.resolution) on both sides: the
+edit is compared pixel for pixel with its source, so nothing is resized silently.
+
+- ``source_images(records)`` (B, 3, H, W) float32 in [0, 1] on the CPU, or None when no record has one: what
+  ``policy.sample(..., source_images=...)`` encodes into the trajectories' conditioning;
+- ``reward_metadata(metadata, sources)``: the rewards' metadata, with ``source_image`` the image itself, a float32
+  CPU tensor (3, H, W) in [0, 1], and ``source_image_path`` its path (the reward contract, rewards/base.py);
+- ``check_edit_prompts(records, ...)``: one-line errors naming the field and the record before any model loads.
+
+Imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+SOURCE_FIELD = "source_image"
+SOURCE_PATH_FIELD = "source_image_path"
+
+
+def resolve_source_path(metadata: dict, prompt_file: str, where: str) -> None:
+    """Make metadata['source_image'] absolute, relative to the prompt file's directory (in place)."""
+    if SOURCE_FIELD not in metadata:
+        return
+    path = metadata[SOURCE_FIELD]
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{where}: field '{SOURCE_FIELD}' must be a path to an image file, got {path!r}")
+    path = os.path.expanduser(path)
+    if not os.path.isabs(path):
+        path = os.path.join(os.path.dirname(os.path.abspath(prompt_file)), path)
+    metadata[SOURCE_FIELD] = os.path.normpath(path)
+
+
+@lru_cache(maxsize=512)
+def _read_uint8(path: str, mtime: float) -> torch.Tensor:
+    """(3, H, W) uint8 of an image file (cached by path and modification time: a prompt's source is read once)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    return torch.from_numpy(pixels.copy()).permute(2, 0, 1).contiguous()
+
+
+def read_source_image(path: str, where: str = "", resolution: int = 0) -> torch.Tensor:
+    """(3, H, W) float32 in [0, 1] of the source image at `path`; ValueError naming the field and the file when it
+    is not a regular file (a FIFO would block the read), cannot be read (PIL's decompression-bomb limit included)
+    or (resolution > 0) is not resolution x resolution."""
+    from PIL import Image
+
+    prefix = f"{where}: " if where else ""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{prefix}field '{SOURCE_FIELD}' {path!r} is not a regular file; give an image file")
+    try:
+        pixels = _read_uint8(path, os.path.getmtime(path))
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise ValueError(
+            f"{prefix}field '{SOURCE_FIELD}' {path!r} cannot be read as an image ({type(err).__name__}: {err})"
+        ) from None
+    if resolution and tuple(pixels.shape[1:]) != (resolution, resolution):
+        raise ValueError(
+            f"{prefix}field '{SOURCE_FIELD}' {path!r} is {pixels.shape[2]}x{pixels.shape[1]} pixels; "
+            f"config.sample.resolution is {resolution}: give a {resolution}x{resolution} source image"
+        )
+    return pixels.float() / 255.0
+
+
+def source_images(records, resolution: int = 0) -> torch.Tensor | None:
+    """(B, 3, H, W) float32 in [0, 1] of the records' source images, None when no record has one."""
+    paths = [record.metadata.get(SOURCE_FIELD) for record in records]
+    if all(path is None for path in paths):
+        return None
+    missing = [i for i, path in enumerate(paths) if path is None]
+    if missing:
+        raise ValueError(f"prompt {records[missing[0]].prompt!r} has no field '{SOURCE_FIELD}' while others of the "
+                         "batch have one: give every prompt of an editing run a source image")
+    images = [read_source_image(path, f"prompt {record.prompt!r}", resolution) for path, record in zip(paths, records)]
+    shapes = {tuple(image.shape) for image in images}
+    if len(shapes) > 1:
+        raise ValueError(f"field '{SOURCE_FIELD}': the source images of one batch differ in size {sorted(shapes)}; "
+                         "set config.sample.resolution and give every source image that size")
+    return torch.stack(images)
+
+
+def reward_metadata(metadata, sources: torch.Tensor | None) -> list:
+    """The rewards' metadata: copies of `metadata` with source_image the (3, H, W) float32 CPU image in [0, 1] and
+    source_image_path its path; `metadata` itself when there are no sources."""
+    if sources is None:
+        return list(metadata)
+    out = []
+    for meta, image in zip(metadata, sources):
+        meta = dict(meta)
+        meta[SOURCE_PATH_FIELD] = meta.get(SOURCE_FIELD)
+        meta[SOURCE_FIELD] = image.clone()  # the reward's own copy, as its images are
+        out.append(meta)
+    return out
+
+
+def check_edit_prompts(records, conditions_on_images: bool, resolution: int, field: str, model: str) -> None:
+    """Before any model loads: an editing model needs a readable source image of the run's resolution on every
+    prompt (config.<field>); a model that does not condition on images is refused a source image."""
+    has = [SOURCE_FIELD in record.metadata for record in records]
+    if conditions_on_images:
+        if not all(has):
+            record = records[has.index(False)]
+            raise ValueError(
+                f"config.{field}: prompt {record.prompt!r} has no field '{SOURCE_FIELD}'; config.pretrained.model="
+                f"{model!r} conditions on an image (editing, image-to-video): give each record a source image (a path "
+                "relative to the prompt file)"
+            )
+        for record in records:
+            read_source_image(record.metadata[SOURCE_FIELD], f"config.{field}: prompt {record.prompt!r}", resolution)
+    elif any(has):
+        record = records[has.index(True)]
+        raise ValueError(
+            f"config.{field}: prompt {record.prompt!r} has a field '{SOURCE_FIELD}' but config.pretrained.model="
+            f"{model!r} does not edit images: use an editing model (FLUX.1 Kontext, Qwen-Image-Edit) or drop the field"
+        )
+
+
+def edit_pairs_html(run_dir: str, epoch: int | None = None, max_pairs: int = 16) -> str:
+    """The HTML report's fragment of an editing run: source -> edited pairs of an epoch's samples (the last epoch
+    with samples when `epoch` is None), each with its prompt and reward; "" for a run without source images.
+
+    Reads samples/epoch_XXXX.json (written by grids.save_epoch_samples with sources) and embeds the PNGs it names
+    as data URIs, so the fragment stands alone; a file outside the run directory (links resolved) is never read,
+    its place says so. For ddpo_group/report/inspect.py's report (a section after the sample grids)."""
+    import base64
+    import glob
+    import html
+    import json
+
+    from ddpo_group.report.run import inside_run
+
+    samples = os.path.join(run_dir, "samples")
+    documents = sorted(glob.glob(os.path.join(samples, "epoch_[0-9][0-9][0-9][0-9].json")))
+    documents = [d for d in documents if inside_run(d, run_dir)]  # load_run names the others in the report
+    if epoch is not None:
+        documents = [d for d in documents if d.endswith(f"epoch_{epoch:04d}.json")]
+    if not documents:
+        return ""
+    with open(documents[-1], encoding="utf-8") as f:
+        document = json.load(f)
+    pairs = [r for r in document.get("records", []) if r.get("source_image")][:max_pairs]
+    if not pairs:
+        return ""
+
+    def image(rel):
+        if not inside_run(os.path.join(samples, str(rel)), run_dir):
+            return f'<span class="missing">not shown: {html.escape(str(rel))} is outside the run directory</span>'
+        with open(os.path.join(samples, rel), "rb") as f:
+            data = base64.b64encode(f.read()).decode("ascii")
+        mime = "image/webp" if str(rel).endswith(".webp") else "image/png"  # an image-to-video run's clips: WebP
+        return f'<img src="data:{mime};base64,{data}" style="width:128px;image-rendering:pixelated">'
+
+    rows = "".join(
+        f"<tr><td>{image(r['source_image'])}</td><td>&rarr;</td><td>{image(r['image'])}</td>"
+        f"<td>{html.escape(r['prompt'])}<br>reward {r['reward']:.4g}</td></tr>"
+        for r in pairs
+    )
+    return (f"<section><h2>Edits of epoch {document['epoch']}: source &rarr; edited</h2>"
+            f"<table>{rows}</table></section>")

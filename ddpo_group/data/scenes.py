@@ -1,0 +1,249 @@
+"""The scenes world: one to four shapes per image, captioned by GenEval's six prompt templates.
+
+It grows the shapes world (``ddpo_group/data/shapes.py``) into GenEval's task in miniature, for the shipped models
+``tiny-scenes-sd3`` (flow) and ``tiny-scenes`` (UNet + DDIM) and their held-out evaluation set.
+
+Vocabulary. Classes: ``SCENE_SHAPES``, the shapes world's circle, square and triangle plus diamond, cross, ring,
+star and semicircle (8). Colours: the shapes world's six (red, green, blue, yellow, magenta, cyan). Why eight
+shapes: GenEval's counting tag has 3 prompts per class (two to four), its two_object tag one per pair of
+classes; with three shapes there are 3 single-object, 3 two-object and 9 counting prompts, too few to hold any
+out. With eight there are 8 / 28 / 24 / 48 / 112 / 840 distinct prompts for single_object / two_object /
+counting / colors / position / color_attr ("A and B" is "B and A", "A left of B" is "B right of A",
+``metadata.record_identity``), enough for a held-out set of 150 that leaves every tag but single_object with
+prompts to train on. The colours stay six: GenEval's orange, purple, pink or brown would sit between two of
+them, and a tiny model's colours are what the colour classifier must tell apart.
+
+Images: ``SCENE_SIZE`` = 64 px. Four objects of 80-160 px area (about 10-20 px across) fit with room to move
+at 64 px; at 32 px they would be 5-10 px across, where a star, a cross and a diamond differ by a few pixels.
+The background is white, black or gray, drawn at random and never named (GenEval's prompts do not say it).
+
+A scene for a record (``sample_scene``): exactly the objects its include clauses ask for (a counting record:
+n objects of its class), each of its clause's colour or a random one, of a random area, placed uniformly at
+random (objects one after another) so that every object's box keeps ``MARGIN`` px from the border and ``GAP`` px from every other box,
+and a position clause's relation is the only one GenEval's rule (``protocol.relative_position``) finds
+between the two boxes. Placement is rejection sampling, ``PLACE_TRIES`` positions per object and ``MAX_ATTEMPTS`` scenes at most; a record whose scene
+cannot be placed raises ``SceneInfeasible``.
+
+Prompts (``world_records``): every distinct record of the world, one phrasing each (drawn with a fixed seed
+among "A and B" / "B and A", "A left of B" / "B right of A" ...). The held-out set (``evaluation_records``,
+shipped as ``assets/prompts/geneval_scenes.jsonl``): per tag n = round(150 * GenEval's share of the tag)
+records (GenEval's 553 prompts: 80 / 99 / 80 / 94 / 100 / 100), capped so that two thirds of a tag's
+records stay for training (single_object: all eight go to evaluation), the shortfall given to the tags with
+room in proportion to their shares; then n records drawn at random per tag (seed 0). Training (pretraining and
+RL) uses only the other records (``training_records``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+import numpy as np
+
+from ddpo_group.rewards.geneval.metadata import (
+    color_attr_record, colors_record, counting_record, position_record, record_identity, single_object_record,
+    two_object_record,
+)
+from ddpo_group.rewards.geneval.protocol import Detection, relative_position
+from ddpo_group.rewards.geneval.vocabulary import POSITIONS, TAGS, plural
+from ddpo_group.data.shapes import ALL_SHAPES, BACKGROUNDS, COLORS, shape_coverage
+
+SCENE_SHAPES: tuple[str, ...] = ALL_SHAPES
+SCENE_COLORS: tuple[str, ...] = tuple(COLORS)
+SCENE_SIZE = 64
+AREA_RANGE = (80.0, 160.0)  # object area in pixels at 64 px, uniform
+MARGIN = 3  # px between an object's box and the border
+GAP = 2  # px between two objects' boxes
+WINDOW = 14  # px: every shape of AREA_RANGE lies within this of its centre (a star's point: 10.5)
+MAX_ATTEMPTS = 200  # scene draws
+PLACE_TRIES = 20  # positions tried for one object before the scene is drawn again
+MAX_COUNT = 4
+EVALUATION_SIZE = 150
+# GenEval's evaluation_metadata.jsonl: prompts per tag (553 in all)
+GENEVAL_TAG_COUNTS = {"single_object": 80, "two_object": 99, "counting": 80, "colors": 94, "position": 100,
+                      "color_attr": 100}
+TRAIN_RESERVE = 1 / 3  # share of a tag's records kept for training (single_object excepted)
+EVALUATION_FILE = "geneval_scenes.jsonl"
+
+# Whole-word tokens of the scenes models' tokenizer (ddpo_group.diffusion.tiny.build_tiny_tokenizer(words)).
+SCENE_WORDS: tuple[str, ...] = tuple(dict.fromkeys(
+    ("a", "an", "photo", "of", "and", "left", "right", "above", "below", "two", "three", "four")
+    + SCENE_COLORS + SCENE_SHAPES + tuple(plural(s) for s in SCENE_SHAPES)
+))
+
+
+class SceneInfeasible(ValueError):
+    """No placement of a record's objects was found within MAX_ATTEMPTS draws."""
+
+
+def world_records(seed: int = 0) -> dict[str, list[dict]]:
+    """Every distinct GenEval record of the world, per tag, one phrasing each, in a fixed order."""
+    rng = np.random.default_rng(seed)
+    pairs = list(itertools.combinations(SCENE_SHAPES, 2))
+    by_tag: dict[str, list[dict]] = {
+        "single_object": [single_object_record(s) for s in SCENE_SHAPES],
+        "two_object": [two_object_record(*(pair if rng.random() < 0.5 else pair[::-1])) for pair in pairs],
+        "counting": [counting_record(s, n) for s in SCENE_SHAPES for n in range(2, MAX_COUNT + 1)],
+        "colors": [colors_record(s, c) for s in SCENE_SHAPES for c in SCENE_COLORS],
+    }
+    position = []
+    for a, b in itertools.permutations(SCENE_SHAPES, 2):
+        for relation in ("left of", "above"):
+            if rng.random() < 0.5:  # "a left of b" or, the same record, "b right of a"
+                position.append(position_record(a, relation, b))
+            else:
+                position.append(position_record(b, {"left of": "right of", "above": "below"}[relation], a))
+    by_tag["position"] = position
+    color_attr = []
+    for a, b in pairs:
+        for ca, cb in itertools.permutations(SCENE_COLORS, 2):
+            color_attr.append(color_attr_record(a, ca, b, cb) if rng.random() < 0.5 else color_attr_record(b, cb, a, ca))
+    by_tag["color_attr"] = color_attr
+    for tag, records in by_tag.items():  # one phrasing per identity, by construction
+        assert len({record_identity(r) for r in records}) == len(records), tag
+    return by_tag
+
+
+def evaluation_sizes(total: int = EVALUATION_SIZE, available: dict | None = None) -> dict[str, int]:
+    """Records per tag in the held-out set (module docstring): GenEval's shares of `total`, capped so that
+    TRAIN_RESERVE of each tag stays for training, the shortfall given to tags with room by their shares."""
+    available = available or {tag: len(r) for tag, r in world_records().items()}
+    caps = {tag: n if tag == "single_object" else n - math.ceil(TRAIN_RESERVE * n) for tag, n in available.items()}
+    weight = {tag: GENEVAL_TAG_COUNTS[tag] / sum(GENEVAL_TAG_COUNTS.values()) for tag in TAGS}
+    sizes = {tag: min(caps[tag], round(total * weight[tag])) for tag in TAGS}
+    while sum(sizes.values()) < total:
+        room = [tag for tag in TAGS if sizes[tag] < caps[tag]]
+        if not room:
+            raise ValueError(f"the scenes world has fewer than {total} records to hold out")
+        # the tag with room that is furthest below its share of the total gets the next record
+        tag = max(room, key=lambda t: (total * weight[t] - sizes[t], -TAGS.index(t)))
+        sizes[tag] += 1
+    return sizes
+
+
+def evaluation_records(seed: int = 0) -> list[dict]:
+    """The held-out set: evaluation_sizes() records per tag drawn at random (seed), the tags taken in turn
+    (one record of each tag, then the next of each, ...), so that the first prompts of the set, which an
+    evaluation grid shows, cover every tag."""
+    rng = np.random.default_rng(seed)
+    by_tag = world_records()
+    sizes = evaluation_sizes(available={tag: len(r) for tag, r in by_tag.items()})
+    chosen = {}
+    for tag in TAGS:
+        picks = sorted(rng.choice(len(by_tag[tag]), size=sizes[tag], replace=False))
+        chosen[tag] = [by_tag[tag][i] for i in picks]
+    return [records[k] for k in range(max(sizes.values())) for records in chosen.values() if k < len(records)]
+
+
+def evaluation_prompts_path() -> str:
+    """The shipped held-out set (ddpo_group/assets/prompts/geneval_scenes.jsonl)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "prompts", EVALUATION_FILE)
+
+
+def training_records(held_out=None) -> dict[str, list[dict]]:
+    """The world's records per tag minus the held-out ones (`held_out`: records; default the shipped set)."""
+    if held_out is None:
+        from ddpo_group.rewards.geneval.metadata import read_metadata
+
+        held_out = read_metadata(evaluation_prompts_path())
+    excluded = {record_identity(r) for r in held_out}
+    return {tag: [r for r in records if record_identity(r) not in excluded] for tag, records in world_records().items()}
+
+
+def scene_training_prompts(n_per_tag: int = 100, seed: int = 0, tags: str | list = "") -> list[dict]:
+    """A prompt source for RL on the scenes world (config prompt_fn = "ddpo_group.data.scenes:scene_training_prompts"):
+    records generated by GenEval's rules over the world's classes and colours and deduplicated against the
+    shipped held-out set, as Flow-GRPO generates its GenEval training prompts (a tag whose prompts run out gets
+    fewer; single_object has none left)."""
+    from ddpo_group.rewards.geneval.metadata import generate_training_records, read_metadata
+
+    chosen = [t.strip() for t in tags.split(",") if t.strip()] if isinstance(tags, str) else list(tags)
+    return generate_training_records(n_per_tag, seed, tuple(chosen) or TAGS, read_metadata(evaluation_prompts_path()),
+                                     classes=SCENE_SHAPES, colors=SCENE_COLORS, max_count=MAX_COUNT)
+
+
+def _objects_of(record: dict, rng: np.random.Generator) -> list[tuple[str, str]]:
+    """(shape, colour) of each object a record asks for, include clauses in order."""
+    objects = []
+    for clause in record["include"]:
+        for _ in range(clause["count"]):
+            color = clause.get("color") or SCENE_COLORS[rng.integers(len(SCENE_COLORS))]
+            objects.append((clause["class"], color))
+    return objects
+
+
+def _box(coverage: np.ndarray) -> tuple[float, float, float, float] | None:
+    ys, xs = np.nonzero(coverage > 0)
+    if not len(xs):
+        return None
+    return float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1)
+
+
+def sample_scene(record: dict, rng: np.random.Generator, size: int = SCENE_SIZE):
+    """(objects [(shape, colour, coverage (size, size))], background name) of a random scene for `record`
+    (module docstring); SceneInfeasible when MAX_ATTEMPTS draws place none."""
+    wanted = _objects_of(record, rng)
+    relation = None
+    for clause in record["include"]:
+        if "position" in clause:
+            relation = clause["position"][0]
+    background = list(BACKGROUNDS)[rng.integers(len(BACKGROUNDS))]
+    for _ in range(MAX_ATTEMPTS):
+        placed, boxes = [], []
+        for shape, color in wanted:
+            for _ in range(PLACE_TRIES):
+                area = rng.uniform(*AREA_RANGE)
+                # the box's offsets from the centre, from the shape drawn at the canvas centre
+                x1, y1, x2, y2 = _box(shape_coverage(shape, area, (size / 2, size / 2), size, window=WINDOW))
+                low_x, high_x = MARGIN + 1 + size / 2 - x1, size - MARGIN - 1 - (x2 - size / 2)
+                low_y, high_y = MARGIN + 1 + size / 2 - y1, size - MARGIN - 1 - (y2 - size / 2)
+                if low_x > high_x or low_y > high_y:  # it cannot fit on this canvas at this area
+                    continue
+                center = (rng.uniform(low_x, high_x), rng.uniform(low_y, high_y))
+                coverage = shape_coverage(shape, area, center, size, window=WINDOW)
+                box = _box(coverage)
+                inside = min(box[0], box[1]) >= MARGIN and max(box[2], box[3]) <= size - MARGIN
+                if inside and not any(box[0] < b[2] + GAP and b[0] < box[2] + GAP and box[1] < b[3] + GAP
+                                      and b[1] < box[3] + GAP for b in boxes):
+                    placed.append((shape, color, coverage))
+                    boxes.append(box)
+                    break
+            else:
+                break
+        else:
+            # include clause 1 (the subject) against clause 0 (the target): exactly the asked relation
+            if relation is None or relative_position(Detection(boxes[1], 1.0), Detection(boxes[0], 1.0)) == {relation}:
+                return placed, background
+    raise SceneInfeasible(f"no scene for {record['prompt']!r} placed in {MAX_ATTEMPTS} draws")
+
+
+def render_objects(objects, background: str, size: int = SCENE_SIZE) -> np.ndarray:
+    """uint8 (size, size, 3): image = coverage * colour + (1 - coverage) * image, object by object."""
+    image = np.broadcast_to(np.asarray(BACKGROUNDS[background], dtype=np.float64), (size, size, 3)).copy()
+    for _, color, coverage in objects:
+        image = coverage[..., None] * np.asarray(COLORS[color], dtype=np.float64) + (1.0 - coverage[..., None]) * image
+    return np.clip(np.rint(image), 0, 255).astype(np.uint8)
+
+
+def render_record(record: dict, rng: np.random.Generator, size: int = SCENE_SIZE) -> np.ndarray:
+    """A random scene for `record` as uint8 (size, size, 3)."""
+    objects, background = sample_scene(record, rng, size)
+    return render_objects(objects, background, size)
+
+
+def sample_dataset(n: int, seed: int, size: int = SCENE_SIZE, held_out=None) -> tuple[np.ndarray, list[str]]:
+    """`n` (image, prompt) pairs for pretraining, reproducible from `seed`: a tag uniformly among those with
+    training records, a record uniformly among the tag's training records, a random scene for it. Returns
+    (images uint8 (n, size, size, 3), prompts)."""
+    rng = np.random.default_rng(seed)
+    pool = {tag: records for tag, records in training_records(held_out).items() if records}
+    tags = list(pool)
+    images = np.empty((n, size, size, 3), dtype=np.uint8)
+    prompts = []
+    for i in range(n):
+        records = pool[tags[rng.integers(len(tags))]]
+        record = records[rng.integers(len(records))]
+        images[i] = render_record(record, rng, size)
+        prompts.append(record["prompt"])
+    return images, prompts
