@@ -119,6 +119,17 @@ ARCHS = {
     "wan": dict(model="random-wan21-1.3b", flow="wan21_t2v_1_3b", resolution=256, sample_steps=10, video=True),
     "tiny-wan": dict(model="tiny-wan", flow="wan21_t2v_1_3b", resolution=0, sample_steps=10, max_sequence_length=16,
                      num_frames=5, video=True),
+    # Wan 2.2 A14B: two 14B experts (random weights, 2 x 28 GB in bf16), sampled as wan22_a14b_t2v (5 frames, 480 px)
+    "wan22-a14b": dict(model="random-wan22-a14b", flow="wan22_a14b_t2v", resolution=480, sample_steps=10, video=True),
+    "tiny-wan22-moe": dict(model="tiny-wan22-moe", flow="wan22_a14b_t2v", resolution=0, sample_steps=10,
+                           max_sequence_length=16, num_frames=5, video=True),
+    # image-to-video: the first frame of every prompt is one random image (gpu_check's own prompt file for the runs)
+    "wan21-i2v": dict(model="random-wan21-i2v-14b", flow="wan21_i2v", resolution=240, sample_steps=10, video=True,
+                      image_to_video=True),
+    "wan22-i2v": dict(model="random-wan22-i2v-a14b", flow="wan22_i2v", resolution=480, sample_steps=8, video=True,
+                      image_to_video=True),
+    "tiny-wan-i2v": dict(model="tiny-wan-i2v", flow="wan21_i2v", resolution=32, sample_steps=10,
+                         max_sequence_length=16, num_frames=5, video=True, image_to_video=True),
     # SDXL 1.0 base's UNet at its 1024 px, sampled as the `sdxl` preset does (25 DDIM steps, CFG 5)
     "sdxl": dict(model="random-sdxl", flow=None, resolution=0, sample_steps=25),
     "tiny-sdxl": dict(model="tiny-sdxl", flow=None, resolution=0, sample_steps=25),
@@ -208,15 +219,26 @@ def check_sampling(spec, device, dtype, batch, repeats=1):
         call = dict(num_inference_steps=steps, guidance_scale=pipeline_guidance, height=side, width=side, output_type="pt",
                     max_sequence_length=policy.max_sequence_length)
 
+        extra, text = {}, {"prompt": list(prompts)}
+        if spec.get("image_to_video"):  # one first frame for every prompt (the pipeline takes one image)
+            pixels = first_frame(side)
+            extra["source_images"] = (pixels.permute(2, 0, 1).float() / 255).expand(batch, -1, -1, -1).to(device)
+            from PIL import Image
+
+            call["image"] = Image.fromarray(pixels.numpy())
+            # the text as the policy encodes it (WanImageToVideoPipeline's own cleaning needs ftfy, wan_i2v.py)
+            cond = policy._encode(prompts, "", guidance, device)
+            text = {"prompt_embeds": cond["prompt_embeds"], "negative_prompt_embeds": cond.get("negative_prompt_embeds")}
+
         def ours(level=eta):
-            return policy.sample(prompts, steps, guidance, level, generator=torch.Generator().manual_seed(0))
+            return policy.sample(prompts, steps, guidance, level, generator=torch.Generator().manual_seed(0), **extra)
 
         if spec.get("video"):  # WanPipeline: frames, and the videos in .frames
             call["num_frames"] = policy.num_frames
 
         def theirs():
             # by name (Flux2Pipeline's first argument is its reference image), a copy (ZImagePipeline edits the list)
-            output = pipeline(prompt=list(prompts), generator=torch.Generator().manual_seed(0), **call)
+            output = pipeline(**text, generator=torch.Generator().manual_seed(0), **call)
             return output.frames if spec.get("video") else output.images
 
         ode = ours(0.0).images.float()
@@ -249,6 +271,23 @@ def check_sampling(spec, device, dtype, batch, repeats=1):
         "log_probs_dtype": str(trajectories.log_probs.dtype),
     })
     return policy, trajectories, entry, guidance
+
+
+def first_frame(side):
+    """A random (side, side, 3) uint8 image (seed 0): the image-to-video archs' first frame."""
+    return (torch.rand(side, side, 3, generator=torch.Generator().manual_seed(0)) * 255).round().to(torch.uint8)
+
+
+def image_to_video_prompts(logdir, side):
+    """A prompt file in `logdir` whose records carry `first_frame(side)` as their source_image (docs/wan.md)."""
+    from PIL import Image
+
+    os.makedirs(logdir, exist_ok=True)
+    Image.fromarray(first_frame(side).numpy()).save(os.path.join(logdir, "first_frame.png"))
+    path = os.path.join(logdir, "image_to_video.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"prompt": prompt, "source_image": "first_frame.png"}) + "\n" for prompt in PROMPTS)
+    return path
 
 
 def check_model_cost(policy, trajectories, device, dtype, batch, repeats, guidance, lora_rank, checkpointing=False):
@@ -317,6 +356,8 @@ def run_config(arch, spec, algorithm, args, dtype_name, logdir, run_name):
     config.use_lora = True
     config.reward_fn = "jpeg_compressibility"
     config.prompt_fn = "simple_animals"
+    if spec.get("image_to_video"):
+        config.prompt_fn = image_to_video_prompts(logdir, spec["resolution"])
     config.num_epochs = args.epochs
     config.save_freq = 0
     config.eval_freq = 0

@@ -218,13 +218,19 @@ def load_checkpoint_policy(checkpoint, config):
 
     policy = load_policy(config["pretrained"]["model"])
     configure_from_sample(policy, config.get("sample", {}))  # a field older runs lack: the default they ran with
-    weights = os.path.join(checkpoint, "lora") if config["use_lora"] else checkpoint
-    if not os.path.isdir(weights):
+    # two experts (Wan 2.2 A14B, docs/wan.md): the low-noise expert's guidance and the experts the run trained
+    policy.configure_experts(config.get("sample", {}).get("guidance_scale_2", 0.0),
+                             config.get("train", {}).get("experts", "both"))
+    # LoRA: lora/ (the model's, or the high-noise expert's) and lora_2/ (the low-noise expert's), those written
+    adapters = [name for name in ("lora", "lora_2") if os.path.isdir(os.path.join(checkpoint, name))]
+    if config["use_lora"] and not adapters:
         raise EvaluateError(f"checkpoint {checkpoint} has no lora/ directory (the run trained LoRA weights): it is "
                             "incomplete; evaluate another checkpoint_N of the run")
     try:
         if config["use_lora"]:
-            policy.pipeline.load_lora_weights(weights)
+            for name in adapters:
+                extra = {"load_into_transformer_2": True} if name == "lora_2" else {}
+                policy.pipeline.load_lora_weights(os.path.join(checkpoint, name), **extra)
         else:
             policy.load_trainable(policy.trainable_module, checkpoint, use_lora=False)
     except Exception as err:

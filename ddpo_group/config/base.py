@@ -105,6 +105,9 @@ def get_config():
     sample.eta = 1.0
     # Classifier-free guidance scale (1.0: no guidance, no negative prompt pass).
     sample.guidance_scale = 5.0
+    # A model with two experts (Wan 2.2 A14B): the guidance scale of the low-noise expert (0: sample.guidance_scale,
+    # the pipeline's default). Any other model refuses a value other than 0.
+    sample.guidance_scale_2 = 0.0
     # Trajectories sampled per process per sampling batch.
     sample.batch_size = 8
     # Sampling batches per epoch; an epoch has batch_size * num_batches_per_epoch * num_processes trajectories.
@@ -159,6 +162,9 @@ def get_config():
     # less memory (docs/memory.md) at the cost of about one more forward per trained step. Values and
     # the exact on-policy ratio are unchanged.
     train.gradient_checkpointing = False
+    # A model with two experts (Wan 2.2 A14B): which ones train, "both", "high" (the high-noise expert, before the
+    # boundary timestep) or "low"; LoRA and the optimizer cover only these. Any other model takes only "both".
+    train.experts = "both"
     # Sharding of a full fine-tune over the processes (docs/sharding.md): "none" (DDP: every process holds the
     # whole model, its reference copy and its optimizer state) or "fsdp2" (torch's fully_shard: each block of
     # the model its own unit, parameters / gradients / optimizer state 1/N per process, computed in bf16 under

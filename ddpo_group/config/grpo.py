@@ -34,6 +34,12 @@ their map. A variant is read against the ones it derives from (tiny_* from tiny,
     wan21_t2v_1_3b  GRPO + KL on Wan 2.1 T2V 1.3B (text-to-video, 33 frames) with Flow-GRPO's Wan settings, one GPU
     wan21_t2v_14b   GRPO on Wan 2.1 T2V 14B (5 frames, 10 steps) with Flow-Factory's Wan 2.1 T2V settings, LoRA
     tiny_wan        a random-weight tiny Wan pipeline (UMT5 text, videos of 5 frames), seconds; tests and smoke checks
+    wan22_a14b_t2v  GRPO on Wan 2.2 T2V A14B (two experts, both trained) with Flow-Factory's Wan 2.2 T2V LoRA recipe
+    wan21_i2v       GRPO on Wan 2.1 I2V 14B (image-to-video: source_image is the first frame) with Flow-Factory's recipe
+    wan22_i2v       GRPO on Wan 2.2 I2V A14B (image-to-video, the high-noise expert trained) with Flow-Factory's recipe
+    tiny_wan22_moe  a random-weight tiny Wan 2.2 A14B (two experts, CFG 4.5 then 3.0), seconds; tests and smoke checks
+    tiny_wan_i2v    a random-weight tiny Wan 2.1 I2V (the first frame from source_image), seconds; tests and smoke checks
+    tiny_wan22_i2v  tiny_wan_i2v with two experts (Wan 2.2 A14B I2V), the high-noise one trained, seconds
     sd35_pickscore  SD3.5-Medium with Flow-GRPO's PickScore settings (PickScore / 26 on its prompt set, KL 0.01), one GPU
     sdxl            GRPO + KL on SDXL 1.0 base (DDIM, two text encoders, pooled embeddings, time ids) with LoRA, one GPU
     tiny_sdxl       a random-weight tiny SDXL pipeline, seconds; tests and smoke checks
@@ -123,6 +129,14 @@ from ddpo_group.config.variants.video_edit import (  # noqa: F401
     wan21_t2v_1_3b,
     wan21_t2v_14b,
 )
+from ddpo_group.config.variants.wan_next import (
+    tiny_wan22_i2v,
+    tiny_wan22_moe,
+    tiny_wan_i2v,
+    wan21_i2v,
+    wan22_a14b_t2v,
+    wan22_i2v,
+)
 
 # name -> variant, in the order `ddpo-group-train --help` lists them (and get_config's error names them sorted)
 VARIANTS = {
@@ -156,6 +170,12 @@ VARIANTS = {
     "wan21_t2v_1_3b": wan21_t2v_1_3b,
     "wan21_t2v_14b": wan21_t2v_14b,
     "tiny_wan": tiny_wan,
+    "wan22_a14b_t2v": wan22_a14b_t2v,
+    "wan21_i2v": wan21_i2v,
+    "wan22_i2v": wan22_i2v,
+    "tiny_wan22_moe": tiny_wan22_moe,
+    "tiny_wan_i2v": tiny_wan_i2v,
+    "tiny_wan22_i2v": tiny_wan22_i2v,
     "sd35_pickscore": sd35_pickscore,
     "sdxl": sdxl,
     "tiny_sdxl": tiny_sdxl,

@@ -116,7 +116,8 @@ def check_edit_prompts(records, conditions_on_images: bool, resolution: int, fie
             record = records[has.index(False)]
             raise ValueError(
                 f"config.{field}: prompt {record.prompt!r} has no field '{SOURCE_FIELD}'; config.pretrained.model="
-                f"{model!r} edits an image: give each record a source image (a path relative to the prompt file)"
+                f"{model!r} conditions on an image (editing, image-to-video): give each record a source image (a path "
+                "relative to the prompt file)"
             )
         for record in records:
             read_source_image(record.metadata[SOURCE_FIELD], f"config.{field}: prompt {record.prompt!r}", resolution)
@@ -169,7 +170,8 @@ def edit_pairs_html(run_dir: str, epoch: int | None = None, max_pairs: int = 16)
             return f'<span class="missing">not shown: {html.escape(str(rel))} ({html.escape(why)})</span>'
         with open(os.path.join(samples, rel), "rb") as f:
             data = base64.b64encode(f.read()).decode("ascii")
-        return f'<img src="data:image/png;base64,{data}" style="width:128px;image-rendering:pixelated">'
+        mime = "image/webp" if str(rel).endswith(".webp") else "image/png"  # an image-to-video run's clips: WebP
+        return f'<img src="data:{mime};base64,{data}" style="width:128px;image-rendering:pixelated">'
 
     def reward(value):
         return f"{value:.4g}" if isinstance(value, (int, float)) else html.escape(str(value))

@@ -217,6 +217,9 @@ class DiffusionPolicy:
     configure(sde_type, max_sequence_length, resolution, cps_log_prob, flow_grid, flow_grid_shift)
                                           the config's sampling options (ValueError naming the field when the
                                           family has no use for one)
+    configure_experts(guidance_scale_2, experts)
+                                          a family with two experts: the low-noise expert's guidance scale and
+                                          which experts train (config.sample.guidance_scale_2, config.train.experts)
     video, configure_frames(num_frames)   whether samples are videos (B, F, 3, H, W) (class attribute, False:
                                           images); the frames F of a video family (config.sample.num_frames,
                                           0: the model's default); an image family refuses any other than 0
@@ -299,6 +302,16 @@ class DiffusionPolicy:
                 f"config.sample.num_frames={num_frames}: the {self.family} family makes images, not videos; "
                 "set sample.num_frames=0"
             )
+
+    def configure_experts(self, guidance_scale_2=0.0, experts="both"):
+        """config.sample.guidance_scale_2 and config.train.experts: a family with two experts (Wan 2.2 A14B,
+        wan_moe.py) overrides this; every other family has one model and refuses anything but the defaults."""
+        if guidance_scale_2:
+            raise ValueError(f"config.sample.guidance_scale_2={guidance_scale_2}: the {self.family} family has one "
+                             "model, not two experts; set sample.guidance_scale_2=0")
+        if experts != "both":
+            raise ValueError(f"config.train.experts={experts!r}: the {self.family} family has one model, not two "
+                             "experts; set train.experts='both'")
 
     def prepare(self, device, dtype, use_lora, lora_rank=4, lora_alpha=None):
         raise NotImplementedError

@@ -17,6 +17,7 @@ Imports go one way (docs/architecture.md): this module -> the families -> ``base
 from ddpo_group.diffusion import flux, qwen_image, sd, sd3, wan  # noqa: F401  the registration lines (one per family)
 from ddpo_group.diffusion import flux2  # noqa: F401  FLUX.2 [dev] and [klein]
 from ddpo_group.diffusion import zimage  # noqa: F401  Z-Image and Z-Image-Turbo
+from ddpo_group.diffusion import wan_i2v, wan_moe  # noqa: F401  Wan image-to-video, Wan 2.2 A14B's two experts
 from ddpo_group.diffusion.base import FAMILIES, DiffusionPolicy, register_family  # noqa: F401  (re-exported)
 
 
@@ -65,4 +66,6 @@ def family_for_model(model, revision=None):
 def load_policy(model, revision=None, torch_dtype=None):
     """Load `model` (config.pretrained.model) with its family and wrap it; ValueError naming the model otherwise."""
     cls = family_for_model(model, revision)
-    return cls(cls.load(model, revision=revision, torch_dtype=torch_dtype))
+    pipeline = cls.load(model, revision=revision, torch_dtype=torch_dtype)
+    # one pipeline class may hold several families (WanPipeline: Wan 2.1 / 2.2 TI2V, or 2.2 A14B's two experts)
+    return cls(pipeline) if cls.supports(pipeline) else policy_for(pipeline)

@@ -23,8 +23,8 @@ evenly spaced frames and average them (``config.reward_frames``), a video reward
 
 Loaded from the hub or a directory, the pipeline's UniPC multistep scheduler is replaced by the
 flow-matching Euler scheduler with the same ``flow_shift``: the SDE steps of Flow-GRPO are Euler steps on
-that grid (as Flow-GRPO's Wan trainer samples). Wan 2.2 A14B's two experts (``boundary_ratio``,
-``transformer_2``) are refused by ``configure``; Wan 2.2 TI2V-5B (``expand_timesteps``) is followed.
+that grid (as Flow-GRPO's Wan trainer samples). Wan 2.2 TI2V-5B (``expand_timesteps``) is followed; Wan 2.2
+A14B's two experts (``transformer_2``) and image-to-video are the families of ``wan_moe.py`` / ``wan_i2v.py``.
 """
 
 import torch
@@ -88,6 +88,11 @@ class WanPolicy(FlowMatchingPolicy):
     video = True
     shard_blocks = ("blocks",)  # the transformer's blocks (train.sharding="fsdp2")
 
+    @classmethod
+    def supports(cls, pipeline):
+        """A WanPipeline with one transformer; Wan 2.2 A14B's two experts are wan_moe.py's family."""
+        return isinstance(pipeline, cls.pipeline_class) and getattr(pipeline, "transformer_2", None) is None
+
     def __init__(self, pipeline):
         # FlowMatchingPolicy.__init__ reads an image pipeline's default_sample_size; Wan's is a (H, W) video
         super(FlowMatchingPolicy, self).__init__(pipeline)
@@ -123,10 +128,10 @@ class WanPolicy(FlowMatchingPolicy):
 
     def configure(self, sde_type="", max_sequence_length=0, resolution=0, **flow_options):
         pipe = self.pipeline
-        if pipe.config.get("boundary_ratio") is not None or getattr(pipe, "transformer_2", None) is not None:
+        if pipe.config.get("boundary_ratio") is not None and getattr(pipe, "transformer_2", None) is None:
             raise ValueError(
-                f"config.pretrained.model: a Wan 2.2 pipeline with two experts (boundary_ratio="
-                f"{pipe.config.get('boundary_ratio')}, transformer_2) is not supported yet; use Wan 2.1 or Wan 2.2 TI2V-5B"
+                f"config.pretrained.model: a Wan pipeline with boundary_ratio={pipe.config.get('boundary_ratio')} but "
+                "no transformer_2 (Wan 2.2 A14B's low-noise expert) has no model below the boundary; give it both"
             )
         if resolution and resolution % (pipe.vae_scale_factor_spatial * self.patch_multiple):
             multiple = pipe.vae_scale_factor_spatial * self.patch_multiple

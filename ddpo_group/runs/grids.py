@@ -332,6 +332,9 @@ def save_epoch_samples(
     stem = f"{prefix}_{epoch:04d}"
     digits = max(3, len(str(num - 1)))
     source_array = None if sources is None else _to_numpy(sources)
+    source_stills = source_array  # the source PNGs; an image-to-video model's first frame is still over the clip
+    if source_array is not None and video and source_array.shape == array.shape[:1] + array.shape[2:]:
+        source_array = np.repeat(source_array[:, None], array.shape[1], axis=1)
     if source_array is not None and source_array.shape != array.shape:
         raise ValueError(f"sources must have the images' shape {tuple(array.shape)}, got {tuple(source_array.shape)}")
     records = []
@@ -357,7 +360,7 @@ def save_epoch_samples(
         )
         if source_array is not None:
             source_rel = f"{stem}/{index:0{digits}d}_source.png"
-            save_png(Image.fromarray(to_uint8_hwc(source_array[index]), mode="RGB"), samples_dir / source_rel)
+            save_png(Image.fromarray(to_uint8_hwc(source_stills[index]), mode="RGB"), samples_dir / source_rel)
             records[-1]["source_image"] = source_rel
 
     grid_path = None

@@ -83,6 +83,7 @@ def build_models(config, accelerator):
     policy = load_policy(config.pretrained.model, revision=config.pretrained.revision or None, torch_dtype=dtype)
     try:
         configure_from_sample(policy, s)
+        policy.configure_experts(s.get("guidance_scale_2", 0.0), t.get("experts", "both"))
     except ValueError as err:
         raise ConfigError(str(err)) from err
     try:
