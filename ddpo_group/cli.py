@@ -17,6 +17,7 @@ def _variant_lines() -> list[str]:
         name, _, text = line.strip().partition(" ")
         if name in grpo.VARIANTS:
             described[name] = text.strip()
+    described.update(getattr(grpo, "NEXT_MISC_DESCRIPTIONS", {}))  # issue 46's families (config/next_misc_variants.py)
     return [f"  {name:<16} {described.get(name, '')}" for name in grpo.VARIANTS]
 
 

@@ -890,3 +890,6 @@ def get_config(name="sd15"):
     config.variant = name  # kept in the run's config.json: the report's headline names the variant
     return config
 
+
+from ddpo_group.config.next_misc_variants import NEXT_MISC_DESCRIPTIONS, NEXT_MISC_VARIANTS  # noqa: E402,F401  issue 46
+VARIANTS.update(NEXT_MISC_VARIANTS)

@@ -332,6 +332,8 @@ def save_epoch_samples(
     stem = f"{prefix}_{epoch:04d}"
     digits = max(3, len(str(num - 1)))
     source_array = None if sources is None else _to_numpy(sources)
+    if source_array is not None and source_array.ndim == array.ndim + 1:  # several sources per sample: the first
+        source_array = source_array[:, 0]
     if source_array is not None and source_array.shape != array.shape:
         raise ValueError(f"sources must have the images' shape {tuple(array.shape)}, got {tuple(source_array.shape)}")
     records = []
