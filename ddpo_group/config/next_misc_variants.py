@@ -4,6 +4,8 @@ name -> the one-line description ``ddpo-group-train --help`` shows (grpo.py's do
 
     qwen_image_edit_plus  GRPO multi-image editing on Qwen-Image-Edit-2509 (true CFG 4) with Flow-Factory's settings, LoRA r64
     tiny_qwen_image_edit_plus  a random-weight tiny Qwen-Image-Edit-2509 editing two shipped shapes-world sources per prompt, seconds
+    sana_nft        DiffusionNFT on SANA 1.5 1.6B (1024 px, Gemma-2 text, Euler ODE sampler, CFG-free) with the paper's settings
+    tiny_sana       a random-weight tiny SANA pipeline (Gemma-2 text, DC-AE, linear-attention DiT), seconds
 
 The functions import grpo.py's lazily (grpo.py imports this module at its end).
 """
@@ -40,7 +42,36 @@ def tiny_qwen_image_edit_plus():
     return config
 
 
+def sana_nft():
+    """DiffusionNFT on SANA 1.5 1.6B (hub id Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers, the SANA that
+    nvidia-cosmos/cosmos-rl's diffusers configs train; SanaPipeline): ``sd35_nft``'s DiffusionNFT settings (arXiv
+    2509.16117, NVlabs/DiffusionNFT config/nft.py: CFG-free sampling and training, the deterministic sampler, 10
+    steps, beta 1, adaptive weighting, KL 1e-4, lr 3e-4, LoRA r32 / alpha 64, one optimizer step per epoch) at
+    SANA's native 1024 px and max_sequence_length 300 (its pipeline's default and cosmos-rl's max_prompt_length).
+    cosmos-rl's own SANA DiffusionNFT recipe file was not among the stored sources, so its numbers are not taken
+    here. LoRA on the self- and cross-attention projections (to_q / to_k / to_v / to_out.0, cosmos-rl's targets).
+    The policy samples SANA's flow with Euler steps on its flow_shift grid (not its DPM-Solver). Not yet run (no
+    GPU, no hub)."""
+    from ddpo_group.config import grpo
+
+    config = grpo.sd35_nft()
+    config.pretrained.model = "Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers"
+    config.sample.resolution = 1024
+    config.sample.max_sequence_length = 300
+    return config
+
+
+def tiny_sana():
+    """A random-weight tiny SANA pipeline (tiny Gemma-2 and tokenizer built in memory, DC-AE, linear-attention DiT),
+    seconds: tests and smoke runs. Guidance 4.5 is SANA's CFG (one call on negative and prompt rows)."""
+    from ddpo_group.config import grpo
+
+    return grpo._tiny_flow("tiny-sana")
+
+
 NEXT_MISC_VARIANTS = {
+    "sana_nft": sana_nft,
+    "tiny_sana": tiny_sana,
     "qwen_image_edit_plus": qwen_image_edit_plus,
     "tiny_qwen_image_edit_plus": tiny_qwen_image_edit_plus,
 }
