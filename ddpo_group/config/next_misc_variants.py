@@ -6,6 +6,7 @@ name -> the one-line description ``ddpo-group-train --help`` shows (grpo.py's do
     tiny_qwen_image_edit_plus  a random-weight tiny Qwen-Image-Edit-2509 editing two shipped shapes-world sources per prompt, seconds
     sana_nft        DiffusionNFT on SANA 1.5 1.6B (1024 px, Gemma-2 text, Euler ODE sampler, CFG-free) with the paper's settings
     tiny_sana       a random-weight tiny SANA pipeline (Gemma-2 text, DC-AE, linear-attention DiT), seconds
+    tiny_hunyuan_video15  a random-weight tiny HunyuanVideo 1.5 text-to-video pipeline (Qwen2.5-VL + ByT5 text), 5 frames, seconds
 
 The functions import grpo.py's lazily (grpo.py imports this module at its end).
 """
@@ -69,7 +70,22 @@ def tiny_sana():
     return grpo._tiny_flow("tiny-sana")
 
 
+def tiny_hunyuan_video15():
+    """A random-weight tiny HunyuanVideo 1.5 text-to-video pipeline (tiny Qwen2.5-VL text model and ByT5 encoder
+    built in memory, its 3-D VAE): videos of 5 frames of 32x32 in seconds, for tests and smoke runs; the reward is
+    JPEG compressibility averaged over 3 evenly spaced frames, as tiny_wan's. No full-size preset: no published RL
+    recipe for HunyuanVideo 1.5 was among the stored sources (Flow-Factory's examples have none)."""
+    from ddpo_group.config import grpo
+
+    config = grpo._tiny_flow("tiny-hunyuan-video15")
+    config.sample.num_frames = 5
+    config.sample.max_sequence_length = 32  # Qwen text tokens after the template's cropped system turn
+    config.reward_frames = 3
+    return config
+
+
 NEXT_MISC_VARIANTS = {
+    "tiny_hunyuan_video15": tiny_hunyuan_video15,
     "sana_nft": sana_nft,
     "tiny_sana": tiny_sana,
     "qwen_image_edit_plus": qwen_image_edit_plus,

@@ -1,0 +1,252 @@
+"""HunyuanVideo 1.5 text-to-video (``HunyuanVideo15Pipeline``, family "hunyuan_video15") as a flow-matching video
+family, and its offline tiny pipeline.
+
+What follows diffusers' ``pipelines/hunyuan_video1_5/pipeline_hunyuan_video1_5.py`` (0.42):
+
+- text, twice: (1) the Qwen2.5-VL text model's hidden state two layers before the last, of the chat template
+  (``pipe.system_message`` as the system turn, the prompt as the user's) padded to ``crop_start +
+  max_sequence_length`` tokens, the template's first ``pipe.prompt_template_encode_start_idx`` (108) tokens cropped,
+  with the 0/1 mask (``pipe._get_mllm_prompt_embeds``); (2) ByT5's encoding of the prompt's quoted texts
+  (``"..."``: the glyphs to render), ``pipe.tokenizer_2_max_length`` tokens, zeros and mask 0 when it quotes none
+  (``pipe._get_byt5_prompt_embeds``). Both are fixed-length: batches concatenate. The masks and the ByT5 embeddings
+  ride in ``Trajectories.extra_cond``;
+- latents (B, C, f, h, w) float32 noise (``pipe.prepare_latents``), f = (F - 1) / 4 + 1 latent frames; the model
+  input is [latents; zero condition latents; zero mask] on the channels and zero vision tokens
+  (``vision_num_semantic_tokens`` x ``image_embed_dim``: text-to-video), timestep t (sigma * 1000);
+- grid: the scheduler's shifted ``np.linspace(1, 0, T + 1)[:-1]`` (FlowMatchEulerDiscreteScheduler, its ``shift``);
+- guidance: the pipeline's guider is classifier-free guidance, two transformer calls, ``uncond + w (cond - uncond)``
+  with ``w = sample.guidance_scale`` (the guider's own ``guidance_scale`` is not read: the config's is the one a run
+  records), the negative prompt "" by default (the pipeline's);
+- decode: ``vae.decode(latents / scaling_factor)``, videos (B, F, 3, H, W) in [0, 1], one video per VAE call (the
+  VAE's mid-block attention in diffusers 0.42 takes a batch of one: its causal mask does not broadcast over more).
+
+Everything video (``resolution``, ``num_frames``, the critic's sizes, the rewards' frames) is Wan's (``wan.py``:
+``WanPolicy``), whose video handling this family reuses. The image-to-video pipeline
+(``HunyuanVideo15ImageToVideoPipeline``) is not a family here yet.
+"""
+
+import os
+
+import numpy as np
+import torch
+from diffusers import (
+    AutoencoderKLHunyuanVideo15,
+    ClassifierFreeGuidance,
+    FlowMatchEulerDiscreteScheduler,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
+)
+from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retrieve_timesteps
+
+from ddpo_group.diffusion.base import model_dtype, register_family
+from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
+from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS
+from ddpo_group.diffusion.wan import WanPolicy
+
+DEFAULT_NUM_FRAMES = 121  # HunyuanVideo15Pipeline.__call__'s default
+TINY_NUM_FRAMES = 5
+
+
+@register_family("hunyuan_video15")
+class HunyuanVideo15Policy(WanPolicy):
+    """HunyuanVideo 1.5 text-to-video (``HunyuanVideo15Pipeline``): Qwen2.5-VL and ByT5 text, zero image and
+    condition inputs, CFG with two calls, Euler / SDE steps on the scheduler's shifted grid (module docstring)."""
+
+    pipeline_class = HunyuanVideo15Pipeline
+    pipeline_class_names = ("HunyuanVideo15Pipeline",)
+    offline_models = ("tiny-hunyuan-video15",)
+    default_max_sequence_length = 1000  # the pipeline's tokenizer_max_length
+    patch_multiple = 1
+    shard_blocks = ("transformer_blocks",)
+
+    def __init__(self, pipeline):
+        super().__init__(pipeline)
+        self.max_sequence_length = getattr(pipeline, "tokenizer_max_length", self.default_max_sequence_length)
+        side = getattr(pipeline, "target_size", 480)
+        self.height = getattr(pipeline, "default_height", side)
+        self.width = getattr(pipeline, "default_width", side)
+        self.num_frames = getattr(pipeline, "default_num_frames", DEFAULT_NUM_FRAMES)
+
+    @classmethod
+    def load(cls, model, revision=None, torch_dtype=torch.float32):
+        pipeline = load_pretrained(HunyuanVideo15Pipeline, model, revision, torch_dtype,
+                                   {"tiny-hunyuan-video15": build_tiny_hunyuan_video15_pipeline})
+        if not isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler):
+            raise ValueError(f"model {model!r}: a HunyuanVideo15Pipeline with a {type(pipeline.scheduler).__name__}; "
+                             "the family samples with FlowMatchEulerDiscreteScheduler (the published one)")
+        return pipeline
+
+    def configure(self, sde_type="", max_sequence_length=0, resolution=0, **flow_options):
+        if resolution and resolution % self.pipeline.vae_scale_factor_spatial:
+            multiple = self.pipeline.vae_scale_factor_spatial
+            raise ValueError(f"config.sample.resolution={resolution} must be a multiple of {multiple} for this model")
+        FlowMatchingPolicy.configure(self, sde_type=sde_type, max_sequence_length=max_sequence_length,
+                                     **flow_options)
+        self.max_sequence_length = max_sequence_length or getattr(self.pipeline, "tokenizer_max_length",
+                                                                  self.default_max_sequence_length)
+        if resolution:
+            self.resolution = resolution
+
+    @property
+    def latent_channels(self):
+        return self.pipeline.num_channels_latents
+
+    def critic_sizes(self):
+        frames = (self.num_frames - 1) // self.pipeline.vae_scale_factor_temporal + 1
+        return {"latent_channels": self.latent_channels * frames,
+                "prompt_dim": self.pipeline.transformer.config.text_embed_dim}
+
+    def _texts(self, prompts, device):
+        pipe = self.pipeline
+        embeds, mask = pipe._get_mllm_prompt_embeds(
+            text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, prompt=list(prompts), device=device,
+            tokenizer_max_length=self.max_sequence_length, system_message=pipe.system_message,
+            crop_start=pipe.prompt_template_encode_start_idx,
+        )
+        glyphs, glyph_mask = pipe._get_byt5_prompt_embeds(
+            tokenizer=pipe.tokenizer_2, text_encoder=pipe.text_encoder_2, prompt=list(prompts), device=device,
+            tokenizer_max_length=pipe.tokenizer_2_max_length,
+        )
+        return embeds, mask.long(), glyphs, glyph_mask.long()
+
+    def _encode(self, prompts, negative_prompt, guidance_scale, device):
+        embeds, mask, glyphs, glyph_mask = self._texts(prompts, device)
+        cond = {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_embeds_2": glyphs,
+                "prompt_embeds_mask_2": glyph_mask}
+        if guidance_scale > 1.0:  # the negative prompt ("" by default) encoded once per row, as the pipeline does
+            negative = self._texts([negative_prompt or ""] * len(prompts), device)
+            cond.update(zip(("negative_prompt_embeds", "negative_prompt_embeds_mask", "negative_prompt_embeds_2",
+                             "negative_prompt_embeds_mask_2"), negative))
+        return cond
+
+    def _timesteps(self, num_steps, device):
+        retrieve_timesteps(self.pipeline.scheduler, num_steps, device,
+                           sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
+
+    def _velocity(self, model, latents, timesteps, cond, guidance_scale):
+        pipe = self.pipeline
+        dtype = model_dtype(model)
+        b, c, f, h, w = latents.shape
+        hidden = torch.cat([latents, latents.new_zeros(b, c + 1, f, h, w)], dim=1).to(dtype)
+        timestep = timesteps.reshape(-1).expand(b).to(dtype)
+        image_embeds = torch.zeros(b, pipe.vision_num_semantic_tokens, pipe.vision_states_dim, dtype=dtype,
+                                   device=latents.device)
+
+        def call(prefix):
+            return model(hidden_states=hidden, image_embeds=image_embeds, timestep=timestep,
+                         encoder_hidden_states=cond[f"{prefix}prompt_embeds"].to(dtype),
+                         encoder_attention_mask=cond[f"{prefix}prompt_embeds_mask"].to(dtype),
+                         encoder_hidden_states_2=cond[f"{prefix}prompt_embeds_2"].to(dtype),
+                         encoder_attention_mask_2=cond[f"{prefix}prompt_embeds_mask_2"].to(dtype),
+                         return_dict=False)[0]
+
+        velocity = call("")
+        if guidance_scale > 1.0 and cond.get("negative_prompt_embeds") is not None:
+            uncond = call("negative_")
+            velocity = uncond + guidance_scale * (velocity - uncond)
+        return velocity.float()
+
+    def save_trainable(self, module, output_dir, use_lora, state_dict=None):
+        """LoRA in diffusers' format (lora/pytorch_lora_weights.safetensors, keys "transformer.<module>.lora_A /
+        lora_B.weight") through HunyuanVideo's LoRA writer: diffusers 0.42 gives HunyuanVideo15Pipeline no LoRA
+        loader, so a fresh pipeline takes the file with ``pipe.transformer.load_lora_adapter(dir, prefix=
+        "transformer", weight_name="pytorch_lora_weights.safetensors")``. Full fine-tuning: transformer/ (the base's)."""
+        if not use_lora:
+            return super().save_trainable(module, output_dir, use_lora, state_dict)
+        from diffusers.loaders.lora_pipeline import HunyuanVideoLoraLoaderMixin
+        from peft import get_peft_model_state_dict
+
+        HunyuanVideoLoraLoaderMixin.save_lora_weights(
+            os.path.join(output_dir, "lora"), safe_serialization=True,
+            transformer_lora_layers=get_peft_model_state_dict(module, state_dict=state_dict),
+        )
+
+    def load_trainable(self, module, input_dir, use_lora):
+        if not use_lora:
+            return super().load_trainable(module, input_dir, use_lora)
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(input_dir, "lora", "pytorch_lora_weights.safetensors"))
+        transformer_state = {k.removeprefix("transformer."): v for k, v in state.items() if k.startswith("transformer.")}
+        result = set_peft_model_state_dict(module, transformer_state, adapter_name="default")
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"LoRA weights in {input_dir} do not fit the model: {result.unexpected_keys[:3]}")
+
+    def _decode(self, latents):
+        vae = self.pipeline.vae
+        z = latents.to(vae.dtype) / vae.config.scaling_factor
+        # one video at a time: diffusers 0.42's VAE mid-block attention broadcasts its causal mask wrongly for a batch
+        video = torch.cat([vae.decode(z[i : i + 1], return_dict=False)[0] for i in range(z.shape[0])])
+        return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The offline tiny pipeline
+
+CHAT_TEMPLATE = (  # ChatML, the format of Qwen2.5's template (no tools, no images)
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_hunyuan_video15_pipeline(seed=0):
+    """A HunyuanVideo15Pipeline with random weights drawn from ``seed`` (CPU, float32), built offline.
+
+    transformer HunyuanVideo15Transformer3DModel: 4-channel latents (input 2 x 4 + 1 with the zero condition and
+                mask), patch 1, 2 blocks and 1 refiner block of 2 heads x 8 (rope axes 4 + 2 + 2), text widths 32
+                (Qwen) and 16 (ByT5), vision width 8
+    text        Qwen2.5-VL's text model (3 layers of width 32) with the tiny Qwen2 tokenizer and a ChatML template;
+                a 1-layer T5 encoder of width 16 with ByT5's byte tokenizer (no files)
+    vae         AutoencoderKLHunyuanVideo15: block_out_channels (8, 16, 16), spatial factor 4, temporal factor 2
+                (5 frames of 32 x 32 <-> 4 x 3 x 8 x 8 latents)
+    scheduler   FlowMatchEulerDiscreteScheduler, shift 5.0; guider ClassifierFreeGuidance(guidance_scale 6.0)
+    The pipeline's text lengths are made small on the instance (Qwen 32 tokens after a crop of the tiny template's
+    own system turn, ByT5 16, 4 vision tokens); a pipeline saved and loaded again gets diffusers' defaults back.
+    Default video: 5 frames of 32 x 32. The global torch RNG state is left unchanged; same seed -> same weights.
+    """
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    from ddpo_group.diffusion.qwen_image import build_tiny_qwen_tokenizer
+
+    tokenizer = build_tiny_qwen_tokenizer(tuple(TOKENIZER_WORDS) + ("You", "helpful", "assistant", "video"))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer_2 = ByT5Tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = HunyuanVideo15Transformer3DModel(
+            in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+            num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=32, text_embed_2_dim=16,
+            image_embed_dim=8, rope_axes_dim=(4, 2, 2), target_size=IMAGE_SIZE, task_type="t2v",
+        )
+        vae = AutoencoderKLHunyuanVideo15(
+            latent_channels=4, block_out_channels=(8, 16, 16), layers_per_block=1, spatial_compression_ratio=4,
+            temporal_compression_ratio=2,
+        )
+        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=2048, pad_token_id=0, bos_token_id=0, eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        ))
+        text_encoder_2 = T5EncoderModel(T5Config(
+            vocab_size=len(tokenizer_2), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+            relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1,
+        ))
+    pipeline = HunyuanVideo15Pipeline(
+        text_encoder=text_encoder.eval(), tokenizer=tokenizer, transformer=transformer.eval(), vae=vae.eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=text_encoder_2.eval(),
+        tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    )
+    # the tiny template's system turn and "<|im_start|>user\n" are the cropped tokens, as 108 are with Qwen's tokenizer
+    marked = tokenizer.apply_chat_template(
+        [{"role": "system", "content": pipeline.system_message}, {"role": "user", "content": "<|endoftext|>"}],
+        add_generation_prompt=True, tokenize=True, return_dict=True,
+    )["input_ids"]
+    pipeline.prompt_template_encode_start_idx = list(marked).index(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    pipeline.tokenizer_max_length = 32
+    pipeline.tokenizer_2_max_length = 16
+    pipeline.vision_num_semantic_tokens = 4
+    pipeline.default_height = pipeline.default_width = IMAGE_SIZE
+    pipeline.default_num_frames = TINY_NUM_FRAMES
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
