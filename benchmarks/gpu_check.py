@@ -22,7 +22,10 @@ the loading route of "random-sd15"):
     sdxl      "random-sdxl": SDXL 1.0 base (UNet 2.57B: the published config; VAE with scaling 0.13025), small
               2-layer text encoders of the real widths 768 + 1280 (pooled 1280) and 77 tokens; DDIM at 1024 px,
               25 sampling steps (the `sdxl` preset's), the SD path's eta 1 and CFG 5
-    tiny, tiny-sd3, tiny-flux, tiny-wan, tiny-sdxl   the tiny offline models: the same code path in seconds on a CPU
+    sana      "random-sana-1600m": SANA 1600M (transformer 1.60B: 20 blocks of 70 x 32 linear attention; the DC-AE f32c32
+              0.31B), a 1-layer Gemma-2 of the real width 2304; Flow-GRPO's sampling (`sd35`'s) at 1024 px
+    tiny, tiny-sd3, tiny-flux, tiny-wan, tiny-sdxl, tiny-sana   the tiny offline models: the same code path in seconds
+              on a CPU
 
 Rewards on random weights mean nothing, so precision, exactness, speed and memory are checked. For each
 architecture and dtype:
@@ -113,6 +116,13 @@ ARCHS = {
     # SDXL 1.0 base's UNet at its 1024 px, sampled as the `sdxl` preset does (25 DDIM steps, CFG 5)
     "sdxl": dict(model="random-sdxl", flow=None, resolution=0, sample_steps=25),
     "tiny-sdxl": dict(model="tiny-sdxl", flow=None, resolution=0, sample_steps=25),
+    # SANA 1600M at its 1024 px (random-sana-1600m: the published transformer and DC-AE) with Flow-GRPO's sampling
+    # (the sd35 preset's: sde, eta 0.7, CFG 4.5; SANA's own preset sana_nft samples without noise, which GRPO cannot
+    # train); pipeline(...) without its aspect-ratio bins, at the sampled size
+    "sana": dict(model="random-sana-1600m", flow="sd35", resolution=1024, sample_steps=10, max_sequence_length=300,
+                 pipeline_kwargs={"use_resolution_binning": False}),
+    "tiny-sana": dict(model="tiny-sana", flow="sd35", resolution=0, sample_steps=10, max_sequence_length=16,
+                      pipeline_kwargs={"use_resolution_binning": False}),
 }
 FLOW_SAMPLE_FIELDS = ("sde_type", "eta", "guidance_scale", "max_sequence_length", "cps_log_prob", "flow_grid",
                       "flow_grid_shift", "num_frames")
@@ -192,6 +202,7 @@ def check_sampling(spec, device, dtype, batch, repeats=1):
 
         if spec.get("video"):  # WanPipeline: frames, and the videos in .frames
             call["num_frames"] = policy.num_frames
+        call.update(spec.get("pipeline_kwargs", {}))
 
         def theirs():
             output = pipeline(prompts, generator=torch.Generator().manual_seed(0), **call)

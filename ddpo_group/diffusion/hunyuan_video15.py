@@ -40,7 +40,7 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retri
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS
+from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, created_in, seeded
 from ddpo_group.diffusion.wan import WanPolicy
 
 DEFAULT_NUM_FRAMES = 121  # HunyuanVideo15Pipeline.__call__'s default
@@ -54,7 +54,7 @@ class HunyuanVideo15Policy(WanPolicy):
 
     pipeline_class = HunyuanVideo15Pipeline
     pipeline_class_names = ("HunyuanVideo15Pipeline",)
-    offline_models = ("tiny-hunyuan-video15",)
+    offline_models = ("tiny-hunyuan-video15", "random-hunyuan-video15-480p")
     default_max_sequence_length = 1000  # the pipeline's tokenizer_max_length
     patch_multiple = 1
     shard_blocks = ("transformer_blocks",)
@@ -70,7 +70,8 @@ class HunyuanVideo15Policy(WanPolicy):
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):
         pipeline = load_pretrained(HunyuanVideo15Pipeline, model, revision, torch_dtype,
-                                   {"tiny-hunyuan-video15": build_tiny_hunyuan_video15_pipeline})
+                                   {"tiny-hunyuan-video15": build_tiny_hunyuan_video15_pipeline,
+                                    "random-hunyuan-video15-480p": build_random_hunyuan_video15_pipeline})
         if not isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler):
             raise ValueError(f"model {model!r}: a HunyuanVideo15Pipeline with a {type(pipeline.scheduler).__name__}; "
                              "the family samples with FlowMatchEulerDiscreteScheduler (the published one)")
@@ -248,5 +249,48 @@ def build_tiny_hunyuan_video15_pipeline(seed=0):
     pipeline.vision_num_semantic_tokens = 4
     pipeline.default_height = pipeline.default_width = IMAGE_SIZE
     pipeline.default_num_frames = TINY_NUM_FRAMES
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def build_random_hunyuan_video15_pipeline(seed=0, torch_dtype=torch.float32):
+    """HunyuanVideo 1.5's architecture with random weights: the transformer and VAE of diffusers'
+    HunyuanVideo15Transformer3DModel / AutoencoderKLHunyuanVideo15 default configs (54 blocks of 16 heads x 128, text
+    widths 3584 and 1472, vision 1152; the 16 x 16 x 4 VAE with 32 channels), task "t2v", created in `torch_dtype`;
+    the text encoders at their real widths but 3 layers (Qwen2.5-VL 7B's text model, 3584) and 1 layer (ByT5, 1472),
+    with the tiny tokenizers and diffusers' text lengths (1000 Qwen tokens, 256 ByT5, 729 vision tokens). Default 480
+    x 480, 33 frames. For benchmarks/gpu_check.py: its numbers are HunyuanVideo 1.5's cost, its videos mean nothing."""
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    from ddpo_group.diffusion.qwen_image import build_tiny_qwen_tokenizer
+
+    tokenizer = build_tiny_qwen_tokenizer(tuple(TOKENIZER_WORDS) + ("You", "helpful", "assistant", "video"))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer_2 = ByT5Tokenizer()
+    with seeded(seed), created_in(torch_dtype):
+        transformer = HunyuanVideo15Transformer3DModel(task_type="t2v")
+        vae = AutoencoderKLHunyuanVideo15()
+        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+            vocab_size=len(tokenizer), hidden_size=3584, intermediate_size=256, num_hidden_layers=3,
+            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096, pad_token_id=0,
+            bos_token_id=0, eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+        ))
+        text_encoder_2 = T5EncoderModel(T5Config(
+            vocab_size=len(tokenizer_2), d_model=1472, d_kv=64, d_ff=256, num_layers=1, num_heads=6,
+            pad_token_id=0, eos_token_id=1,
+        ))
+    pipeline = HunyuanVideo15Pipeline(
+        text_encoder=text_encoder.eval(), tokenizer=tokenizer, transformer=transformer.eval(), vae=vae.eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=text_encoder_2.eval(),
+        tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    )
+    marked = tokenizer.apply_chat_template(
+        [{"role": "system", "content": pipeline.system_message}, {"role": "user", "content": "<|endoftext|>"}],
+        add_generation_prompt=True, tokenize=True, return_dict=True,
+    )["input_ids"]
+    pipeline.prompt_template_encode_start_idx = list(marked).index(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    pipeline.default_height = pipeline.default_width = 480
+    pipeline.default_num_frames = 33
     pipeline.set_progress_bar_config(disable=True)
     return pipeline

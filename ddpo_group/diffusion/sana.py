@@ -34,7 +34,7 @@ from diffusers.pipelines.sana.pipeline_sana import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS
+from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, created_in, seeded
 
 # SanaPipeline.__call__'s default complex human instruction (read, not copied: diffusers owns its text)
 COMPLEX_HUMAN_INSTRUCTION = tuple(inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default)
@@ -61,7 +61,7 @@ class SanaPolicy(FlowMatchingPolicy):
 
     pipeline_class = SanaPipeline
     pipeline_class_names = ("SanaPipeline",)
-    offline_models = ("tiny-sana",)
+    offline_models = ("tiny-sana", "random-sana-1600m")
     default_max_sequence_length = 300  # SanaPipeline.__call__'s default
     patch_multiple = 1
     shard_blocks = ("transformer_blocks",)
@@ -75,7 +75,8 @@ class SanaPolicy(FlowMatchingPolicy):
 
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):
-        return load_pretrained(SanaPipeline, model, revision, torch_dtype, {"tiny-sana": build_tiny_sana_pipeline})
+        builders = {"tiny-sana": build_tiny_sana_pipeline, "random-sana-1600m": build_random_sana_pipeline}
+        return load_pretrained(SanaPipeline, model, revision, torch_dtype, builders)
 
     def configure(self, sde_type="", max_sequence_length=0, resolution=0, **flow_options):
         if max_sequence_length == 1:  # 0: the pipeline's 300
@@ -202,6 +203,48 @@ def build_tiny_sana_pipeline(seed=0):
         text_encoder = Gemma2Model(Gemma2Config(
             vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
+            pad_token_id=0, eos_token_id=1, bos_token_id=2, sliding_window=4096,
+        ))
+    pipeline = SanaPipeline(tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(),
+                            transformer=transformer.eval(),
+                            scheduler=FlowMatchEulerDiscreteScheduler(shift=DEFAULT_FLOW_SHIFT))
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+# SANA 1600M 1024 px (NVlabs/Sana's Sana_1600M_P1_D20: depth 20, hidden 2240; the diffusers transformer config's 70
+# heads x 32, cross-attention 20 x 112, Gemma-2-2B's caption width 2304, sample_size 32 latents of 32 px)
+SANA_1600M_TRANSFORMER = dict(
+    in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=20,
+    num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240, caption_channels=2304,
+    mlp_ratio=2.5, sample_size=32, patch_size=1,
+)
+# DC-AE f32c32 (SANA 1.0's VAE): diffusers' scripts/convert_dcae_to_diffusers.py, "dc-ae-f32c32-sana-1.0"
+SANA_DC_AE = dict(
+    latent_channels=32, encoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
+    decoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
+    encoder_block_out_channels=(128, 256, 512, 512, 1024, 1024), decoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+    encoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)), decoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)),
+    encoder_layers_per_block=(2, 2, 2, 3, 3, 3), decoder_layers_per_block=(3, 3, 3, 3, 3, 3),
+    downsample_block_type="conv", upsample_block_type="interpolate", decoder_norm_types="rms_norm",
+    decoder_act_fns="silu", scaling_factor=0.41407,
+)
+
+
+def build_random_sana_pipeline(seed=0, torch_dtype=torch.float32):
+    """SANA 1600M's architecture with random weights (``SANA_1600M_TRANSFORMER``, the DC-AE ``SANA_DC_AE``), created in
+    `torch_dtype`; a 1-layer Gemma-2 of the real width 2304 (Gemma-2-2B has 26 layers) with the tiny tokenizer: the
+    transformer sees text of the real shape. Default 1024 px. For benchmarks/gpu_check.py: its numbers are SANA
+    1600M's cost, its images mean nothing."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    tokenizer = build_tiny_gemma_tokenizer()
+    with seeded(seed), created_in(torch_dtype):
+        transformer = SanaTransformer2DModel(**SANA_1600M_TRANSFORMER)
+        vae = AutoencoderDC(**SANA_DC_AE)
+        text_encoder = Gemma2Model(Gemma2Config(
+            vocab_size=len(tokenizer), hidden_size=2304, intermediate_size=256, num_hidden_layers=1,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=4096,
             pad_token_id=0, eos_token_id=1, bos_token_id=2, sliding_window=4096,
         ))
     pipeline = SanaPipeline(tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(),
