@@ -4,7 +4,8 @@ Checked: the family is found by name and pipeline, checks its frames and resolut
 cropped chat-template encoding, ByT5 reads only quoted texts; CFG is two transformer calls combined; noise 0 gives
 HunyuanVideo15Pipeline's videos (one prompt per call, its VAE takes one video); re-scoring is exact after cat /
 index; the first epoch is exactly on-policy; every objective trains; LoRA exports in diffusers' format and loads
-into a fresh transformer (the pipeline has no LoRA loader in diffusers 0.42) and through the family; a resumed run ends where a straight one does; a frame count the VAE cannot make is one line naming the field.
+into a fresh transformer (the pipeline has no LoRA loader in diffusers 0.42) and through the family; a resumed run
+ends where a straight one does; a frame count the VAE cannot make is one line naming the field.
 """
 
 import math

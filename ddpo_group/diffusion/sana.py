@@ -37,7 +37,9 @@ from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
 from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, created_in, seeded
 
 # SanaPipeline.__call__'s default complex human instruction (read, not copied: diffusers owns its text)
-COMPLEX_HUMAN_INSTRUCTION = tuple(inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default)
+COMPLEX_HUMAN_INSTRUCTION = tuple(
+    inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default
+)
 DEFAULT_FLOW_SHIFT = 3.0  # SANA 1024 px's scheduler flow_shift
 
 
@@ -144,8 +146,8 @@ GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
 
 
 def build_tiny_gemma_tokenizer(words=TOKENIZER_WORDS):
-    """A GemmaTokenizer (BPE with byte fallback, "▁" for spaces, <bos> first) built in memory: the 5 special tokens, the 256
-    byte-fallback tokens, every printable ASCII character and "▁", and each of `words` and of SANA's instruction
+    """A GemmaTokenizer (BPE with byte fallback, "▁" for spaces, <bos> first) built in memory: the 5 special tokens,
+    the 256 byte-fallback tokens, every printable ASCII character and "▁", and each of `words` and of SANA's instruction
     after a space ("▁red": one token, built by merges from its left end)."""
     import re
 
@@ -223,7 +225,8 @@ SANA_1600M_TRANSFORMER = dict(
 SANA_DC_AE = dict(
     latent_channels=32, encoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
     decoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
-    encoder_block_out_channels=(128, 256, 512, 512, 1024, 1024), decoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+    encoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+    decoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
     encoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)), decoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)),
     encoder_layers_per_block=(2, 2, 2, 3, 3, 3), decoder_layers_per_block=(3, 3, 3, 3, 3, 3),
     downsample_block_type="conv", upsample_block_type="interpolate", decoder_norm_types="rms_norm",
