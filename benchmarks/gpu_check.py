@@ -22,10 +22,18 @@ the loading route of "random-sd15"):
     sdxl      "random-sdxl": SDXL 1.0 base (UNet 2.57B: the published config; VAE with scaling 0.13025), small
               2-layer text encoders of the real widths 768 + 1280 (pooled 1280) and 77 tokens; DDIM at 1024 px,
               25 sampling steps (the `sdxl` preset's), the SD path's eta 1 and CFG 5
+    flux2     "random-flux2": FLUX.2 [dev] (transformer 32.2B: 8 double + 48 single blocks of 48 x 128), FLUX.2's
+              VAE, a 30-layer Mistral-3 of the real width 5120 (4 heads, 64-wide MLP); the `flux2` preset's sampling
+              (guidance embedding 4, eta 1.0, 8 steps), 512 px. Not yet run (no GPU where it was written)
+    flux2-klein  "random-flux2-klein-4b": FLUX.2 [klein] 4B base (transformer 3.9B: 5 + 20 blocks of 24 x 128), a
+              27-layer Qwen3 of width 2560; the `flux2_klein` preset's sampling (4 steps, no CFG, eta 0.5), 384 px
+    zimage, zimage-turbo  "random-zimage": Z-Image (transformer 6.2B: 30 layers of 3840), FLUX.1's VAE, a 3-layer
+              Qwen3 of width 2560; the `zimage` (10 steps, CFG 5) / `zimage_turbo` (8 steps, no CFG) presets' sampling,
+              512 px; pipeline(...) gets guidance_scale w - 1 (ZImagePipeline's g of pos + g (pos - neg))
     sana      "random-sana-1600m": SANA 1600M (transformer 1.60B: 20 blocks of 70 x 32 linear attention; the DC-AE f32c32
               0.31B), a 1-layer Gemma-2 of the real width 2304; Flow-GRPO's sampling (`sd35`'s) at 1024 px
-    tiny, tiny-sd3, tiny-flux, tiny-wan, tiny-sdxl, tiny-sana   the tiny offline models: the same code path in seconds
-              on a CPU
+    tiny, tiny-sd3, tiny-flux, tiny-wan, tiny-sdxl, tiny-flux2, tiny-zimage, tiny-sana   the tiny offline models: the
+              same code path in seconds on a CPU
 
 Rewards on random weights mean nothing, so precision, exactness, speed and memory are checked. For each
 architecture and dtype:
@@ -116,6 +124,17 @@ ARCHS = {
     # SDXL 1.0 base's UNet at its 1024 px, sampled as the `sdxl` preset does (25 DDIM steps, CFG 5)
     "sdxl": dict(model="random-sdxl", flow=None, resolution=0, sample_steps=25),
     "tiny-sdxl": dict(model="tiny-sdxl", flow=None, resolution=0, sample_steps=25),
+    # issue 46 (ddpo_group/diffusion/flux2.py, zimage.py): the published transformers, random weights;
+    # pipeline_guidance_offset: added to the policy's guidance w for pipeline(...) where its scale differs
+    # (ZImagePipeline's g = w - 1)
+    "flux2": dict(model="random-flux2", flow="flux2", resolution=512, sample_steps=8),
+    "flux2-klein": dict(model="random-flux2-klein-4b", flow="flux2_klein", resolution=384, sample_steps=4),
+    "zimage": dict(model="random-zimage", flow="zimage", resolution=512, sample_steps=10, pipeline_guidance_offset=-1.0),
+    "zimage-turbo": dict(model="random-zimage", flow="zimage_turbo", resolution=512, sample_steps=8,
+                         pipeline_guidance_offset=-1.0),
+    "tiny-flux2": dict(model="tiny-flux2", flow="flux2", resolution=0, sample_steps=8, max_sequence_length=64),
+    "tiny-zimage": dict(model="tiny-zimage", flow="zimage", resolution=0, sample_steps=10, max_sequence_length=32,
+                        pipeline_guidance_offset=-1.0),
     # SANA 1600M at its 1024 px (random-sana-1600m: the published transformer and DC-AE) with Flow-GRPO's sampling
     # (the sd35 preset's: sde, eta 0.7, CFG 4.5; SANA's own preset sana_nft samples without noise, which GRPO cannot
     # train); pipeline(...) without its aspect-ratio bins, at the sampled size
@@ -194,7 +213,8 @@ def check_sampling(spec, device, dtype, batch, repeats=1):
         s = flow_sample_settings(spec)
         guidance, eta = s["guidance_scale"], s["eta"]
         side = policy.resolution
-        call = dict(num_inference_steps=steps, guidance_scale=guidance, height=side, width=side, output_type="pt",
+        pipeline_guidance = guidance + spec.get("pipeline_guidance_offset", 0.0)
+        call = dict(num_inference_steps=steps, guidance_scale=pipeline_guidance, height=side, width=side, output_type="pt",
                     max_sequence_length=policy.max_sequence_length)
 
         def ours(level=eta):
@@ -205,7 +225,8 @@ def check_sampling(spec, device, dtype, batch, repeats=1):
         call.update(spec.get("pipeline_kwargs", {}))
 
         def theirs():
-            output = pipeline(prompts, generator=torch.Generator().manual_seed(0), **call)
+            # by name (Flux2Pipeline's first argument is its reference image), a copy (ZImagePipeline edits the list)
+            output = pipeline(prompt=list(prompts), generator=torch.Generator().manual_seed(0), **call)
             return output.frames if spec.get("video") else output.images
 
         ode = ours(0.0).images.float()

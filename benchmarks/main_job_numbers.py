@@ -1,14 +1,14 @@
-"""Check the README's main-job numbers against a run of the current code.
+"""Check the documented main-job numbers (docs/results.md) against a run of the current code.
 
     python benchmarks/main_job_numbers.py RUN_DIR        # compare a finished main-job run directory
-    python benchmarks/main_job_numbers.py --run          # run the main job first (the README's command, 40
+    python benchmarks/main_job_numbers.py --run          # run the main job first (README.md's command, 40
                                                          # epochs; writes runs/main_job_check/), then compare
 
-It reads the fixed-noise evaluation the README states for the main job (the Results table's "main job" row:
+It reads the fixed-noise evaluation docs/results.md states for the main job (the Results table's "main job" row:
 `0.554 (epoch 0, ...) -> 0.597 (10) -> ...`) and the run's eval/reward_mean at those epochs, prints both side by
-side, and exits 1 when one differs at the README's precision (3 decimals), 2 on bad input. The run must be the
-README's command (config/grpo.py:tiny, one torch thread): with another thread count the numbers differ in their
-last digits (torch's CPU reductions split the work by thread), see the README's "Reproducing the numbers".
+side, and exits 1 when one differs at the page's precision (3 decimals), 2 on bad input. The run must be
+README.md's command (config/grpo.py:tiny, one torch thread): with another thread count the numbers differ in their
+last digits (torch's CPU reductions split the work by thread), see docs/results.md, "Reproducing the numbers".
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ POINT = re.compile(r"(\d+\.\d+) \((?:epoch )?(\d+)[,)]")
 
 
 def readme_numbers(readme_text: str) -> dict[int, float]:
-    """{epoch: eval/reward_mean} of the README's main-job row, e.g. {0: 0.554, 10: 0.597, ...}."""
+    """{epoch: eval/reward_mean} of the Results table's main-job row, e.g. {0: 0.554, 10: 0.597, ...}."""
     row = ROW.search(readme_text)
     if row is None:
-        raise ValueError("README.md: no '| main job: ...' row in the Results table")
+        raise ValueError("no '| main job: ...' row in the Results table (docs/results.md)")
     points = {int(epoch): float(value) for value, epoch in POINT.findall(row.group(0))}
     if not points:
-        raise ValueError("README.md's main-job row states no 'VALUE (EPOCH)' evaluation")
+        raise ValueError("the Results table's main-job row states no 'VALUE (EPOCH)' evaluation")
     return points
 
 
@@ -53,7 +53,7 @@ def run_numbers(run_dir: str) -> dict[int, float]:
 
 def compare(stated: dict[int, float], measured: dict[int, float], decimals: int = 3) -> tuple[list[str], bool]:
     """(lines of a table, whether every stated number matches the measured one rounded to `decimals`)."""
-    lines, same = [f"{'epoch':>5}  {'README':>8}  {'this run':>10}"], True
+    lines, same = [f"{'epoch':>5}  {'stated':>8}  {'this run':>10}"], True
     for epoch, value in sorted(stated.items()):
         got = measured.get(epoch)
         ok = got is not None and round(got, decimals) == round(value, decimals)
@@ -66,8 +66,9 @@ def compare(stated: dict[int, float], measured: dict[int, float], decimals: int 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", nargs="?", help="a finished run directory of the main job")
-    parser.add_argument("--run", action="store_true", help="run the README's main job first (minutes)")
-    parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    parser.add_argument("--run", action="store_true", help="run the main job first, README.md's command (minutes)")
+    parser.add_argument("--readme", default=os.path.join(ROOT, "docs", "results.md"),
+                        help="the page whose Results table states the numbers (default docs/results.md)")
     args = parser.parse_args(argv)
     try:
         stated = readme_numbers(open(args.readme, encoding="utf-8").read())
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
             run_dir = os.path.join(ROOT, "runs", "main_job_check")
             accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
             env = dict(os.environ)
-            env.pop("OMP_NUM_THREADS", None)  # as the README runs it: the launcher's one thread
+            env.pop("OMP_NUM_THREADS", None)  # as README.md runs it: the launcher's one thread
             subprocess.run([accelerate, "launch", "-q", "--config_file", "config/accelerate.yaml", "scripts/train.py",
                             "--config", "config/grpo.py:tiny", "--config.logdir=runs", "--config.run_name=main_job_check",
                             "--config.overwrite=True"], cwd=ROOT, env=env, check=True)
@@ -87,8 +88,9 @@ def main(argv=None) -> int:
         print(f"main_job_numbers: error: {err}", file=sys.stderr)
         return 2
     print("\n".join(lines))
-    print("the README's main-job numbers are this run's" if same else
-          "the README's main-job numbers are NOT this run's: update the README's Results row (and its intro line)")
+    print("the documented main-job numbers are this run's" if same else
+          "the documented main-job numbers are NOT this run's: update the Results row of docs/results.md (and the "
+          "set-up lines of README.md and docs/getting_started.md)")
     return 0 if same else 1
 
 

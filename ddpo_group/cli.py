@@ -17,8 +17,10 @@ def _variant_lines() -> list[str]:
         name, _, text = line.strip().partition(" ")
         if name in grpo.VARIANTS:
             described[name] = text.strip()
-    described.update(getattr(grpo, "NEXT_MISC_DESCRIPTIONS", {}))  # issue 46's families (config/next_misc_variants.py)
-    return [f"  {name:<16} {described.get(name, '')}" for name in grpo.VARIANTS]
+    def first_line(fn):  # a variant the docstring does not list: its function's docstring's first line
+        return (fn.__doc__ or "").strip().splitlines()[0] if (fn.__doc__ or "").strip() else ""
+
+    return [f"  {name:<16} {described.get(name) or first_line(grpo.VARIANTS[name])}" for name in grpo.VARIANTS]
 
 
 def train_help() -> str:

@@ -96,7 +96,7 @@ def test_the_diffusion_base_imports_no_family_and_families_import_only_the_base(
     assert _reachable("ddpo_group.diffusion.base") == set()
     # the layers below the families: the base, the step math, LoRA, loading and the tiny builders, the flow base
     below = {f"ddpo_group.diffusion.{name}" for name in ("base", "gaussian", "ddim", "flow", "lora", "loading", "tiny",
-                                                            "flow_policy")}
+                                                            "flow_policy", "tiny_chat")}
     for family in families:
         assert _reachable(family) <= below, f"{family} imports {sorted(_reachable(family) - below)}"
 

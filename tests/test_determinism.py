@@ -56,11 +56,11 @@ def test_two_processes_log_identical_metrics(tmp_path):
         assert _numbers(row_a) == _numbers(row_b), row_a.get("epoch")
 
 
-def test_the_main_job_check_reads_the_readme_and_compares_at_its_precision(tmp_path):
+def test_the_main_job_check_reads_the_results_page_and_compares_at_its_precision(tmp_path):
     from helpers import load_script
 
     check = load_script("benchmarks/main_job_numbers.py")
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
         stated = check.readme_numbers(f.read())
     assert sorted(stated) == [0, 10, 20, 30, 40] and all(0 < v < 1 for v in stated.values())
     row = ("| main job: GRPO | `cmd` | 5 min | 0.554 (epoch 0, before any update) -> 0.597 (10) -> 0.7 (20): +0.1; "

@@ -1,8 +1,9 @@
 """The tiny_* algorithm variants are the main job (`tiny`) with only their method's fields changed, so their
-evaluations compare with the main job's; and the command README's Configs table gives for each measures exactly it.
+evaluations compare with the main job's; and the command the Configs table (docs/configs.md) gives for each measures
+exactly it.
 
 Each variant's changed fields are declared here by hand (what its name says), not read from the code: a field
-changed in config/grpo.py without being declared, or declared without being changed, fails."""
+changed in its module of ddpo_group/config/variants/ without being declared, or declared without being changed, fails."""
 
 import os
 import re
@@ -91,7 +92,7 @@ def test_algorithm_variant_differs_from_tiny_only_in_its_declared_fields(variant
 @pytest.mark.parametrize("variant", sorted(DECLARED))
 def test_algorithm_variant_runs_the_main_jobs_task_and_evaluation(variant):
     config = grpo.get_config(variant)
-    # the main job as README describes it: 18 big-square prompts, shapes_alignment, 40 epochs of 2 x 32
+    # the main job as README.md describes it: 18 big-square prompts, shapes_alignment, 40 epochs of 2 x 32
     # trajectories of 10 steps in groups of 8, fixed-noise evaluation of 8 images per prompt every 10 epochs
     assert config.pretrained.model == "tiny-shapes"
     assert config.prompt_fn == "shapes_big_squares.txt"
@@ -127,12 +128,14 @@ def test_a_learning_rate_other_than_the_main_jobs_is_named_in_the_docstring():
 # The scenes world's main jobs (docs/scenes.md): another task and model, with Flow-GRPO's recipe (tiny_scenes) and the
 # main job's method on the UNet (tiny_scenes_sd); their methods are compared among themselves, not with tiny's.
 SCENES_TASKS = {"tiny_scenes", "tiny_scenes_sd"}
+# A full-size preset's tiny twin that carries its preset's recipe (SDE window, KL), not the main job's method.
+PRESET_TWINS = {"tiny_zimage_turbo"}
 
 
 def test_every_tiny_variant_that_changes_the_method_is_declared():
     tiny = flat(grpo.tiny())
     for name in grpo.VARIANTS:
-        if name.startswith("tiny_") and name not in DECLARED and name not in SCENES_TASKS:
+        if name.startswith("tiny_") and name not in DECLARED and name not in SCENES_TASKS | PRESET_TWINS:
             method_changes = [f for f in changed(flat(grpo.get_config(name)), tiny) if ALGORITHM_FIELDS.match(f)]
             assert not method_changes, f"{name} changes {method_changes}: declare it in DECLARED"
 
@@ -141,21 +144,21 @@ def _load_bench():
     return load_script("benchmarks/bench_training.py")
 
 
-def readme_commands():
-    """{variant: bench_training.py arguments} from the rows of README's Configs table that give one."""
-    with open(os.path.join(REPO_ROOT, "README.md")) as f:
+def configs_table_commands():
+    """{variant: bench_training.py arguments} from the rows of the Configs table (docs/configs.md) that give one."""
+    with open(os.path.join(REPO_ROOT, "docs", "configs.md")) as f:
         text = f.read()
     prefix = re.search(r"`\.venv/bin/python benchmarks/bench_training\.py ([^`]*) ARGS`", text)
-    assert prefix, "README: the common bench_training.py command of the Configs table (`... ARGS`)"
+    assert prefix, "docs/configs.md: the common bench_training.py command of the Configs table (`... ARGS`)"
     commands = {}
     for row in re.findall(r"^\| `(tiny_\w+)` \|.*`(--common-variant [^`]*)`.*\|$", text, flags=re.M):
         commands[row[0]] = shlex.split(prefix.group(1)) + shlex.split(row[1])
     return commands
 
 
-def test_readme_gives_every_algorithm_variant_a_command_that_trains_exactly_it(tmp_path):
+def test_the_configs_table_gives_every_algorithm_variant_a_command_that_trains_exactly_it(tmp_path):
     bench = _load_bench()
-    commands = readme_commands()
+    commands = configs_table_commands()
     assert set(DECLARED) <= set(commands)
     for variant in sorted(DECLARED):
         args = bench.parse_args(commands[variant])
@@ -200,3 +203,44 @@ def test_scenes_main_jobs_train_on_generated_prompts_and_evaluate_on_the_held_ou
     assert changed(unet, flow) - {"variant"} == {
         "pretrained.model", "sample.eta", "sample.sde_type", "sample.guidance_scale", "sample.max_sequence_length",
         "sample.resolution", "train.kl_type", "train.beta", "train.skip_last_steps"}
+
+
+# ---- where the variants live: ddpo_group/config/variants/, one module per purpose; grpo.py only assembles them
+VARIANTS_DIR = os.path.join(REPO_ROOT, "ddpo_group", "config", "variants")
+
+
+def _variant_modules():
+    """{module name: (its docstring, the names of the functions it defines at top level)} of config/variants/."""
+    import ast
+
+    modules = {}
+    for filename in sorted(os.listdir(VARIANTS_DIR)):
+        if filename.endswith(".py") and filename != "__init__.py":
+            with open(os.path.join(VARIANTS_DIR, filename)) as f:
+                tree = ast.parse(f.read())
+            defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+            modules[f"ddpo_group.config.variants.{filename[:-3]}"] = (ast.get_docstring(tree) or "", defined)
+    return modules
+
+
+def test_every_variant_is_a_function_defined_in_exactly_one_variants_module():
+    modules = _variant_modules()
+    for name, variant in grpo.VARIANTS.items():
+        assert callable(variant) and variant.__name__ == name, name
+        defined_in = [module for module, (_, defined) in modules.items() if name in defined]
+        assert defined_in == [variant.__module__], (name, defined_in, variant.__module__)
+        assert getattr(grpo, name) is variant  # grpo.tiny(), grpo.sd35() read as before the split
+
+
+def test_each_variants_module_says_its_purpose_and_names_its_variants_in_the_package_docstring():
+    from ddpo_group.config import variants
+
+    modules = _variant_modules()
+    assert set(modules) >= {f"ddpo_group.config.variants.{m}" for m in ("tiny", "sd", "flow", "tasks", "video_edit")}
+    for module, (docstring, defined) in modules.items():
+        assert len(docstring.split()) >= 10, f"{module}: its docstring says what purpose it holds"
+        assert f"{module.rpartition('.')[2]}.py" in variants.__doc__, f"{module}: listed in variants/__init__.py"
+        public = {name for name in defined if not name.startswith("_")}
+        assert public <= set(grpo.VARIANTS), f"{module} defines {public - set(grpo.VARIANTS)}: add them to VARIANTS"
+        with open(os.path.join(VARIANTS_DIR, module.rpartition(".")[2] + ".py")) as f:
+            assert len(f.read().splitlines()) < 600, f"{module}: over 600 lines, split it by purpose"

@@ -1,29 +1,35 @@
-"""The variants of issue 46's newest families (Qwen-Image-Edit-2509 / 2511, SANA, ...): NEXT_MISC_VARIANTS, name ->
-function returning the config, merged into config/grpo.py's VARIANTS by its last line; NEXT_MISC_DESCRIPTIONS,
-name -> the one-line description ``ddpo-group-train --help`` shows (grpo.py's docstring list).
+"""The variants of issue 46's newest families: Qwen-Image-Edit-2509 / 2511 (ddpo_group/diffusion/
+qwen_image_edit_plus.py), SANA (sana.py), HunyuanVideo 1.5 (hunyuan_video15.py); docs/next_families.md.
 
-    qwen_image_edit_plus  GRPO multi-image editing on Qwen-Image-Edit-2509 (true CFG 4) with Flow-Factory's settings, LoRA r64
-    tiny_qwen_image_edit_plus  a random-weight tiny Qwen-Image-Edit-2509 editing two shipped shapes-world sources per prompt, seconds
-    sana_nft        DiffusionNFT on SANA 1.5 1.6B (1024 px, Gemma-2 text, Euler ODE sampler, CFG-free) with the paper's settings
+``NEXT_MISC_VARIANTS`` (name -> variant function) is merged into config/grpo.py's VARIANTS by its last lines;
+``ddpo-group-train --help`` shows each one's docstring's first line:
+
+    qwen_image_edit_plus  GRPO multi-image editing on Qwen-Image-Edit-2509 with Flow-Factory's settings, LoRA r64
+    tiny_qwen_image_edit_plus  a random-weight tiny Qwen-Image-Edit-2509 editing two shipped sources per prompt
+    sana_nft        DiffusionNFT on SANA 1.5 1.6B (1024 px, CFG-free, Euler ODE sampler) with the paper's settings
     tiny_sana       a random-weight tiny SANA pipeline (Gemma-2 text, DC-AE, linear-attention DiT), seconds
-    tiny_hunyuan_video15  a random-weight tiny HunyuanVideo 1.5 text-to-video pipeline (Qwen2.5-VL + ByT5 text), 5 frames, seconds
+    tiny_hunyuan_video15  a random-weight tiny HunyuanVideo 1.5 text-to-video pipeline, 5 frames, seconds
 
-The functions import grpo.py's lazily (grpo.py imports this module at its end).
+The variants build on presets of config/variants/ (flow.py, video_edit.py), imported directly (they do not import
+config/grpo.py: no import circle).
 """
+
+from ddpo_group.config.variants.flow import _tiny_flow, sd35_nft
+from ddpo_group.config.variants.video_edit import qwen_image_edit, tiny_qwen_image_edit
 
 
 def qwen_image_edit_plus():
-    """Qwen-Image-Edit-2509 (hub id Qwen/Qwen-Image-Edit-2509, or Qwen/Qwen-Image-Edit-2511; QwenImageEditPlusPipeline)
-    with Flow-Factory's recipe (X-GenGroup/Flow-Factory examples/grpo/lora/qwen_image_edit_plus/default.yaml, as
-    ``qwen_image_edit``: LoRA r64 / alpha 128, 384 px, 10 steps, true CFG 4, Flow-SDE noise level 1.0, 16 images per
-    prompt, clip range 1e-4, no KL, lr 3e-4). Each prompt record lists its sources in ``source_images`` (1 to 3,
-    the same number per run); max_sequence_length 1024 (the model's limit) holds up to three 384 px sources' vision
-    tokens (196 each) and the prompt. Flow-Factory samples one prompt per device batch (the pipeline takes one);
-    here a batch holds several, each encoded alone. Not yet run (no GPU, no hub); the shipped
-    shapes_edits_two_sources.jsonl sources are 32 px: give 384 px sources (sample.resolution) of your own."""
-    from ddpo_group.config import grpo
+    """GRPO multi-image editing on Qwen-Image-Edit-2509 (true CFG 4) with Flow-Factory's settings, LoRA r64, one GPU.
 
-    config = grpo.qwen_image_edit()
+    Hub id Qwen/Qwen-Image-Edit-2509 (or Qwen/Qwen-Image-Edit-2511; QwenImageEditPlusPipeline), Flow-Factory's
+    recipe (X-GenGroup/Flow-Factory examples/grpo/lora/qwen_image_edit_plus/default.yaml, as ``qwen_image_edit``:
+    LoRA r64 / alpha 128, 384 px, 10 steps, true CFG 4, Flow-SDE noise level 1.0, 16 images per prompt, clip range
+    1e-4, no KL, lr 3e-4). Each prompt record lists its sources in ``source_images`` (1 to 3, the same number per
+    run); max_sequence_length 1024 (the model's limit) holds up to three 384 px sources' vision tokens (196 each)
+    and the prompt. Flow-Factory samples one prompt per device batch (the pipeline takes one); here a batch holds
+    several, each encoded alone. Not yet run (no GPU, no hub); the shipped shapes_edits_two_sources.jsonl sources
+    are 32 px: give 384 px sources (sample.resolution) of your own."""
+    config = qwen_image_edit()
     config.pretrained.model = "Qwen/Qwen-Image-Edit-2509"
     config.prompt_fn = "shapes_edits_two_sources.jsonl"  # replace with your own {"prompt", "source_images"} records
     config.sample.max_sequence_length = 1024
@@ -31,12 +37,12 @@ def qwen_image_edit_plus():
 
 
 def tiny_qwen_image_edit_plus():
-    """A random-weight tiny Qwen-Image-Edit-2509 pipeline (its Qwen2.5-VL vision tower reads every source) editing two
-    shipped 32 px shapes-world sources per prompt (shapes_edits_two_sources.jsonl: picture 1's shape and background
-    in picture 2's colour), seconds: tests and smoke runs."""
-    from ddpo_group.config import grpo
+    """A random-weight tiny Qwen-Image-Edit-2509 editing two shipped shapes-world sources per prompt, seconds.
 
-    config = grpo.tiny_qwen_image_edit()
+    Its Qwen2.5-VL vision tower reads every source; the two shipped 32 px shapes-world sources per prompt
+    (shapes_edits_two_sources.jsonl: picture 1's shape and background in picture 2's colour), seconds: tests and
+    smoke runs."""
+    config = tiny_qwen_image_edit()
     config.pretrained.model = "tiny-qwen-image-edit-plus"
     config.prompt_fn = "shapes_edits_two_sources.jsonl"
     config.sample.max_sequence_length = 64  # two sources' 2 x (4 vision + 2 + "Picture k: ") tokens and the prompt
@@ -44,7 +50,9 @@ def tiny_qwen_image_edit_plus():
 
 
 def sana_nft():
-    """DiffusionNFT on SANA 1.5 1.6B (hub id Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers, the SANA that
+    """DiffusionNFT on SANA 1.5 1.6B (1024 px, CFG-free, Euler ODE sampler) with the paper's settings, one GPU.
+
+    Hub id Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers, the SANA that
     nvidia-cosmos/cosmos-rl's diffusers configs train; SanaPipeline): ``sd35_nft``'s DiffusionNFT settings (arXiv
     2509.16117, NVlabs/DiffusionNFT config/nft.py: CFG-free sampling and training, the deterministic sampler, 10
     steps, beta 1, adaptive weighting, KL 1e-4, lr 3e-4, LoRA r32 / alpha 64, one optimizer step per epoch) at
@@ -53,9 +61,7 @@ def sana_nft():
     here. LoRA on the self- and cross-attention projections (to_q / to_k / to_v / to_out.0, cosmos-rl's targets).
     The policy samples SANA's flow with Euler steps on its flow_shift grid (not its DPM-Solver). Not yet run (no
     GPU, no hub)."""
-    from ddpo_group.config import grpo
-
-    config = grpo.sd35_nft()
+    config = sd35_nft()
     config.pretrained.model = "Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers"
     config.sample.resolution = 1024
     config.sample.max_sequence_length = 300
@@ -63,21 +69,21 @@ def sana_nft():
 
 
 def tiny_sana():
-    """A random-weight tiny SANA pipeline (tiny Gemma-2 and tokenizer built in memory, DC-AE, linear-attention DiT),
-    seconds: tests and smoke runs. Guidance 4.5 is SANA's CFG (one call on negative and prompt rows)."""
-    from ddpo_group.config import grpo
+    """A random-weight tiny SANA pipeline (Gemma-2 text, DC-AE, linear-attention DiT), seconds; tests and smoke checks.
 
-    return grpo._tiny_flow("tiny-sana")
+    The tiny Gemma-2 and its tokenizer are built in memory. Guidance 4.5 is SANA's CFG (one call on negative and
+    prompt rows)."""
+    return _tiny_flow("tiny-sana")
 
 
 def tiny_hunyuan_video15():
-    """A random-weight tiny HunyuanVideo 1.5 text-to-video pipeline (tiny Qwen2.5-VL text model and ByT5 encoder
-    built in memory, its 3-D VAE): videos of 5 frames of 32x32 in seconds, for tests and smoke runs; the reward is
-    JPEG compressibility averaged over 3 evenly spaced frames, as tiny_wan's. No full-size preset: no published RL
-    recipe for HunyuanVideo 1.5 was among the stored sources (Flow-Factory's examples have none)."""
-    from ddpo_group.config import grpo
+    """A random-weight tiny HunyuanVideo 1.5 text-to-video pipeline, 5 frames, seconds; tests and smoke checks.
 
-    config = grpo._tiny_flow("tiny-hunyuan-video15")
+    Its tiny Qwen2.5-VL text model and ByT5 encoder are built in memory, with its 3-D VAE: videos of 5 frames of
+    32x32 in seconds, for tests and smoke runs; the reward is JPEG compressibility averaged over 3 evenly spaced
+    frames, as tiny_wan's. No full-size preset: no published RL recipe for HunyuanVideo 1.5 was among the stored
+    sources (Flow-Factory's examples have none)."""
+    config = _tiny_flow("tiny-hunyuan-video15")
     config.sample.num_frames = 5
     config.sample.max_sequence_length = 32  # Qwen text tokens after the template's cropped system turn
     config.reward_frames = 3
@@ -90,10 +96,4 @@ NEXT_MISC_VARIANTS = {
     "tiny_sana": tiny_sana,
     "qwen_image_edit_plus": qwen_image_edit_plus,
     "tiny_qwen_image_edit_plus": tiny_qwen_image_edit_plus,
-}
-
-NEXT_MISC_DESCRIPTIONS = {
-    line.split()[0]: line.split(None, 1)[1]
-    for line in (__doc__ or "").splitlines()
-    if line.startswith("    ") and line.split() and line.split()[0] in NEXT_MISC_VARIANTS
 }

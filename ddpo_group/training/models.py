@@ -91,9 +91,9 @@ def build_models(config, accelerator):
         if "config." not in str(err):  # a setting this model cannot honour names its field (lora_rank's bound)
             raise
         raise ConfigError(str(err)) from err
-    if s.negative_prompt and policy.family == "flux":
+    if s.negative_prompt and policy.family in ("flux", "flux2"):
         raise ConfigError(
-            f"config.sample.negative_prompt={s.negative_prompt!r}: FLUX.1 has no classifier-free "
+            f"config.sample.negative_prompt={s.negative_prompt!r}: FLUX.1 / FLUX.2 [dev] has no classifier-free "
             "guidance, so a negative prompt would be ignored; set sample.negative_prompt=''"
         )
     if t.kl_type == "flow_grpo" and not policy.supports_flow_grpo_kl:

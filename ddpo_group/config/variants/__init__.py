@@ -1,0 +1,12 @@
+"""The named experiment configurations, one module per purpose; `ddpo_group/config/grpo.py` assembles them into
+VARIANTS (the order `ddpo-group-train --help` lists them in) and keeps the map of them in its docstring.
+
+    tiny.py        the shipped shapes-world model's main job (`tiny`), its demos and its algorithm variants; `test`
+    sd.py          the UNet + DDIM family on the hub: SD 1.5 (sd15, ddpo, group_ppo*), SDXL
+    flow.py        the flow-matching image families: SD3.5-Medium, FLUX.1-dev, Qwen-Image, and their tiny pipelines
+    tasks.py       task presets: another reward and prompt set on a family's recipe (OCR, PickScore, GenEval, scenes)
+    video_edit.py  text-to-video (Wan 2.1) and image editing (FLUX.1 Kontext, Qwen-Image-Edit)
+    _methods.py    the method recipes a variant applies onto another's config (Group-PPO's two designs, DiffusionNFT)
+
+A variant is a function taking nothing and returning a fresh ConfigDict; one derived from another calls it.
+"""

@@ -1,0 +1,40 @@
+"""The method recipes a variant applies onto another's config: the Group-PPO design that learns, Group-PPO as
+Algorithm 2 is written, DiffusionNFT's objective settings. Each takes a ConfigDict, changes only its method's fields
+and returns it, so `tiny_group_ppo` and `group_ppo` (and benchmarks/scenes_study.py's arms) share one recipe.
+"""
+
+
+def _learning_group_ppo(config):
+    """The Group-PPO design that learns on the main job's task (docs/group_ppo.md, 3 seeds): SDE noise only
+    where the actor trains (a one-step window at the noisiest step, deterministic DDIM/ODE steps elsewhere),
+    the segment trained at its first step, GAE advantages normalised per prompt group, the reference KL kept."""
+    config.algorithm.adv_estimator = "group_ppo"
+    config.train.timestep_selection = "segment_start"
+    config.sample.sde_window_size = 1
+    config.sample.sde_window_start = 0
+    config.group_ppo.advantage_norm = "group"
+    return config
+
+
+def _algorithm2_group_ppo(config):
+    """Group-PPO exactly as Algorithm 2 is written: noise at every step, segments trained at their endpoints,
+    GAE advantages whitened over the batch, no reference model. Its reward falls (docs/group_ppo.md)."""
+    config.algorithm.adv_estimator = "group_ppo"
+    config.train.timestep_selection = "endpoints"
+    config.sample.sde_window_size = 0
+    config.group_ppo.advantage_norm = "whiten"
+    config.train.use_kl_loss = False
+    config.train.use_reference_model = False
+    return config
+
+
+def _diffusion_nft(config, weighting):
+    """DiffusionNFT's objective settings (NVlabs/DiffusionNFT config/nft.py): beta 1, int(0.99 * 10) = 9 of 10
+    timesteps per sample, the old model's decay 0.001 per optimizer step up to 0.5; `weighting` as given."""
+    config.train.objective = "nft"
+    config.forward.num_timesteps = 9
+    config.forward.nft_beta = 1.0
+    config.forward.weighting = weighting
+    config.forward.old_decay_rate = 0.001
+    config.forward.old_decay_max = 0.5
+    return config
