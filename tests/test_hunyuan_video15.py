@@ -11,9 +11,11 @@ ends where a straight one does; a frame count the VAE cannot make is one line na
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 from diffusers import ClassifierFreeGuidance
+from PIL import Image
 
 from ddpo_group.config.check import ConfigError, check_config
 from ddpo_group.diffusion.base import Trajectories
@@ -152,3 +154,121 @@ def test_frames_the_vae_cannot_make_are_one_line_naming_the_field(tmp_path):
         check_config(config)
         train(config)
     assert "sample.num_frames=4" in str(info.value) and "\n" not in str(info.value)
+
+
+# ---- image-to-video: the conditioning image rides in the trajectories as an editing family's source does ----
+
+from ddpo_group.diffusion.hunyuan_video15 import (  # noqa: E402
+    HunyuanVideo15ImageToVideoPolicy,
+    build_tiny_hunyuan_video15_i2v_pipeline,
+)
+
+
+@pytest.fixture(scope="module")
+def i2v():
+    return build_tiny_hunyuan_video15_i2v_pipeline(seed=0)
+
+
+def _sources(seed):
+    pixels = (np.random.default_rng(seed).random((2, 32, 32, 3)) * 255).astype(np.uint8)
+    return pixels, torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255
+
+
+def test_the_i2v_condition_is_the_images_siglip_tokens_and_first_latent_frame(i2v):
+    assert family_for_model("tiny-hunyuan-video15-i2v") is HunyuanVideo15ImageToVideoPolicy
+    policy = _policy(i2v)
+    assert policy.conditions_on_images and policy.video
+    with pytest.raises(ValueError, match="every prompt needs one"):
+        policy.sample(PROMPTS, 2, 4.5, 0.7)
+    with pytest.raises(ValueError, match=r"source_images must be \(B, 3, H, W\) = \(2, 3, 32, 32\)"):
+        policy.sample(PROMPTS, 2, 4.5, 0.7, source_images=torch.rand(2, 3, 16, 16))
+    pixels, sources = _sources(0)
+    batch = policy.sample(PROMPTS, 2, 4.5, 0.7, generator=torch.Generator().manual_seed(0), source_images=sources)
+    with torch.no_grad():
+        inputs = i2v.feature_extractor(images=[Image.fromarray(p) for p in pixels], return_tensors="pt")
+        siglip = i2v.image_encoder(**inputs).last_hidden_state
+        mode = torch.cat([i2v.vae.encode((sources[i : i + 1] * 2 - 1).unsqueeze(2)).latent_dist.mode()
+                          for i in range(2)]) * i2v.vae.config.scaling_factor  # the VAE takes one image a call
+    torch.testing.assert_close(batch.extra_cond["image_embeds"], siglip, rtol=0, atol=1e-5)
+    torch.testing.assert_close(batch.extra_cond["image_latents"], mode, rtol=0, atol=1e-5)
+    condition, _ = policy._condition(batch.latents[:, 0], batch.extra_cond, torch.float32)
+    assert torch.equal(condition[:, :4, 0], batch.extra_cond["image_latents"][:, :, 0])
+    assert not condition[:, :4, 1:].any() and condition[:, 4, 0].eq(1).all() and not condition[:, 4, 1:].any()
+
+
+@pytest.mark.parametrize("guidance", [1.0, 6.0])
+def test_noise_level_zero_reproduces_the_i2v_pipeline(i2v, guidance):
+    policy = _policy(i2v)
+    i2v.guider = ClassifierFreeGuidance(guidance_scale=guidance)
+    pixels, sources = _sources(2)
+    ours = policy.sample(PROMPTS, 3, guidance, 0.0, source_images=sources,
+                         initial_generator=[torch.Generator().manual_seed(s) for s in (3, 4)]).images
+    for i, seed in enumerate((3, 4)):  # one image per pipeline call
+        theirs = i2v(image=Image.fromarray(pixels[i]), prompt=PROMPTS[i], num_frames=5, num_inference_steps=3,
+                     generator=torch.Generator().manual_seed(seed), output_type="pt").frames
+        assert theirs.shape == (1, 5, 3, 32, 32)
+        assert (ours[i] - theirs[0]).abs().max() < 1e-5
+
+
+def test_i2v_rescoring_is_exact_also_after_cat_and_index(i2v):
+    policy = _policy(i2v)
+    first = policy.sample(PROMPTS, 3, 4.5, 0.7, generator=torch.Generator().manual_seed(5), source_images=_sources(3)[1])
+    second = policy.sample(["a cat", "a dog"], 3, 4.5, 0.7, generator=torch.Generator().manual_seed(6),
+                           source_images=_sources(4)[1])
+    both = Trajectories.cat([first, second])
+    assert torch.equal(both.index([3, 0]).extra_cond["image_latents"][1], first.extra_cond["image_latents"][0])
+    for start, part in ((0, first), (2, second)):
+        rows = torch.arange(start, start + 2)
+        for k in range(3):
+            log_prob, _, _ = policy.step_log_prob(i2v.transformer, both, rows, torch.full((2,), k), 4.5, 0.7)
+            assert torch.equal(log_prob, part.log_probs[:, k])
+
+
+def test_an_i2v_run_is_on_policy_shows_source_to_video_and_exports_lora(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from ddpo_group.data.edit_sources import edit_pairs_html
+
+    trainer = Trainer(make_config(tmp_path, variant="tiny_hunyuan_video15_i2v", use_lora=True, lora_rank=2,
+                                  save_freq=1, log_images_every=1, train__learning_rate=3e-2, sample__batch_size=2,
+                                  sample__num_batches_per_epoch=2, train__gradient_accumulation_steps=2,
+                                  sample__num_steps=2))
+    run_dir = trainer.run()
+    rows = read_metrics(run_dir)
+    assert [row["approx_kl"] for row in rows] == [0.0, 0.0] and rows[0]["train/on_policy_max_abs_log_ratio"] == 0.0
+    document = json.loads(open(os.path.join(run_dir, "samples", "epoch_0000.json")).read())
+    record = document["records"][0]
+    assert document["video"] and record["image"].endswith(".webp") and record["source_image"].endswith(".png")
+    assert os.path.isfile(os.path.join(run_dir, "samples", document["grid"]))
+    fragment = edit_pairs_html(run_dir)  # the report's source -> video pairs
+    assert fragment.count("data:image/webp;base64,") == len(document["records"])
+    assert fragment.count("data:image/png;base64,") == len(document["records"])
+    checkpoint = os.path.join(run_dir, "checkpoints", "checkpoint_2")
+    state = load_file(os.path.join(checkpoint, "lora", "pytorch_lora_weights.safetensors"))
+    assert state and all(k.startswith("transformer.") for k in state)
+    fresh = build_tiny_hunyuan_video15_i2v_pipeline(seed=0)
+    fresh.transformer.load_lora_adapter(os.path.join(checkpoint, "lora"), prefix="transformer",
+                                        weight_name="pytorch_lora_weights.safetensors")
+
+    def videos(policy):
+        policy.configure(max_sequence_length=32)
+        return policy.sample(PROMPTS, 2, 4.5, 0.0, generator=torch.Generator().manual_seed(5),
+                             source_images=_sources(5)[1]).images
+
+    trained, loaded = videos(trainer.policy), videos(policy_for(fresh))
+    assert (trained - videos(policy_for(build_tiny_hunyuan_video15_i2v_pipeline(seed=0)))).abs().max() > 1e-4
+    assert (loaded - trained).abs().max() < 1e-5
+
+
+def test_an_i2v_prompt_without_its_image_is_one_line_naming_the_field(tmp_path):
+    import json
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "a cat"}) + "\n")
+    from ddpo_group.config.check import load_config_prompts
+
+    with pytest.raises(ConfigError) as info:
+        load_config_prompts(make_config(tmp_path, variant="tiny_hunyuan_video15_i2v", prompt_fn=str(path)), "prompt_fn")
+    assert "'a cat' has no field 'source_image'" in str(info.value) and "\n" not in str(info.value)

@@ -9,6 +9,7 @@ qwen_image_edit_plus.py), SANA (sana.py), HunyuanVideo 1.5 (hunyuan_video15.py);
     sana_nft        DiffusionNFT on SANA 1.5 1.6B (1024 px, CFG-free, Euler ODE sampler) with the paper's settings
     tiny_sana       a random-weight tiny SANA pipeline (Gemma-2 text, DC-AE, linear-attention DiT), seconds
     tiny_hunyuan_video15  a random-weight tiny HunyuanVideo 1.5 text-to-video pipeline, 5 frames, seconds
+    tiny_hunyuan_video15_i2v  a random-weight tiny HunyuanVideo 1.5 image-to-video animating the shipped sources
 
 The variants build on presets of config/variants/ (flow.py, video_edit.py), imported directly (they do not import
 config/grpo.py: no import circle).
@@ -90,7 +91,20 @@ def tiny_hunyuan_video15():
     return config
 
 
+def tiny_hunyuan_video15_i2v():
+    """A random-weight tiny HunyuanVideo 1.5 image-to-video animating the shipped shapes-world sources, seconds.
+
+    The tiny text-to-video pipeline's parts with a tiny SigLIP image encoder; each prompt of shapes_edits.jsonl
+    names its 32 px source image (field source_image), the video's first frame (docs/next_families.md)."""
+    config = tiny_hunyuan_video15()
+    config.pretrained.model = "tiny-hunyuan-video15-i2v"
+    config.prompt_fn = "shapes_edits.jsonl"
+    config.sample.resolution = 32
+    return config
+
+
 NEXT_MISC_VARIANTS = {
+    "tiny_hunyuan_video15_i2v": tiny_hunyuan_video15_i2v,
     "tiny_hunyuan_video15": tiny_hunyuan_video15,
     "sana_nft": sana_nft,
     "tiny_sana": tiny_sana,

@@ -251,7 +251,8 @@ def edit_pairs_html(run_dir: str, epoch: int | None = None, max_pairs: int = 16)
             return f'<span class="missing">not shown: {html.escape(str(rel))} is outside the run directory</span>'
         with open(os.path.join(samples, rel), "rb") as f:
             data = base64.b64encode(f.read()).decode("ascii")
-        return f'<img src="data:image/png;base64,{data}" style="width:128px;image-rendering:pixelated">'
+        mime = "image/webp" if str(rel).endswith(".webp") else "image/png"  # an image-to-video run's animations
+        return f'<img src="data:{mime};base64,{data}" style="width:128px;image-rendering:pixelated">'
 
     rows = "".join(
         f"<tr><td>{image(r['source_image'])}</td><td>&rarr;</td><td>{image(r['image'])}</td>"

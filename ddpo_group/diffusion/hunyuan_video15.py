@@ -33,6 +33,7 @@ from diffusers import (
     AutoencoderKLHunyuanVideo15,
     ClassifierFreeGuidance,
     FlowMatchEulerDiscreteScheduler,
+    HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
 )
@@ -124,14 +125,20 @@ class HunyuanVideo15Policy(WanPolicy):
         retrieve_timesteps(self.pipeline.scheduler, num_steps, device,
                            sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
 
-    def _velocity(self, model, latents, timesteps, cond, guidance_scale):
+    def _condition(self, latents, cond, dtype):
+        """The model's condition input (zero condition latents and mask: text-to-video) and vision tokens (zeros)."""
         pipe = self.pipeline
-        dtype = model_dtype(model)
         b, c, f, h, w = latents.shape
-        hidden = torch.cat([latents, latents.new_zeros(b, c + 1, f, h, w)], dim=1).to(dtype)
-        timestep = timesteps.reshape(-1).expand(b).to(dtype)
         image_embeds = torch.zeros(b, pipe.vision_num_semantic_tokens, pipe.vision_states_dim, dtype=dtype,
                                    device=latents.device)
+        return latents.new_zeros(b, c + 1, f, h, w), image_embeds
+
+    def _velocity(self, model, latents, timesteps, cond, guidance_scale):
+        dtype = model_dtype(model)
+        b = latents.shape[0]
+        condition, image_embeds = self._condition(latents, cond, dtype)
+        hidden = torch.cat([latents, condition.to(latents.dtype)], dim=1).to(dtype)
+        timestep = timesteps.reshape(-1).expand(b).to(dtype)
 
         def call(prefix):
             return model(hidden_states=hidden, image_embeds=image_embeds, timestep=timestep,
@@ -292,5 +299,113 @@ def build_random_hunyuan_video15_pipeline(seed=0, torch_dtype=torch.float32):
     pipeline.prompt_template_encode_start_idx = list(marked).index(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     pipeline.default_height = pipeline.default_width = 480
     pipeline.default_num_frames = 33
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+# ---------------------------------------------------------------------------------------------------
+# Image-to-video: the conditioning image rides in the trajectories as an editing family's source does
+
+
+@register_family("hunyuan_video15_i2v")
+class HunyuanVideo15ImageToVideoPolicy(HunyuanVideo15Policy):
+    """HunyuanVideo 1.5 image-to-video (``HunyuanVideo15ImageToVideoPipeline``): the text-to-video family conditioned
+    on one image per prompt, as diffusers' ``pipeline_hunyuan_video1_5_image2video.py`` (0.42) does: the image's
+    SigLIP last hidden state (``pipe._get_image_embeds``) as the vision tokens, its VAE latent (``pipe.
+    _get_image_latents``: the encoder's mode times ``scaling_factor``) as the first latent frame of the condition
+    input, the later frames 0, the mask 1 on the first frame. Both ride in ``Trajectories.extra_cond``
+    (``image_embeds``, ``image_latents``), so re-scoring is exact. The image must have the sampled size
+    (``sample.resolution``, square): the pipeline picks its size from the image's aspect-ratio bucket and crops to it;
+    here the video has the image's size, which the pipeline's bucket keeps for a square image at ``target_size``.
+    A mean-flow transformer (``use_meanflow``: the step-distilled checkpoints, whose model also reads the next
+    timestep) is refused."""
+
+    pipeline_class = HunyuanVideo15ImageToVideoPipeline
+    pipeline_class_names = ("HunyuanVideo15ImageToVideoPipeline",)
+    offline_models = ("tiny-hunyuan-video15-i2v",)
+    conditions_on_images = True
+    anchor_refusal = "it animates a source image and its rewards read the image, which the anchor's reward calls lack"
+
+    def __init__(self, pipeline):
+        super().__init__(pipeline)
+        if pipeline.transformer.config.get("use_meanflow"):
+            raise ValueError("config.pretrained.model: a HunyuanVideo 1.5 image-to-video transformer with use_meanflow "
+                             "(a step-distilled checkpoint) is not supported; use the 480p / 720p i2v model")
+
+    @classmethod
+    def load(cls, model, revision=None, torch_dtype=torch.float32):
+        pipeline = load_pretrained(HunyuanVideo15ImageToVideoPipeline, model, revision, torch_dtype,
+                                   {"tiny-hunyuan-video15-i2v": build_tiny_hunyuan_video15_i2v_pipeline})
+        if not isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler):
+            raise ValueError(f"model {model!r}: a HunyuanVideo15ImageToVideoPipeline with a "
+                             f"{type(pipeline.scheduler).__name__}; the family samples with FlowMatchEulerDiscreteScheduler")
+        return pipeline
+
+    def prepare(self, device, dtype, use_lora, lora_rank=4, lora_alpha=None):
+        """The text-to-video family's, and the image encoder frozen in `dtype`."""
+        image_encoder = self.pipeline.image_encoder
+        image_encoder.requires_grad_(False)
+        image_encoder.to(device, dtype=dtype)
+        return super().prepare(device, dtype, use_lora, lora_rank, lora_alpha)
+
+    def _check_source_images(self, source_images, batch_size):
+        name = type(self.pipeline).__name__
+        if source_images is None:
+            raise ValueError(f"{name} animates an image: every prompt needs one (the prompt record's field "
+                             "'source_image'; docs/editing.md)")
+        shape = (batch_size, 3, self.height, self.width)
+        if tuple(source_images.shape) != shape:
+            raise ValueError(f"source_images must be (B, 3, H, W) = {shape} (the field 'source_image' at "
+                             f"config.sample.resolution), got {tuple(source_images.shape)}")
+        return source_images.float()
+
+    def _encode_edit(self, prompts, negative_prompt, guidance_scale, device, source_images):
+        from PIL import Image
+
+        pipe = self.pipeline
+        cond = self._encode(prompts, negative_prompt, guidance_scale, device)
+        # the pipeline reads PIL images: the sources' 8-bit pixels (a source read from a PNG is exactly these)
+        pixels = (source_images.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        images = [Image.fromarray(p, mode="RGB") for p in pixels]
+        embeds = [pipe._get_image_embeds(image_encoder=pipe.image_encoder, feature_extractor=pipe.feature_extractor,
+                                         image=image, device=device) for image in images]
+        latents = [pipe._get_image_latents(vae=pipe.vae, image_processor=pipe.video_processor, image=image,
+                                           height=self.height, width=self.width, device=device) for image in images]
+        cond["image_embeds"] = torch.cat(embeds).float()
+        cond["image_latents"] = torch.cat(latents).float()  # (B, C, 1, h, w)
+        return cond
+
+    def _condition(self, latents, cond, dtype):
+        b, c, f, h, w = latents.shape
+        condition = latents.new_zeros(b, c + 1, f, h, w)
+        condition[:, :c, :1] = cond["image_latents"].to(latents.dtype)
+        condition[:, c, 0] = 1.0
+        return condition, cond["image_embeds"].to(dtype)
+
+
+def build_tiny_hunyuan_video15_i2v_pipeline(seed=0):
+    """A HunyuanVideo15ImageToVideoPipeline with random weights drawn from ``seed`` (CPU, float32), built offline: the
+    tiny text-to-video pipeline's parts (``build_tiny_hunyuan_video15_pipeline``, the transformer with task "i2v") and
+    a 1-layer SigLIP vision model of width 8 on 28 px (2 x 2 patches of 14: 4 vision tokens) with its image processor.
+    Default video: 5 frames of 32 x 32 (``target_size`` 32: a square image keeps its size). The global torch RNG state
+    is left unchanged; same seed -> same weights."""
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    base = build_tiny_hunyuan_video15_pipeline(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        transformer = HunyuanVideo15Transformer3DModel.from_config({**base.transformer.config, "task_type": "i2v"})
+        image_encoder = SiglipVisionModel(SiglipVisionConfig(
+            hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14,
+        ))
+    pipeline = HunyuanVideo15ImageToVideoPipeline(
+        text_encoder=base.text_encoder, tokenizer=base.tokenizer, transformer=transformer.eval(), vae=base.vae,
+        scheduler=base.scheduler, text_encoder_2=base.text_encoder_2, tokenizer_2=base.tokenizer_2, guider=base.guider,
+        image_encoder=image_encoder.eval(), feature_extractor=SiglipImageProcessor(size={"height": 28, "width": 28}),
+    )
+    for name in ("prompt_template_encode_start_idx", "tokenizer_max_length", "tokenizer_2_max_length",
+                 "default_height", "default_width", "default_num_frames"):
+        setattr(pipeline, name, getattr(base, name))
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
