@@ -2,7 +2,7 @@
 
     python scripts/inspect_run.py logs/RUN [--compare logs/RUN2] [--output report.html] [--prompts "p1" "p2"] [--top-k 4]
 
-Same as the `ddpo-group-inspect` console script (ddpo_group.cli.inspect_main).
+Same as `ddpo-group inspect` (ddpo_group/cli/inspect.py).
 """
 
 import os

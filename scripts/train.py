@@ -5,7 +5,7 @@
 
 `--config FILE:VARIANT` picks a config (config/grpo.py lists the variants); any field of
 config/base.py can be overridden with `--config.FIELD=VALUE`. Without --config the
-offline shapes-world run (config/grpo.py:tiny) starts.
+offline shapes-world run (config/grpo.py:tiny) starts. Same as `ddpo-group train` (ddpo_group/cli/train.py).
 """
 
 import os

@@ -109,8 +109,9 @@ def shell_commands(code):
 def classify(tokens):
     """(kind, target, arguments) of a command that starts this project's code, else None.
 
-    kind: "train" (scripts/train.py or ddpo-group-train), "inspect" (ddpo-group-inspect), "script" (a .py file of
-    scripts/ or benchmarks/), "module" (python -m ddpo_group...), "shell" (bash SCRIPT.sh)."""
+    kind: "train" (scripts/train.py, ddpo-group-train or ddpo-group train), "inspect" (ddpo-group-inspect), "script"
+    (a .py file of scripts/ or benchmarks/), "module" (python -m ddpo_group..., and ddpo-group SUBCOMMAND: python -m
+    ddpo_group.cli), "shell" (bash SCRIPT.sh)."""
     while tokens and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", tokens[0]):
         tokens = tokens[1:]  # VAR=value prefixes
     if not tokens:
@@ -118,6 +119,9 @@ def classify(tokens):
     program = os.path.basename(tokens[0])
     if program in ("ddpo-group-train", "ddpo-group-inspect"):
         return ("train" if program.endswith("train") else "inspect"), program, tokens[1:]
+    if program == "ddpo-group":
+        return ("train", "ddpo-group train", tokens[2:]) if tokens[1:2] == ["train"] else ("module", "ddpo_group.cli",
+                                                                                          tokens[1:])
     if program == "bash" and len(tokens) > 1 and tokens[1].endswith(".sh"):
         return "shell", tokens[1], tokens[2:]
     if re.fullmatch(r"python3?", program):
@@ -250,6 +254,8 @@ def test_the_check_finds_a_wrong_variant_flag_and_path(monkeypatch):
     monkeypatch.chdir(ROOT)
     for line in (".venv/bin/accelerate launch scripts/train.py --config config/grpo.py:tinyy",
                  "ddpo-group-train --config tiny --config.train.betaa=0.1",
+                 "ddpo-group train --config tinyy",
+                 "ddpo-group evaluate --checkpoint runs/NAME --no-such-flag",
                  ".venv/bin/python scripts/evaluate.py --checkpoint runs/NAME --no-such-flag",
                  ".venv/bin/python scripts/no_such_script.py",
                  ".venv/bin/ddpo-group-inspect RUN_DIR --comparee RUN2"):

@@ -346,7 +346,7 @@ def get_config():
     config.reward_frames = 4
     # Keyword arguments of each reward, by reward name, e.g. {"aesthetic": {"weights_path": "/path/mlp.safetensors"}}.
     # On the command line: the whole dict (--config.reward_kwargs='{"ocr": {"allow_unquoted": true}}') or one keyword,
-    # --config.reward_kwargs.ocr.allow_unquoted=True (the CLI creates the reward's entry: ddpo_group/cli.py).
+    # --config.reward_kwargs.ocr.allow_unquoted=True (the CLI creates the reward's entry: ddpo_group/cli/train.py).
     config.reward_kwargs = ml_collections.ConfigDict(allow_dotted_keys=True)
 
     return config

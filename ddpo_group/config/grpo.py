@@ -47,6 +47,20 @@ their map. A variant is read against the ones it derives from (tiny_* from tiny,
     tiny_scenes_sd  the same task and evaluation on the shipped UNet + DDIM scenes model tiny-scenes (GRPO + KL)
     sd35_geneval    Flow-GRPO's GenEval recipe on SD3.5-Medium: the geneval reward (partial score), generated prompts
     sd35_nft_geneval  DiffusionNFT's GenEval recipe on SD3.5-Medium (sd35_nft with the geneval reward)
+    flux2           FLUX.2 [dev] (32B) with Flow-Factory's GRPO LoRA recipe, one GPU (docs/flux2_zimage.md)
+    flux2_klein     FLUX.2 [klein] 9B (step-distilled, 4 steps) with Flow-Factory's GRPO LoRA recipe, one GPU
+    zimage          Z-Image (6B) with Flow-Factory's GRPO LoRA recipe, one GPU
+    zimage_turbo    Z-Image-Turbo: 8 steps, no CFG, SDE steps 1-3, no KL (Flow-Factory's recipe), one GPU
+    tiny_flux2      a random-weight tiny FLUX.2 [dev] (tiny Mistral-3 in memory), seconds; tests and smoke runs
+    tiny_flux2_klein  a random-weight tiny FLUX.2 [klein] (tiny Qwen3 in memory, true CFG), seconds
+    tiny_zimage     a random-weight tiny Z-Image (tiny Qwen3 in memory, CFG), seconds; tests and smoke runs
+    tiny_zimage_turbo  zimage_turbo's sampling and KL on the random-weight tiny Z-Image, seconds
+    qwen_image_edit_plus  GRPO multi-image editing on Qwen-Image-Edit-2509 with Flow-Factory's settings, LoRA r64
+    tiny_qwen_image_edit_plus  a random-weight tiny Qwen-Image-Edit-2509 editing two shipped sources per prompt
+    sana_nft        DiffusionNFT on SANA 1.5 1.6B (1024 px, CFG-free, Euler ODE sampler) with the paper's settings
+    tiny_sana       a random-weight tiny SANA pipeline (Gemma-2 text, DC-AE, linear-attention DiT), seconds
+    tiny_hunyuan_video15  a random-weight tiny HunyuanVideo 1.5 text-to-video pipeline, 5 frames, seconds
+    tiny_hunyuan_video15_i2v  a random-weight tiny HunyuanVideo 1.5 image-to-video animating the shipped sources
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
 tiny_early_window, tiny_window4, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
@@ -61,12 +75,28 @@ from ddpo_group.config.variants._methods import _algorithm2_group_ppo, _diffusio
 from ddpo_group.config.variants.flow import (  # noqa: F401
     _tiny_flow,
     flux,
+    flux2,
+    flux2_klein,
     qwen_image,
     sd35,
     sd35_nft,
     tiny_flux,
+    tiny_flux2,
+    tiny_flux2_klein,
     tiny_qwen_image,
     tiny_sd3,
+    tiny_zimage,
+    tiny_zimage_turbo,
+    zimage,
+    zimage_turbo,
+)
+from ddpo_group.config.variants.next_misc import (  # noqa: F401
+    qwen_image_edit_plus,
+    sana_nft,
+    tiny_hunyuan_video15,
+    tiny_hunyuan_video15_i2v,
+    tiny_qwen_image_edit_plus,
+    tiny_sana,
 )
 from ddpo_group.config.variants.sd import ddpo, group_ppo, group_ppo_alg2, sd15, sdxl, tiny_sdxl
 from ddpo_group.config.variants.tasks import (  # noqa: F401
@@ -152,6 +182,20 @@ VARIANTS = {
     "sd35_nft_geneval": sd35_nft_geneval,
     "tiny_scenes": tiny_scenes,
     "tiny_scenes_sd": tiny_scenes_sd,
+    "flux2": flux2,
+    "flux2_klein": flux2_klein,
+    "zimage": zimage,
+    "zimage_turbo": zimage_turbo,
+    "tiny_flux2": tiny_flux2,
+    "tiny_flux2_klein": tiny_flux2_klein,
+    "tiny_zimage": tiny_zimage,
+    "tiny_zimage_turbo": tiny_zimage_turbo,
+    "qwen_image_edit_plus": qwen_image_edit_plus,
+    "tiny_qwen_image_edit_plus": tiny_qwen_image_edit_plus,
+    "sana_nft": sana_nft,
+    "tiny_sana": tiny_sana,
+    "tiny_hunyuan_video15": tiny_hunyuan_video15,
+    "tiny_hunyuan_video15_i2v": tiny_hunyuan_video15_i2v,
 }
 
 
@@ -162,11 +206,3 @@ def get_config(name="sd15"):
     config.variant = name  # kept in the run's config.json: the report's headline names the variant
     return config
 
-
-from ddpo_group.config.next_image_variants import next_image_variants  # noqa: E402  (issue 46: FLUX.2, Z-Image)
-
-VARIANTS.update(next_image_variants(sd35=sd35, tiny_flow=_tiny_flow))
-
-from ddpo_group.config.next_misc_variants import NEXT_MISC_VARIANTS  # noqa: E402  (issue 46: Qwen-Image-Edit-2509, SANA, ...)
-
-VARIANTS.update(NEXT_MISC_VARIANTS)

@@ -3,6 +3,7 @@
 
     python -m ddpo_group.rewards.server --serve aesthetic --port 8000 [--host 0.0.0.0]
         [--device cuda] [--kwargs '{"mlp_weights": "/path/to/sac+logos+ava1-l14-linearMSE.pth"}']
+    ddpo-group serve aesthetic --port 8000 [...]                        # the same command
 
 It prints "serving reward 'NAME' on http://HOST:PORT" once it listens (with --port 0 the OS picks a
 free port) and logs one line per request to stderr (method, path, status, images, milliseconds). It
@@ -415,11 +416,13 @@ def _port(text: str) -> int:
     return port
 
 
-def main(argv=None) -> None:
+def main(argv=None, prog: str = "reward server", help_command: str = "python -m ddpo_group.rewards.server --help") -> None:
+    """The command (`ddpo-group serve`, `python -m ddpo_group.rewards.server`): `argv` the arguments after it (default
+    sys.argv[1:]); `prog` and `help_command` name it in its usage and its flag errors."""
     defaults = Limits()
-    from ddpo_group.cli import OneLineArgumentParser
+    from ddpo_group.cli.common import OneLineArgumentParser
 
-    parser = OneLineArgumentParser(prog="reward server", help_command="python -m ddpo_group.rewards.server --help",
+    parser = OneLineArgumentParser(prog=prog, help_command=help_command,
                                    description="Serve a registered reward over HTTP (see module docstring).")
     parser.add_argument("--serve", required=True, metavar="REWARD_NAME",
                         help="registered reward name, 'module:function' or 'file.py:function'")

@@ -1,11 +1,13 @@
-"""Console-script entry points (pyproject.toml [project.scripts])."""
+"""`ddpo-group train` (and ddpo-group-train, `accelerate launch scripts/train.py`): the absl / ml_collections
+command line of the trainer, `--config NAME | FILE.py[:ARG] [--config.FIELD=VALUE ...]`, its errors as one line."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Sequence
+
+from ddpo_group.cli.common import cpu_threads, one_line  # noqa: F401  (one_line: also ddpo_group.cli.one_line)
 
 
 def _variant_lines() -> list[str]:
@@ -31,7 +33,7 @@ def train_help() -> str:
     config_dir = os.path.dirname(os.path.abspath(grpo.__file__))
     return "\n".join(
         [
-            "usage: ddpo-group-train [--config CONFIG] [--config.FIELD=VALUE ...]",
+            "usage: ddpo-group train [--config CONFIG] [--config.FIELD=VALUE ...]   (or ddpo-group-train)",
             "       accelerate launch [--multi_gpu --num_processes N] scripts/train.py [same arguments]",
             "",
             "Fine-tune a text-to-image diffusion model with RL (GRPO, DDPO, RLOO, GAE, Group-PPO), one epoch at",
@@ -142,30 +144,6 @@ def _unknown_override(fields: Sequence[str]) -> str | None:
         )
     return None
 
-
-def one_line(err: BaseException) -> str:
-    """An exception as one line: its message, with the type for errors that are not the library's own."""
-    from ddpo_group.config.check import ConfigError
-
-    text = " ".join(str(err).split()) or type(err).__name__
-    own = isinstance(err, ConfigError) or type(err).__name__ in (
-        "CheckpointError", "RewardError", "RewardNotReadyError", "SamplesNotFiniteError", "HubUnreachableError")
-    return text if own else f"{type(err).__name__}: {text} (DDPO_GROUP_DEBUG=1 shows the traceback)"
-
-
-def cpu_threads() -> int:
-    """Give this process the torch CPU threads `accelerate launch` gives scripts/train.py: $OMP_NUM_THREADS, else one
-    (the launcher sets OMP_NUM_THREADS=1 in the processes it starts unless it is set). torch's own default, a thread
-    per core in every process, oversubscribes a machine whose cores other processes use too. Returns the count."""
-    import os
-
-    import torch
-
-    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if not threads.isdigit() or int(threads) < 1:
-        threads = os.environ["OMP_NUM_THREADS"] = "1"  # and for the processes this one starts
-    torch.set_num_threads(int(threads))
-    return int(threads)
 
 
 def _allow_dotted_keys_on_the_command_line() -> None:
@@ -324,7 +302,9 @@ def _without_traceback(message: str) -> str:
 
 
 def train_main(argv: Sequence[str] | None = None) -> None:
-    """ddpo-group-train / scripts/train.py: `--config NAME | FILE.py[:VARIANT] [--config.FIELD=VALUE ...]`.
+    """ddpo-group train / ddpo-group-train / scripts/train.py: `--config NAME | FILE.py[:VARIANT] [--config.FIELD=VALUE ...]`.
+
+    `argv` as sys.argv (its default): argv[0] names the program (absl's), the arguments follow.
 
     The default config is the built-in variant "tiny" (ddpo_group/config/grpo.py), so an installed
     package trains from any directory. Every error is printed as one line naming the field, file,
@@ -397,72 +377,3 @@ def train_main(argv: Sequence[str] | None = None) -> None:
         if debug:
             raise
         sys.exit(f"ddpo-group-train: error: {one_line(err)}")
-
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse's parser whose errors are one line naming the flag (not its usage block), exit code 2;
-    `help_command`: the command that lists the flags (default: PROG --help)."""
-
-    def __init__(self, *args, help_command: str | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.help_command = help_command or f"{self.prog} --help"
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} ({self.help_command} lists the flags)\n")
-
-
-def inspect_main(argv: Sequence[str] | None = None) -> int:
-    """ddpo-group-inspect / scripts/inspect_run.py: write an HTML report for a run directory."""
-    parser = OneLineArgumentParser(
-        prog="ddpo-group-inspect",
-        description="Write a self-contained HTML report (config, reward curves, time per phase, sample grids, "
-        "best and worst samples) for a run directory written by the trainer.",
-    )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (logdir/run_name) containing metrics.jsonl")
-    parser.add_argument("--compare", metavar="RUN_DIR2", nargs="+", default=None,
-                        help="a second run to show side by side (with --steps-png: one or more)")
-    parser.add_argument(
-        "--output",
-        default=None,
-        help="HTML file to write (default RUN_DIR/report.html; RUN_DIR/report_vs_<RUN_DIR2 name>.html with --compare)",
-    )
-    parser.add_argument(
-        "--prompts",
-        nargs="+",
-        default=None,
-        metavar="PROMPT",
-        help="prompts to show best/worst samples for (default: the 3 whose mean reward changed most)",
-    )
-    parser.add_argument("--top-k", type=int, default=4, help="best and worst samples shown per prompt (default 4)")
-    parser.add_argument(
-        "--steps-png", metavar="PNG", default=None,
-        help="instead of the report, write the per-step heat maps (epoch x step) of RUN_DIR (and --compare) to PNG",
-    )
-    parser.add_argument(
-        "--steps-keys", nargs="+", metavar="KEY", default=None,
-        help="with --steps-png: the steps/* metrics to draw (default: all logged), e.g. steps/trained steps/grad_share",
-    )
-    parser.add_argument("--names", nargs="+", metavar="NAME", default=None,
-                        help="labels of the runs in order, e.g. --names A,B (default 'A: <variant>', 'B: <variant>'); "
-                        "with --steps-png: column titles")
-    args = parser.parse_args(argv)
-    if args.names and len(args.names) == 1 and "," in args.names[0]:
-        args.names = [name.strip() for name in args.names[0].split(",")]  # --names A,B (docs/design.md §13)
-
-    from ddpo_group.report.page import write_report, write_step_heatmaps
-
-    try:
-        if args.steps_png:
-            runs = [args.run_dir] + (args.compare or [])
-            path = write_step_heatmaps(runs, args.steps_png, keys=args.steps_keys, names=args.names)
-        else:
-            if args.compare and len(args.compare) > 1:
-                raise ValueError(f"--compare: the report compares two runs, got {len(args.compare) + 1}; "
-                                 "more runs side by side only with --steps-png")
-            path = write_report(args.run_dir, output=args.output, compare=args.compare[0] if args.compare else None,
-                                prompts=args.prompts, top_k=args.top_k, names=args.names)
-    except ValueError as err:
-        print(f"ddpo-group-inspect: error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {path}")
-    return 0

@@ -1,18 +1,6 @@
-"""The variants of issue 46's newest families: Qwen-Image-Edit-2509 / 2511 (ddpo_group/diffusion/
-qwen_image_edit_plus.py), SANA (sana.py), HunyuanVideo 1.5 (hunyuan_video15.py); docs/next_families.md.
-
-``NEXT_MISC_VARIANTS`` (name -> variant function) is merged into config/grpo.py's VARIANTS by its last lines;
-``ddpo-group-train --help`` shows each one's docstring's first line:
-
-    qwen_image_edit_plus  GRPO multi-image editing on Qwen-Image-Edit-2509 with Flow-Factory's settings, LoRA r64
-    tiny_qwen_image_edit_plus  a random-weight tiny Qwen-Image-Edit-2509 editing two shipped sources per prompt
-    sana_nft        DiffusionNFT on SANA 1.5 1.6B (1024 px, CFG-free, Euler ODE sampler) with the paper's settings
-    tiny_sana       a random-weight tiny SANA pipeline (Gemma-2 text, DC-AE, linear-attention DiT), seconds
-    tiny_hunyuan_video15  a random-weight tiny HunyuanVideo 1.5 text-to-video pipeline, 5 frames, seconds
-    tiny_hunyuan_video15_i2v  a random-weight tiny HunyuanVideo 1.5 image-to-video animating the shipped sources
-
-The variants build on presets of config/variants/ (flow.py, video_edit.py), imported directly (they do not import
-config/grpo.py: no import circle).
+"""Issue 46's newest families beside flow.py's and video_edit.py's: multi-image editing on Qwen-Image-Edit-2509 /
+2511 (ddpo_group/diffusion/qwen_image_edit_plus.py), SANA (sana.py), HunyuanVideo 1.5 text- and image-to-video
+(hunyuan_video15.py); docs/next_families.md. They build on flow.py's and video_edit.py's presets.
 """
 
 from ddpo_group.config.variants.flow import _tiny_flow, sd35_nft
@@ -101,13 +89,3 @@ def tiny_hunyuan_video15_i2v():
     config.prompt_fn = "shapes_edits.jsonl"
     config.sample.resolution = 32
     return config
-
-
-NEXT_MISC_VARIANTS = {
-    "tiny_hunyuan_video15_i2v": tiny_hunyuan_video15_i2v,
-    "tiny_hunyuan_video15": tiny_hunyuan_video15,
-    "sana_nft": sana_nft,
-    "tiny_sana": tiny_sana,
-    "qwen_image_edit_plus": qwen_image_edit_plus,
-    "tiny_qwen_image_edit_plus": tiny_qwen_image_edit_plus,
-}

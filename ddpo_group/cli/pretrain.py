@@ -1,0 +1,674 @@
+"""Pretrain the tiny Stable Diffusion pipeline on the shapes world, on a CPU, offline.
+
+    python scripts/pretrain_tiny.py                       # 12-25 min on a CPU -> ddpo_group/assets/tiny_shapes
+    python scripts/pretrain_tiny.py --quick --output-dir /tmp/tiny   # seconds: smoke test
+    ddpo-group pretrain [the same flags]                  # the same command (scripts/pretrain_tiny.py wraps this module)
+
+One file, as it was as scripts/pretrain_tiny.py: the shapes and scenes worlds' pretraining share their steps.
+
+The architecture is ``ddpo_group.diffusion.tiny.build_tiny_pipeline`` (32x32 images,
+VAE scale factor 4, 4x8x8 latents, ~0.8M-parameter UNet, tiny CLIP text encoder). Data
+are (image, prompt) pairs rendered by ``ddpo_group.data.shapes.sample_dataset``.
+
+Stage 1, the VAE as an autoencoder: x in [-1, 1], z ~ q(z | x) = N(mu, sigma^2),
+
+    L_vae = mean (D(z) - x)^2 + kl_weight * KL(q(z | x) || N(0, I)) / dim(z)
+
+then ``vae.config.scaling_factor = 1 / std(z)`` over the data set, so that scaled latents
+have unit variance, as in Stable Diffusion.
+
+Stage 2, UNet and text encoder with the standard epsilon-prediction loss (DDPM):
+z0 = scaling_factor * z, t ~ U{0, ..., 999}, eps ~ N(0, I),
+z_t = sqrt(abar_t) z0 + sqrt(1 - abar_t) eps,
+
+    L_unet = mean (eps_theta(z_t, t, c) - eps)^2
+
+with the prompt c replaced by "" with probability ``cond_dropout`` (10%) so that
+classifier-free guidance works. AdamW, linear warmup then cosine decay, gradient clipping,
+an exponential moving average (EMA) of the weights, which is what gets saved.
+
+Finally the pipeline is sampled with DDIM (50 steps, guidance 5, eta 1) for the 108
+prompts and scored with ``shapes_alignment``; the directory gets the diffusers files
+(``save_pretrained``, safetensors) and ``pretrain_log.json`` (seconds per stage, final
+losses, steps, seed, evaluation). Seeded: the same seed and thread count give the same model.
+
+The shipped ``ddpo_group/assets/tiny_shapes`` is this script with its defaults (seed 0, 1500
+VAE steps, 3000 UNet steps, 1 thread): 456 s + 952 s on a shared 2-core machine, final
+VAE mse 0.0065, UNet loss 0.108, mean ``shapes_alignment`` 0.56 (DDIM 50 steps, guidance 5,
+eta 1), deliberately short of 1 so that RL fine-tuning has headroom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ddpo_group.diffusion.tiny import build_tiny_pipeline
+from ddpo_group.rewards.registry import resolve_reward
+from ddpo_group.data.shapes import sample_dataset, shapes_prompts
+
+shapes_alignment = resolve_reward("shapes_alignment")
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT_DIR = os.path.dirname(PACKAGE_DIR)
+ASSETS_DIR = os.path.join(PACKAGE_DIR, "assets")
+DEFAULT_OUTPUT_DIR = os.path.join(ASSETS_DIR, "tiny_shapes")
+
+
+def parse_args(argv=None, prog=None):
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", choices=("shapes", "scenes"), default="shapes",
+                        help="shapes: one shape per 32-px image (tiny-shapes); scenes: 1-4 shapes per 64-px image with "
+                             "GenEval captions (tiny-scenes, tiny-scenes-sd3)")
+    parser.add_argument("--arch", choices=("sd", "sd3"), default="sd",
+                        help="sd: UNet + DDIM (StableDiffusionPipeline); sd3: MMDiT flow matching (scenes world only)")
+    parser.add_argument("--output-dir", default=None,
+                        help="where the pipeline directory is written (default: ddpo_group/assets/tiny_shapes, "
+                             "tiny_scenes or tiny_scenes_sd3)")
+    parser.add_argument("--state-dir", default=None,
+                        help="scenes world: where the resumable state goes (default runs/pretrain_scenes_ARCH)")
+    parser.add_argument("--max-minutes", type=float, default=0.0,
+                        help="scenes world: stop after this many minutes, the state saved; the same command goes on "
+                             "(0: no limit)")
+    parser.add_argument("--checkpoint-every", type=int, default=250, help="scenes world: steps between saved states")
+    parser.add_argument("--stop-at-step", type=int, default=0,
+                        help="scenes world: stop when the denoiser stage reaches this step, the state saved (a schedule "
+                             "run in parts gives the same weights as one run; 0: run to the end)")
+    parser.add_argument("--vae-from", default=None,
+                        help="scenes world: take the VAE of this pipeline directory instead of training one")
+    parser.add_argument("--vae-crop", type=int, default=32, help="scenes world: the VAE trains on crops of this size")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dataset-size", type=int, default=20000, help="rendered (image, prompt) pairs")
+    parser.add_argument("--vae-steps", type=int, default=1500)
+    parser.add_argument("--vae-batch-size", type=int, default=32)
+    parser.add_argument("--vae-lr", type=float, default=2e-3)
+    parser.add_argument("--kl-weight", type=float, default=1e-3, help="weight of the per-dimension KL term")
+    parser.add_argument("--unet-steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=64, help="UNet batch size")
+    parser.add_argument("--unet-lr", type=float, default=1e-3)
+    parser.add_argument("--cond-dropout", type=float, default=0.1, help="probability of the empty prompt")
+    parser.add_argument("--ema-decay", type=float, default=0.999)
+    parser.add_argument("--warmup-steps", type=int, default=100)
+    parser.add_argument("--eval-steps", type=int, default=50, help="DDIM steps of the final evaluation (0: skip it)")
+    parser.add_argument("--eval-images-per-prompt", type=int, default=2)
+    parser.add_argument("--guidance-scale", type=float, default=5.0)
+    parser.add_argument("--eta", type=float, default=1.0)
+    parser.add_argument("--samples-path", default=None, help="optional PNG grid of evaluation samples")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; 1 (default) reproduces the shipped model and avoids oversubscription "
+                             "on a shared CPU; 0 keeps torch's default")
+    parser.add_argument("--quick", action="store_true", help="seconds-long smoke run (tiny step counts)")
+    args = parser.parse_args(argv)
+    scenes = args.world == "scenes"
+    if args.arch == "sd3" and not scenes:
+        parser.error("--arch sd3 is for --world scenes (the shapes world's tiny-shapes is a UNet)")
+    if scenes:  # the scenes world's defaults where the shapes world's were not overridden
+        for name, value in SCENES_DEFAULTS[args.arch].items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
+    elif args.output_dir is None:
+        args.output_dir = DEFAULT_OUTPUT_DIR
+    if args.quick:
+        args.dataset_size, args.vae_steps, args.unet_steps = 64, 3, 3
+        args.vae_batch_size, args.batch_size, args.warmup_steps = 8, 8, 1
+        args.eval_steps, args.eval_images_per_prompt = 2, 1
+    for name in ("dataset_size", "vae_batch_size", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 <= args.cond_dropout < 1.0:
+        raise ValueError(f"--cond-dropout must be in [0, 1), got {args.cond_dropout}")
+    return args
+
+
+# The scenes world's defaults (see docs/scenes.md for the measured times on this machine).
+SCENES_DEFAULTS = {
+    "sd3": {"dataset_size": 20000, "vae_steps": 2000, "unet_steps": 10000, "batch_size": 32, "unet_lr": 1e-3,
+            "eval_steps": 20, "eval_images_per_prompt": 4, "guidance_scale": 4.5},
+    "sd": {"dataset_size": 20000, "vae_steps": 2000, "unet_steps": 8000, "batch_size": 32, "unet_lr": 1e-3,
+           "eval_steps": 20, "eval_images_per_prompt": 4, "guidance_scale": 5.0},
+}
+
+
+def lr_lambda(warmup_steps: int, total_steps: int):
+    """Learning-rate factor: linear warmup to 1, then cosine decay to 0.1."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+@torch.no_grad()
+def ema_update(ema_params, params, decay: float, step: int) -> None:
+    """theta_ema <- d theta_ema + (1 - d) theta, with d = min(decay, (1 + step) / (10 + step))."""
+    d = min(decay, (1 + step) / (10 + step))
+    for ema, p in zip(ema_params, params):
+        ema.mul_(d).add_(p.detach(), alpha=1 - d)
+
+
+def vae_step(vae, posterior, x, optimizer, scheduler, kl_weight, generator, smooth) -> None:
+    """One step of stage 1 on the batch x and its posterior q(z | x) (module docstring's L_vae), gradients clipped
+    to norm 1; `smooth` (a dict) gets the moving averages of "loss", "mse" and "kl"."""
+    z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+    reconstruction = vae.decode(z).sample
+    mse = F.mse_loss(reconstruction, x)
+    kl = posterior.kl().mean() / z[0].numel()
+    loss = mse + kl_weight * kl
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    for key, value in (("loss", loss.item()), ("mse", mse.item()), ("kl", kl.item())):
+        smooth[key] = value if key not in smooth else 0.98 * smooth[key] + 0.02 * value
+
+
+def train_vae(vae, images: torch.Tensor, args, generator: torch.Generator) -> dict:
+    """Stage 1; images (N, 3, H, W) in [-1, 1]. Returns {"loss", "mse", "kl", "seconds", "steps"}."""
+    vae.train()
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.vae_steps))
+    start = time.time()
+    smooth = {}
+    progress = tqdm(range(args.vae_steps), desc="vae", dynamic_ncols=True, mininterval=2.0)
+    for step in progress:
+        idx = torch.randint(0, images.shape[0], (args.vae_batch_size,), generator=generator)
+        x = images[idx]
+        posterior = vae.encode(x).latent_dist
+        vae_step(vae, posterior, x, optimizer, scheduler, args.kl_weight, generator, smooth)
+        progress.set_postfix(mse=f"{smooth['mse']:.4f}", kl=f"{smooth['kl']:.2f}", refresh=False)
+    vae.eval()
+    return {**smooth, "seconds": time.time() - start, "steps": args.vae_steps}
+
+
+@torch.no_grad()
+def encode_dataset(vae, images: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Posterior mean and std of every image: (N, 4, h, w) each."""
+    means, stds = [], []
+    for i in range(0, images.shape[0], chunk):
+        posterior = vae.encode(images[i : i + chunk]).latent_dist
+        means.append(posterior.mean)
+        stds.append(posterior.std)
+    return torch.cat(means), torch.cat(stds)
+
+
+def train_unet(pipeline, latent_mean, latent_std, prompt_index, prompt_ids, args, generator) -> dict:
+    """Stage 2: epsilon-prediction loss on (latents, prompt) pairs, UNet + text encoder trained.
+
+    latent_mean / latent_std (N, 4, h, w) unscaled; prompt_index (N,) rows of prompt_ids
+    (P+1, L) whose last row is the empty prompt. The EMA weights are copied into the models
+    at the end. Returns {"loss", "seconds", "steps"}.
+    """
+    unet, text_encoder, noise_scheduler = pipeline.unet, pipeline.text_encoder, pipeline.scheduler
+    scaling_factor = pipeline.vae.config.scaling_factor
+    params = list(unet.parameters()) + list(text_encoder.parameters())
+    ema_params = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, lr=args.unet_lr, weight_decay=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.unet_steps))
+    alphas_cumprod = noise_scheduler.alphas_cumprod.to(torch.float32)
+    num_train_timesteps = noise_scheduler.config.num_train_timesteps
+    empty_row = prompt_ids.shape[0] - 1
+    unet.train()
+    text_encoder.train()
+    start = time.time()
+    smooth = None
+    progress = tqdm(range(args.unet_steps), desc="unet", dynamic_ncols=True, mininterval=2.0)
+    for step in progress:
+        idx = torch.randint(0, latent_mean.shape[0], (args.batch_size,), generator=generator)
+        z0 = latent_mean[idx] + latent_std[idx] * torch.randn(latent_mean[idx].shape, generator=generator)
+        z0 = z0 * scaling_factor
+        noise = torch.randn(z0.shape, generator=generator)
+        timesteps = torch.randint(0, num_train_timesteps, (args.batch_size,), generator=generator)
+        abar = alphas_cumprod[timesteps].view(-1, 1, 1, 1)
+        noisy = abar.sqrt() * z0 + (1 - abar).sqrt() * noise
+        rows = prompt_index[idx].clone()
+        rows[torch.rand(args.batch_size, generator=generator) < args.cond_dropout] = empty_row
+        prompt_embeds = text_encoder(prompt_ids[rows])[0]
+        prediction = unet(noisy, timesteps, prompt_embeds).sample
+        loss = F.mse_loss(prediction, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        ema_update(ema_params, params, args.ema_decay, step)
+        smooth = loss.item() if smooth is None else 0.99 * smooth + 0.01 * loss.item()
+        progress.set_postfix(loss=f"{smooth:.4f}", refresh=False)
+    with torch.no_grad():
+        for ema, p in zip(ema_params, params):
+            p.copy_(ema)
+    unet.eval()
+    text_encoder.eval()
+    return {"loss": smooth, "seconds": time.time() - start, "steps": args.unet_steps}
+
+
+@torch.no_grad()
+def evaluate(pipeline, args) -> dict:
+    """Mean shapes_alignment of DDIM samples (eval_steps, guidance_scale, eta) over the 108 prompts."""
+    records = shapes_prompts()
+    prompts = [r["prompt"] for r in records for _ in range(args.eval_images_per_prompt)]
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    start = time.time()
+    images = []
+    for i in tqdm(range(0, len(prompts), 108), desc="eval", dynamic_ncols=True):
+        output = pipeline(
+            prompts[i : i + 108],
+            num_inference_steps=args.eval_steps,
+            guidance_scale=args.guidance_scale,
+            eta=args.eta,
+            generator=generator,
+            output_type="pt",
+        )
+        images.append(output.images.float().cpu())
+    images = torch.cat(images)
+    rewards, components = shapes_alignment(images, prompts, [{} for _ in prompts])
+    per_prompt = rewards.reshape(len(records), args.eval_images_per_prompt).mean(axis=1)
+    result = {
+        "num_inference_steps": args.eval_steps,
+        "guidance_scale": args.guidance_scale,
+        "eta": args.eta,
+        "images_per_prompt": args.eval_images_per_prompt,
+        "seconds": time.time() - start,
+        "shapes_alignment_mean": float(rewards.mean()),
+        "shapes_alignment_std": float(rewards.std()),
+        "per_prompt_std": float(per_prompt.std()),
+        "per_prompt_min": float(per_prompt.min()),
+        "per_prompt_max": float(per_prompt.max()),
+        "components_mean": {name: float(value.mean()) for name, value in components.items()},
+        "by_attribute": {},
+        "per_prompt": {r["prompt"]: round(float(v), 4) for r, v in zip(records, per_prompt)},
+    }
+    for field in ("size", "color", "shape", "background"):
+        values = sorted({r[field] for r in records})
+        result["by_attribute"][field] = {
+            v: float(np.mean([s for r, s in zip(records, per_prompt) if r[field] == v])) for v in values
+        }
+    if args.samples_path:
+        save_grid(images, args.samples_path, columns=18)
+    return result
+
+
+def save_grid(images: torch.Tensor, path: str, columns: int) -> None:
+    """Write (N, 3, H, W) [0, 1] images as one PNG, ``columns`` per row."""
+    from PIL import Image
+
+    n, _, h, w = images.shape
+    rows = math.ceil(n / columns)
+    grid = np.zeros((rows * h, columns * w, 3), dtype=np.uint8)
+    array = (images.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+    for k in range(n):
+        r, c = divmod(k, columns)
+        grid[r * h : (r + 1) * h, c * w : (c + 1) * w] = array[k]
+    Image.fromarray(grid).save(path)
+
+
+def main(argv=None, prog=None) -> dict:
+    args = parse_args(argv, prog)
+    previous_threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _pretrain_scenes(args) if args.world == "scenes" else _pretrain(args)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _pretrain(args) -> dict:
+    torch.manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    pipeline = build_tiny_pipeline(seed=args.seed)
+
+    start = time.time()
+    images_uint8, prompts = sample_dataset(args.dataset_size, seed=args.seed)
+    images = torch.from_numpy(images_uint8).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    unique_prompts = [r["prompt"] for r in shapes_prompts()]
+    row_of = {p: i for i, p in enumerate(unique_prompts)}
+    prompt_index = torch.tensor([row_of[p] for p in prompts])
+    prompt_ids = pipeline.tokenizer(
+        unique_prompts + [""], padding="max_length", max_length=pipeline.tokenizer.model_max_length,
+        truncation=True, return_tensors="pt",
+    ).input_ids
+    data_seconds = time.time() - start
+
+    vae_stats = train_vae(pipeline.vae, images, args, generator)
+    latent_mean, latent_std = encode_dataset(pipeline.vae, images)
+    latents = latent_mean + latent_std * torch.randn(latent_mean.shape, generator=generator)
+    scaling_factor = float(1.0 / latents.std())
+    pipeline.vae.register_to_config(scaling_factor=scaling_factor)
+    del images
+
+    unet_stats = train_unet(pipeline, latent_mean, latent_std, prompt_index, prompt_ids, args, generator)
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    pipeline.save_pretrained(args.output_dir, safe_serialization=True)
+    evaluation = evaluate(pipeline, args) if args.eval_steps > 0 else None
+    log = {
+        "seed": args.seed,
+        "quick": args.quick,
+        "torch_threads": torch.get_num_threads(),
+        "dataset_size": args.dataset_size,
+        "data_seconds": data_seconds,
+        "vae": {**vae_stats, "batch_size": args.vae_batch_size, "lr": args.vae_lr, "kl_weight": args.kl_weight},
+        "scaling_factor": scaling_factor,
+        "unet": {**unet_stats, "batch_size": args.batch_size, "lr": args.unet_lr, "cond_dropout": args.cond_dropout,
+                 "ema_decay": args.ema_decay},
+        "evaluation": evaluation,
+    }
+    with open(os.path.join(args.output_dir, "pretrain_log.json"), "w") as f:
+        json.dump(log, f, indent=2)
+    summary = f"vae {vae_stats['seconds']:.0f}s mse {vae_stats['mse']:.4f} | unet {unet_stats['seconds']:.0f}s loss {unet_stats['loss']:.4f}"
+    if evaluation is not None:
+        summary += f" | shapes_alignment {evaluation['shapes_alignment_mean']:.3f}"
+    print(summary)
+    print(f"saved to {args.output_dir}")
+    return log
+
+
+# The scenes world (--world scenes): 64-px scenes of one to four shapes, GenEval captions, resumable.
+
+SCENES_DEFAULT_OUTPUT = {"sd3": "tiny_scenes_sd3", "sd": "tiny_scenes"}
+
+
+def atomic_save(obj, path: str) -> None:
+    """torch.save to a temporary beside `path`, then rename: a stop mid-write leaves the old file whole."""
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def flow_text_embeddings(pipeline, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SD3's conditioning as StableDiffusion3Pipeline.encode_prompt builds it without T5: each CLIP's
+    penultimate hidden states side by side (B, L, 64), then L zero tokens for the absent T5; pooled: the two
+    projections side by side (B, 64)."""
+    first = pipeline.text_encoder(ids, output_hidden_states=True)
+    second = pipeline.text_encoder_2(ids, output_hidden_states=True)
+    hidden = torch.cat([first.hidden_states[-2], second.hidden_states[-2]], dim=-1)
+    width = pipeline.transformer.config.joint_attention_dim
+    hidden = F.pad(hidden, (0, width - hidden.shape[-1]))
+    hidden = torch.cat([hidden, torch.zeros_like(hidden)], dim=1)
+    return hidden, torch.cat([first[0], second[0]], dim=-1)
+
+
+def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, generator) -> torch.Tensor:
+    """One batch's loss on scaled latents z0 (module docstring): epsilon prediction (sd) or flow matching (sd3)."""
+    noise = torch.randn(z0.shape, generator=generator)
+    n = z0.shape[0]
+    if arch == "sd":
+        timesteps = torch.randint(0, pipeline.scheduler.config.num_train_timesteps, (n,), generator=generator)
+        abar = pipeline.scheduler.alphas_cumprod.to(torch.float32)[timesteps].view(-1, 1, 1, 1)
+        noisy = abar.sqrt() * z0 + (1 - abar).sqrt() * noise
+        prediction = pipeline.unet(noisy, timesteps, pipeline.text_encoder(ids)[0]).sample
+        return F.mse_loss(prediction, noise)
+    sigma = torch.sigmoid(torch.randn(n, generator=generator)).view(-1, 1, 1, 1)  # logit-normal(0, 1)
+    noisy = (1 - sigma) * z0 + sigma * noise
+    hidden, pooled = flow_text_embeddings(pipeline, ids)
+    prediction = pipeline.transformer(noisy, encoder_hidden_states=hidden, pooled_projections=pooled,
+                                      timestep=sigma.view(-1) * 1000).sample
+    return F.mse_loss(prediction, noise - z0)
+
+
+class Stopped(Exception):
+    """The time budget ran out; the state is saved and the same command resumes."""
+
+
+def _scenes_paths(args):
+    output = args.output_dir or os.path.join(ASSETS_DIR, SCENES_DEFAULT_OUTPUT[args.arch])
+    state = args.state_dir or os.path.join(ROOT_DIR, "runs", f"pretrain_scenes_{args.arch}")
+    return output, state
+
+
+def _scenes_data(args, state_dir, pipeline):
+    """(images uint8 (N, 64, 64, 3), prompt rows (N,), unique prompts): rendered once, cached in the state dir."""
+    from ddpo_group.data.scenes import sample_dataset
+
+    path = os.path.join(state_dir, "data.npz")
+    if os.path.exists(path):
+        data = np.load(path, allow_pickle=False)
+        return data["images"], torch.from_numpy(data["rows"]), [str(p) for p in data["prompts"]]
+    images, prompts = sample_dataset(args.dataset_size, seed=args.seed)
+    unique = sorted(set(prompts))
+    row_of = {p: i for i, p in enumerate(unique)}
+    rows = np.asarray([row_of[p] for p in prompts], dtype=np.int64)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, images=images, rows=rows, prompts=np.asarray(unique))
+    os.replace(tmp, path)
+    return images, torch.from_numpy(rows), unique
+
+
+def _load_state(state_dir):
+    path = os.path.join(state_dir, "state.pt")
+    return torch.load(path, weights_only=True) if os.path.exists(path) else None
+
+
+def _train_scenes_vae(pipeline, images, args, state_dir, deadline) -> dict:
+    """Stage 1 on random 32x32 crops of the 64-px scenes (the VAE is convolutional; a crop costs a quarter)."""
+    vae = pipeline.vae
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.vae_steps))
+    generator = torch.Generator().manual_seed(args.seed)
+    start_step, smooth, seconds = 0, {}, 0.0
+    state = _load_state(state_dir)
+    if state is not None and state["stage"] == "vae":
+        vae.load_state_dict(state["vae"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        generator.set_state(state["generator"])
+        start_step, smooth, seconds = state["step"], state["smooth"], state["seconds"]
+    crop = args.vae_crop
+    size = images.shape[1]
+    vae.train()
+    began = time.time()
+    progress = tqdm(range(start_step, args.vae_steps), desc="vae", dynamic_ncols=True, mininterval=2.0,
+                    initial=start_step, total=args.vae_steps)
+
+    def save(step):
+        atomic_save({"stage": "vae", "step": step, "vae": vae.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict(), "generator": generator.get_state(), "smooth": smooth,
+                     "seconds": seconds + time.time() - began}, os.path.join(state_dir, "state.pt"))
+
+    for step in progress:
+        if time.time() > deadline:
+            save(step)
+            raise Stopped(f"vae step {step}")
+        idx = torch.randint(0, images.shape[0], (args.vae_batch_size,), generator=generator)
+        top, left = (int(v) for v in torch.randint(0, size - crop + 1, (2,), generator=generator))
+        x = torch.from_numpy(images[idx.numpy()][:, top : top + crop, left : left + crop]).permute(0, 3, 1, 2)
+        x = x.float() / 127.5 - 1.0
+        vae_step(vae, vae.encode(x).latent_dist, x, optimizer, scheduler, args.kl_weight, generator, smooth)
+        progress.set_postfix(mse=f"{smooth['mse']:.4f}", refresh=False)
+        if (step + 1) % args.checkpoint_every == 0:
+            save(step + 1)
+    vae.eval()
+    return {**smooth, "seconds": seconds + time.time() - began, "steps": args.vae_steps, "crop": crop}
+
+
+@torch.no_grad()
+def _scenes_latents(vae, images, chunk=64):
+    means, stds = [], []
+    for i in tqdm(range(0, len(images), chunk), desc="encode", dynamic_ncols=True, mininterval=2.0):
+        x = torch.from_numpy(images[i : i + chunk]).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        posterior = vae.encode(x).latent_dist
+        means.append(posterior.mean)
+        stds.append(posterior.std)
+    return torch.cat(means), torch.cat(stds)
+
+
+def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir, deadline, previous, vae_stats) -> dict:
+    """Stage 2 (module docstring), resumable; the EMA weights are copied into the models at the end."""
+    denoiser = pipeline.transformer if args.arch == "sd3" else pipeline.unet
+    encoders = [pipeline.text_encoder] + ([pipeline.text_encoder_2] if args.arch == "sd3" else [])
+    modules = [denoiser] + encoders
+    params = [p for m in modules for p in m.parameters()]
+    ema_params = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, lr=args.unet_lr, weight_decay=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.unet_steps))
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    latent_mean, latent_std = latents
+    start_step, smooth, seconds = 0, None, 0.0
+    if previous is not None and previous["stage"] == "denoiser":
+        for module, weights in zip(modules, previous["modules"]):
+            module.load_state_dict(weights)
+        for ema, saved in zip(ema_params, previous["ema"]):
+            ema.copy_(saved)
+        optimizer.load_state_dict(previous["optimizer"])
+        scheduler.load_state_dict(previous["scheduler"])
+        generator.set_state(previous["generator"])
+        start_step, smooth, seconds = previous["step"], previous["smooth"], previous["seconds"]
+    scaling = pipeline.vae.config.scaling_factor
+    shift = pipeline.vae.config.shift_factor or 0.0
+    empty_row = prompt_ids.shape[0] - 1
+    for module in modules:
+        module.train()
+    began = time.time()
+
+    def save(step):
+        atomic_save({"stage": "denoiser", "step": step, "vae": pipeline.vae.state_dict(),
+                     "vae_config": dict(pipeline.vae.config), "modules": [m.state_dict() for m in modules],
+                     "ema": ema_params, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                     "generator": generator.get_state(), "smooth": smooth, "seconds": seconds + time.time() - began,
+                     "vae_stats": vae_stats},
+                    os.path.join(state_dir, "state.pt"))
+
+    progress = tqdm(range(start_step, args.unet_steps), desc=args.arch, dynamic_ncols=True, mininterval=2.0,
+                    initial=start_step, total=args.unet_steps)
+    for step in progress:
+        if time.time() > deadline or (args.stop_at_step and step == args.stop_at_step):
+            save(step)
+            raise Stopped(f"{args.arch} step {step}")
+        idx = torch.randint(0, latent_mean.shape[0], (args.batch_size,), generator=generator)
+        z = latent_mean[idx] + latent_std[idx] * torch.randn(latent_mean[idx].shape, generator=generator)
+        z0 = (z - shift) * scaling
+        batch_rows = rows[idx].clone()
+        batch_rows[torch.rand(args.batch_size, generator=generator) < args.cond_dropout] = empty_row
+        loss = denoiser_loss(pipeline, args.arch, z0, prompt_ids[batch_rows], generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        ema_update(ema_params, params, args.ema_decay, step)
+        smooth = loss.item() if smooth is None else 0.99 * smooth + 0.01 * loss.item()
+        progress.set_postfix(loss=f"{smooth:.4f}", refresh=False)
+        if (step + 1) % args.checkpoint_every == 0:
+            save(step + 1)
+    save(args.unet_steps)
+    with torch.no_grad():
+        for ema, p in zip(ema_params, params):
+            p.copy_(ema)
+    for module in modules:
+        module.eval()
+    return {"loss": smooth, "seconds": seconds + time.time() - began, "steps": args.unet_steps}
+
+
+@torch.no_grad()
+def evaluate_scenes(pipeline, args) -> dict:
+    """GenEval's six-tag table of the pipeline on the held-out set (assets/prompts/geneval_scenes.jsonl),
+    ``eval_images_per_prompt`` images per record, the exact shapes-world detector."""
+    from ddpo_group.rewards.geneval.metadata import read_metadata
+    from ddpo_group.rewards.geneval.protocol import GenEvalScorer, format_table, summarize
+    from ddpo_group.rewards.geneval.shapes_scenes import ShapesColorClassifier, ShapesDetector
+    from ddpo_group.data.scenes import evaluation_prompts_path
+
+    records = [r for r in read_metadata(evaluation_prompts_path()) for _ in range(args.eval_images_per_prompt)]
+    generator = torch.Generator().manual_seed(args.seed + 2)
+    start = time.time()
+    kwargs = {} if args.arch == "sd3" else {"eta": args.eta}
+    images = []
+    for i in tqdm(range(0, len(records), 50), desc="eval", dynamic_ncols=True):
+        batch = [r["prompt"] for r in records[i : i + 50]]
+        output = pipeline(batch, num_inference_steps=args.eval_steps, guidance_scale=args.guidance_scale,
+                          generator=generator, output_type="np", **kwargs)
+        images.append((np.clip(output.images, 0, 1) * 255).round().astype(np.uint8))
+    images = np.concatenate(images)
+    results = GenEvalScorer(ShapesDetector(), ShapesColorClassifier()).score(images, records)
+    summary = summarize(results)
+    print(format_table(summary))
+    if args.samples_path:
+        save_grid(torch.from_numpy(images[:: args.eval_images_per_prompt][:64]).permute(0, 3, 1, 2).float() / 255,
+                  args.samples_path, columns=8)
+    return {"num_inference_steps": args.eval_steps, "guidance_scale": args.guidance_scale,
+            "eta": args.eta if args.arch == "sd" else None, "images_per_prompt": args.eval_images_per_prompt,
+            "seconds": time.time() - start, "overall": summary["overall"],
+            "tags": {tag: row["score"] for tag, row in summary["tags"].items()}, "summary": summary}
+
+
+def _pretrain_scenes(args) -> dict:
+    from ddpo_group.diffusion.tiny import build_tiny_scenes_pipeline
+    from ddpo_group.data.scenes import SCENE_WORDS
+
+    output_dir, state_dir = _scenes_paths(args)
+    os.makedirs(state_dir, exist_ok=True)
+    deadline = time.time() + args.max_minutes * 60 if args.max_minutes else math.inf
+    torch.manual_seed(args.seed)
+    pipeline = build_tiny_scenes_pipeline(SCENE_WORDS, args.arch, seed=args.seed)
+    start = time.time()
+    images, rows, unique_prompts = _scenes_data(args, state_dir, pipeline)
+    prompt_ids = pipeline.tokenizer(unique_prompts + [""], padding="max_length",
+                                    max_length=pipeline.tokenizer.model_max_length, truncation=True,
+                                    return_tensors="pt").input_ids
+    data_seconds = time.time() - start
+    state = _load_state(state_dir)
+    try:
+        if state is not None and state["stage"] == "denoiser":
+            pipeline.vae.load_state_dict(state["vae"])
+            pipeline.vae.register_to_config(scaling_factor=state["vae_config"]["scaling_factor"],
+                                            shift_factor=state["vae_config"]["shift_factor"])
+            vae_stats = state["vae_stats"]
+        elif args.vae_from:
+            from diffusers import AutoencoderKL
+
+            trained = AutoencoderKL.from_pretrained(os.path.join(args.vae_from, "vae"), local_files_only=True)
+            pipeline.vae.load_state_dict(trained.state_dict())
+            vae_stats = {"from": os.path.relpath(os.path.abspath(args.vae_from), ROOT_DIR)}
+        else:
+            vae_stats = _train_scenes_vae(pipeline, images, args, state_dir, deadline)
+        latents_path = os.path.join(state_dir, "latents.pt")
+        if os.path.exists(latents_path) and state is not None and state["stage"] == "denoiser":
+            latent_mean, latent_std = torch.load(latents_path, weights_only=True)
+        else:
+            latent_mean, latent_std = _scenes_latents(pipeline.vae, images)
+            atomic_save((latent_mean, latent_std), latents_path)
+            sample = latent_mean + latent_std * torch.randn(latent_mean.shape, generator=torch.Generator().manual_seed(args.seed))
+            # SD3 / FLUX convention: latents = (z - shift) * scaling with unit variance; SD: no shift
+            shift = float(sample.mean()) if args.arch == "sd3" else None
+            scaling = float(1.0 / (sample - (shift or 0.0)).std())
+            pipeline.vae.register_to_config(scaling_factor=scaling, shift_factor=shift)
+            state = {"stage": "denoiser", "step": 0, "vae_stats": vae_stats, "fresh": True}
+        del images
+        unet_stats = _train_scenes_denoiser(pipeline, args, (latent_mean, latent_std), rows, prompt_ids, state_dir,
+                                            deadline, None if state.get("fresh") else state, vae_stats)
+    except Stopped as stop:
+        print(f"stopped at {stop}; the state is in {state_dir}: run the same command (without --stop-at-step) "
+              "again to go on")
+        return {"stopped": str(stop)}
+    os.makedirs(output_dir, exist_ok=True)
+    pipeline.save_pretrained(output_dir, safe_serialization=True)
+    evaluation = evaluate_scenes(pipeline, args) if args.eval_steps > 0 else None
+    log = {
+        "world": "scenes", "arch": args.arch, "seed": args.seed, "quick": args.quick,
+        "torch_threads": torch.get_num_threads(), "dataset_size": args.dataset_size, "data_seconds": data_seconds,
+        "machine": platform.processor() or platform.machine(),
+        "vae": {**(vae_stats or {}), "batch_size": args.vae_batch_size, "lr": args.vae_lr, "kl_weight": args.kl_weight},
+        "scaling_factor": pipeline.vae.config.scaling_factor, "shift_factor": pipeline.vae.config.shift_factor,
+        "denoiser": {**unet_stats, "batch_size": args.batch_size, "lr": args.unet_lr, "cond_dropout": args.cond_dropout,
+                     "ema_decay": args.ema_decay},
+        "evaluation": evaluation,
+    }
+    tmp = os.path.join(output_dir, "pretrain_log.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(log, f, indent=2)
+    os.replace(tmp, os.path.join(output_dir, "pretrain_log.json"))
+    print(f"saved to {output_dir}")
+    return log
+
