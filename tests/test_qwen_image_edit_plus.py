@@ -21,7 +21,7 @@ from ddpo_group.data.edit_sources import reward_metadata, source_images
 from ddpo_group.data.prompts import load_prompts
 from ddpo_group.diffusion.base import Trajectories
 from ddpo_group.diffusion.policy import family_for_model, policy_for
-from ddpo_group.diffusion.qwen_image_edit_plus import (
+from ddpo_group.diffusion.qwen_image import (
     QwenImageEditPlusPolicy,
     build_tiny_qwen_image_edit_plus_pipeline,
 )

@@ -20,8 +20,8 @@ What follows diffusers' ``pipelines/hunyuan_video1_5/pipeline_hunyuan_video1_5.p
 - decode: ``vae.decode(latents / scaling_factor)``, videos (B, F, 3, H, W) in [0, 1], one video per VAE call (the
   VAE's mid-block attention in diffusers 0.42 takes a batch of one: its causal mask does not broadcast over more).
 
-Everything video (``resolution``, ``num_frames``, the critic's sizes, the rewards' frames) is Wan's (``wan.py``:
-``WanPolicy``), whose video handling this family reuses. The image-to-video pipeline
+Everything video (``resolution``, ``num_frames``, the critic's sizes, the rewards' frames) is as Wan's (``wan.py``):
+samples are videos (B, F, 3, H, W), latents (B, C, f, h, w). The image-to-video pipeline
 (``HunyuanVideo15ImageToVideoPipeline``) is not a family here yet.
 """
 
@@ -41,15 +41,15 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retri
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, created_in, seeded
-from ddpo_group.diffusion.wan import WanPolicy
+from ddpo_group.diffusion.tiny import IMAGE_SIZE, created_in, seeded
+from ddpo_group.diffusion.tiny_chat import build_tiny_chat_tokenizer
 
 DEFAULT_NUM_FRAMES = 121  # HunyuanVideo15Pipeline.__call__'s default
 TINY_NUM_FRAMES = 5
 
 
 @register_family("hunyuan_video15")
-class HunyuanVideo15Policy(WanPolicy):
+class HunyuanVideo15Policy(FlowMatchingPolicy):
     """HunyuanVideo 1.5 text-to-video (``HunyuanVideo15Pipeline``): Qwen2.5-VL and ByT5 text, zero image and
     condition inputs, CFG with two calls, Euler / SDE steps on the scheduler's shifted grid (module docstring)."""
 
@@ -58,15 +58,46 @@ class HunyuanVideo15Policy(WanPolicy):
     offline_models = ("tiny-hunyuan-video15", "random-hunyuan-video15-480p")
     default_max_sequence_length = 1000  # the pipeline's tokenizer_max_length
     patch_multiple = 1
+    video = True
     shard_blocks = ("transformer_blocks",)
 
     def __init__(self, pipeline):
-        super().__init__(pipeline)
+        # FlowMatchingPolicy.__init__ reads an image pipeline's default_sample_size; this one makes (H, W) videos
+        super(FlowMatchingPolicy, self).__init__(pipeline)
+        self.sde_type = "sde"
+        self.cps_log_prob = "normalized"
+        self.flow_grid, self.flow_grid_shift = "pipeline", 3.0
         self.max_sequence_length = getattr(pipeline, "tokenizer_max_length", self.default_max_sequence_length)
         side = getattr(pipeline, "target_size", 480)
         self.height = getattr(pipeline, "default_height", side)
         self.width = getattr(pipeline, "default_width", side)
         self.num_frames = getattr(pipeline, "default_num_frames", DEFAULT_NUM_FRAMES)
+
+    @property
+    def resolution(self):
+        """The frame side for a square video (config.sample.resolution); the height for another shape."""
+        return self.height
+
+    @resolution.setter
+    def resolution(self, side):
+        self.height = self.width = side
+
+    def configure_frames(self, num_frames):
+        """config.sample.num_frames F (0: the model's default): F - 1 must be a multiple of the VAE's temporal factor."""
+        if not num_frames:
+            return
+        temporal = self.pipeline.vae_scale_factor_temporal
+        if num_frames < 1 or (num_frames - 1) % temporal:
+            raise ValueError(
+                f"config.sample.num_frames={num_frames}: this HunyuanVideo 1.5 model takes 1 + {temporal} k frames "
+                f"(e.g. {1 + temporal * max(1, (num_frames - 1) // temporal)})"
+            )
+        self.num_frames = int(num_frames)
+
+    def _initial_latents(self, batch_size, device, generator):
+        return self.pipeline.prepare_latents(
+            batch_size, self.latent_channels, self.height, self.width, self.num_frames, torch.float32, device, generator
+        )
 
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):
@@ -198,6 +229,13 @@ CHAT_TEMPLATE = (  # ChatML, the format of Qwen2.5's template (no tools, no imag
 )
 
 
+def _tiny_tokenizer():
+    """The tiny chat tokenizer (``tiny_chat``) with ChatML's markers and template; the words of the pipeline's system
+    message that are not shapes-world words are spelled out byte by byte (its system turn is a few hundred tokens,
+    cropped as Qwen's 108 are)."""
+    return build_tiny_chat_tokenizer(CHAT_TEMPLATE, ("<|im_start|>", "<|im_end|>"), ("You", "helpful", "assistant", "video"))
+
+
 def build_tiny_hunyuan_video15_pipeline(seed=0):
     """A HunyuanVideo15Pipeline with random weights drawn from ``seed`` (CPU, float32), built offline.
 
@@ -215,10 +253,7 @@ def build_tiny_hunyuan_video15_pipeline(seed=0):
     """
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
-    from ddpo_group.diffusion.qwen_image import build_tiny_qwen_tokenizer
-
-    tokenizer = build_tiny_qwen_tokenizer(tuple(TOKENIZER_WORDS) + ("You", "helpful", "assistant", "video"))
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = _tiny_tokenizer()
     tokenizer_2 = ByT5Tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -269,10 +304,7 @@ def build_random_hunyuan_video15_pipeline(seed=0, torch_dtype=torch.float32):
     x 480, 33 frames. For benchmarks/gpu_check.py: its numbers are HunyuanVideo 1.5's cost, its videos mean nothing."""
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
-    from ddpo_group.diffusion.qwen_image import build_tiny_qwen_tokenizer
-
-    tokenizer = build_tiny_qwen_tokenizer(tuple(TOKENIZER_WORDS) + ("You", "helpful", "assistant", "video"))
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = _tiny_tokenizer()
     tokenizer_2 = ByT5Tokenizer()
     with seeded(seed), created_in(torch_dtype):
         transformer = HunyuanVideo15Transformer3DModel(task_type="t2v")

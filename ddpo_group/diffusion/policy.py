@@ -17,7 +17,7 @@ Imports go one way (docs/architecture.md): this module -> the families -> ``base
 from ddpo_group.diffusion import flux, qwen_image, sd, sd3, wan  # noqa: F401  the registration lines (one per family)
 from ddpo_group.diffusion import flux2  # noqa: F401  FLUX.2 [dev] and [klein]
 from ddpo_group.diffusion import zimage  # noqa: F401  Z-Image and Z-Image-Turbo
-from ddpo_group.diffusion import hunyuan_video15, qwen_image_edit_plus, sana  # noqa: F401  issue 46
+from ddpo_group.diffusion import hunyuan_video15, sana  # noqa: F401  issue 46 (Qwen-Image-Edit-2509: in qwen_image)
 from ddpo_group.diffusion.base import FAMILIES, DiffusionPolicy, register_family  # noqa: F401  (re-exported)
 
 

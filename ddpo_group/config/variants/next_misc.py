@@ -1,5 +1,5 @@
 """Issue 46's newest families beside flow.py's and video_edit.py's: multi-image editing on Qwen-Image-Edit-2509 /
-2511 (ddpo_group/diffusion/qwen_image_edit_plus.py), SANA (sana.py), HunyuanVideo 1.5 text- and image-to-video
+2511 (ddpo_group/diffusion/qwen_image.py), SANA (sana.py), HunyuanVideo 1.5 text- and image-to-video
 (hunyuan_video15.py); docs/next_families.md. They build on flow.py's and video_edit.py's presets.
 """
 
