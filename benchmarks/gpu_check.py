@@ -30,8 +30,10 @@ the loading route of "random-sd15"):
     zimage, zimage-turbo  "random-zimage": Z-Image (transformer 6.2B: 30 layers of 3840), FLUX.1's VAE, a 3-layer
               Qwen3 of width 2560; the `zimage` (10 steps, CFG 5) / `zimage_turbo` (8 steps, no CFG) presets' sampling,
               512 px; pipeline(...) gets guidance_scale w - 1 (ZImagePipeline's g of pos + g (pos - neg))
-    tiny, tiny-sd3, tiny-flux, tiny-wan, tiny-sdxl, tiny-flux2, tiny-zimage   the tiny offline models: the same code
-              path in seconds on a CPU
+    sana      "random-sana-1600m": SANA 1600M (transformer 1.60B: 20 blocks of 70 x 32 linear attention; the DC-AE f32c32
+              0.31B), a 1-layer Gemma-2 of the real width 2304; Flow-GRPO's sampling (`sd35`'s) at 1024 px
+    tiny, tiny-sd3, tiny-flux, tiny-wan, tiny-sdxl, tiny-flux2, tiny-zimage, tiny-sana   the tiny offline models: the
+              same code path in seconds on a CPU
 
 Rewards on random weights mean nothing, so precision, exactness, speed and memory are checked. For each
 architecture and dtype:
@@ -144,6 +146,13 @@ ARCHS = {
     "tiny-flux2": dict(model="tiny-flux2", flow="flux2", resolution=0, sample_steps=8, max_sequence_length=64),
     "tiny-zimage": dict(model="tiny-zimage", flow="zimage", resolution=0, sample_steps=10, max_sequence_length=32,
                         pipeline_guidance_offset=-1.0),
+    # SANA 1600M at its 1024 px (random-sana-1600m: the published transformer and DC-AE) with Flow-GRPO's sampling
+    # (the sd35 preset's: sde, eta 0.7, CFG 4.5; SANA's own preset sana_nft samples without noise, which GRPO cannot
+    # train); pipeline(...) without its aspect-ratio bins, at the sampled size
+    "sana": dict(model="random-sana-1600m", flow="sd35", resolution=1024, sample_steps=10, max_sequence_length=300,
+                 pipeline_kwargs={"use_resolution_binning": False}),
+    "tiny-sana": dict(model="tiny-sana", flow="sd35", resolution=0, sample_steps=10, max_sequence_length=16,
+                      pipeline_kwargs={"use_resolution_binning": False}),
 }
 FLOW_SAMPLE_FIELDS = ("sde_type", "eta", "guidance_scale", "max_sequence_length", "cps_log_prob", "flow_grid",
                       "flow_grid_shift", "num_frames")
@@ -235,6 +244,7 @@ def check_sampling(spec, device, dtype, batch, repeats=1):
 
         if spec.get("video"):  # WanPipeline: frames, and the videos in .frames
             call["num_frames"] = policy.num_frames
+        call.update(spec.get("pipeline_kwargs", {}))
 
         def theirs():
             # by name (Flux2Pipeline's first argument is its reference image), a copy (ZImagePipeline edits the list)

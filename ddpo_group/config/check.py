@@ -59,13 +59,15 @@ def _check_edit_prompts(config, field, records):
     """An editing model's prompts carry readable source images of the run's resolution; other models' carry none
     (ddpo_group/data/edit_sources.py); checked before any model loads (the family is known by the model's name)."""
     from ddpo_group.diffusion.policy import family_for_model
-    from ddpo_group.data.edit_sources import SOURCE_FIELD, check_edit_prompts
+    from ddpo_group.data.edit_sources import check_edit_prompts, record_sources
 
-    editing = getattr(family_for_model(config.pretrained.model), "conditions_on_images", False)
-    if not editing and not any(SOURCE_FIELD in record.metadata for record in records):
+    family = family_for_model(config.pretrained.model)
+    editing = getattr(family, "conditions_on_images", False)
+    if not editing and not any(record_sources(record.metadata) for record in records):
         return
     try:
-        check_edit_prompts(records, editing, config.sample.resolution, field, config.pretrained.model)
+        check_edit_prompts(records, editing, config.sample.resolution, field, config.pretrained.model,
+                           getattr(family, "max_source_images", 1))
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

@@ -61,6 +61,12 @@ their map. A variant is read against the ones it derives from (tiny_* from tiny,
     tiny_flux2_klein  a random-weight tiny FLUX.2 [klein] (tiny Qwen3 in memory, true CFG), seconds
     tiny_zimage     a random-weight tiny Z-Image (tiny Qwen3 in memory, CFG), seconds; tests and smoke runs
     tiny_zimage_turbo  zimage_turbo's sampling and KL on the random-weight tiny Z-Image, seconds
+    qwen_image_edit_plus  GRPO multi-image editing on Qwen-Image-Edit-2509 with Flow-Factory's settings, LoRA r64
+    tiny_qwen_image_edit_plus  a random-weight tiny Qwen-Image-Edit-2509 editing two shipped sources per prompt
+    sana_nft        DiffusionNFT on SANA 1.5 1.6B (1024 px, CFG-free, Euler ODE sampler) with the paper's settings
+    tiny_sana       a random-weight tiny SANA pipeline (Gemma-2 text, DC-AE, linear-attention DiT), seconds
+    tiny_hunyuan_video15  a random-weight tiny HunyuanVideo 1.5 text-to-video pipeline, 5 frames, seconds
+    tiny_hunyuan_video15_i2v  a random-weight tiny HunyuanVideo 1.5 image-to-video animating the shipped sources
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
 tiny_early_window, tiny_window4, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed: the main job's
@@ -89,6 +95,14 @@ from ddpo_group.config.variants.flow import (  # noqa: F401
     tiny_zimage_turbo,
     zimage,
     zimage_turbo,
+)
+from ddpo_group.config.variants.next_misc import (  # noqa: F401
+    qwen_image_edit_plus,
+    sana_nft,
+    tiny_hunyuan_video15,
+    tiny_hunyuan_video15_i2v,
+    tiny_qwen_image_edit_plus,
+    tiny_sana,
 )
 from ddpo_group.config.variants.sd import ddpo, group_ppo, group_ppo_alg2, sd15, sdxl, tiny_sdxl
 from ddpo_group.config.variants.tasks import (  # noqa: F401
@@ -196,6 +210,12 @@ VARIANTS = {
     "tiny_flux2_klein": tiny_flux2_klein,
     "tiny_zimage": tiny_zimage,
     "tiny_zimage_turbo": tiny_zimage_turbo,
+    "qwen_image_edit_plus": qwen_image_edit_plus,
+    "tiny_qwen_image_edit_plus": tiny_qwen_image_edit_plus,
+    "sana_nft": sana_nft,
+    "tiny_sana": tiny_sana,
+    "tiny_hunyuan_video15": tiny_hunyuan_video15,
+    "tiny_hunyuan_video15_i2v": tiny_hunyuan_video15_i2v,
 }
 
 

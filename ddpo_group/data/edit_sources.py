@@ -5,14 +5,20 @@ image per prompt. A prompt record names it in its metadata (docs/editing.md):
 
     {"prompt": "make the circle blue", "source_image": "sources/red_circle.png"}
 
-a path relative to the prompt file (``prompts.py`` makes it absolute when it reads the file). The image must be
+a path relative to the prompt file (``prompts.py`` makes it absolute when it reads the file). A family that edits
+several sources per prompt (Qwen-Image-Edit-2509 / 2511: its ``max_source_images`` > 1) reads the field
+``source_images``, a list of such paths ("Picture 1", "Picture 2", ... in order; ``source_image`` counts as a list of
+one), the same number for every prompt of a run. The image must be
 an RGB(A) / grayscale file PIL reads, of exactly the sampled resolution (sample.resolution) on both sides: the
 edit is compared pixel for pixel with its source, so nothing is resized silently.
 
-- ``source_images(records)`` (B, 3, H, W) float32 in [0, 1] on the CPU, or None when no record has one: what
-  ``policy.sample(..., source_images=...)`` encodes into the trajectories' conditioning;
+- ``source_images(records)`` (B, 3, H, W) float32 in [0, 1] on the CPU ((B, K, 3, H, W) when the records use
+  ``source_images``), or None when no record has one: what ``policy.sample(..., source_images=...)`` encodes into
+  the trajectories' conditioning;
 - ``reward_metadata(metadata, sources)``: the rewards' metadata, with ``source_image`` the image itself, a float32
-  CPU tensor (3, H, W) in [0, 1], and ``source_image_path`` its path (the reward contract, rewards/base.py);
+  CPU tensor (3, H, W) in [0, 1], and ``source_image_path`` its path (the reward contract, rewards/base.py); with
+  several sources, ``source_images`` the list of K such tensors and ``source_image_paths`` their paths
+  (``source_image`` / ``source_image_path``: the first);
 - ``check_edit_prompts(records, ...)``: one-line errors naming the field and the record before any model loads.
 
 Imports nothing of the package.
@@ -28,19 +34,38 @@ import torch
 
 SOURCE_FIELD = "source_image"
 SOURCE_PATH_FIELD = "source_image_path"
+SOURCES_FIELD = "source_images"
+SOURCE_PATHS_FIELD = "source_image_paths"
 
 
-def resolve_source_path(metadata: dict, prompt_file: str, where: str) -> None:
-    """Make metadata['source_image'] absolute, relative to the prompt file's directory (in place)."""
-    if SOURCE_FIELD not in metadata:
-        return
-    path = metadata[SOURCE_FIELD]
+def _resolve(path, prompt_file: str, where: str, field: str) -> str:
     if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{where}: field '{SOURCE_FIELD}' must be a path to an image file, got {path!r}")
+        raise ValueError(f"{where}: field '{field}' must be a path to an image file, got {path!r}")
     path = os.path.expanduser(path)
     if not os.path.isabs(path):
         path = os.path.join(os.path.dirname(os.path.abspath(prompt_file)), path)
-    metadata[SOURCE_FIELD] = os.path.normpath(path)
+    return os.path.normpath(path)
+
+
+def resolve_source_path(metadata: dict, prompt_file: str, where: str) -> None:
+    """Make metadata['source_image'] (and each path of metadata['source_images']) absolute, relative to the prompt
+    file's directory (in place)."""
+    if SOURCE_FIELD in metadata and SOURCES_FIELD in metadata:
+        raise ValueError(f"{where}: give either the field '{SOURCE_FIELD}' or '{SOURCES_FIELD}', not both")
+    if SOURCE_FIELD in metadata:
+        metadata[SOURCE_FIELD] = _resolve(metadata[SOURCE_FIELD], prompt_file, where, SOURCE_FIELD)
+    if SOURCES_FIELD in metadata:
+        paths = metadata[SOURCES_FIELD]
+        if not isinstance(paths, list) or not paths:
+            raise ValueError(f"{where}: field '{SOURCES_FIELD}' must be a non-empty list of image paths, got {paths!r}")
+        metadata[SOURCES_FIELD] = [_resolve(path, prompt_file, where, SOURCES_FIELD) for path in paths]
+
+
+def record_sources(metadata: dict) -> list | None:
+    """A record's source paths: its 'source_images' list, its 'source_image' as a list of one, None when it has none."""
+    if SOURCES_FIELD in metadata:
+        return list(metadata[SOURCES_FIELD])
+    return [metadata[SOURCE_FIELD]] if SOURCE_FIELD in metadata else None
 
 
 @lru_cache(maxsize=512)
@@ -53,7 +78,7 @@ def _read_uint8(path: str, mtime: float) -> torch.Tensor:
     return torch.from_numpy(pixels.copy()).permute(2, 0, 1).contiguous()
 
 
-def read_source_image(path: str, where: str = "", resolution: int = 0) -> torch.Tensor:
+def read_source_image(path: str, where: str = "", resolution: int = 0, field: str = SOURCE_FIELD) -> torch.Tensor:
     """(3, H, W) float32 in [0, 1] of the source image at `path`; ValueError naming the field and the file when it
     is not a regular file (a FIFO would block the read), cannot be read (PIL's decompression-bomb limit included)
     or (resolution > 0) is not resolution x resolution."""
@@ -61,23 +86,26 @@ def read_source_image(path: str, where: str = "", resolution: int = 0) -> torch.
 
     prefix = f"{where}: " if where else ""
     if os.path.exists(path) and not os.path.isfile(path):
-        raise ValueError(f"{prefix}field '{SOURCE_FIELD}' {path!r} is not a regular file; give an image file")
+        raise ValueError(f"{prefix}field '{field}' {path!r} is not a regular file; give an image file")
     try:
         pixels = _read_uint8(path, os.path.getmtime(path))
     except (OSError, ValueError, Image.DecompressionBombError) as err:
         raise ValueError(
-            f"{prefix}field '{SOURCE_FIELD}' {path!r} cannot be read as an image ({type(err).__name__}: {err})"
+            f"{prefix}field '{field}' {path!r} cannot be read as an image ({type(err).__name__}: {err})"
         ) from None
     if resolution and tuple(pixels.shape[1:]) != (resolution, resolution):
         raise ValueError(
-            f"{prefix}field '{SOURCE_FIELD}' {path!r} is {pixels.shape[2]}x{pixels.shape[1]} pixels; "
+            f"{prefix}field '{field}' {path!r} is {pixels.shape[2]}x{pixels.shape[1]} pixels; "
             f"config.sample.resolution is {resolution}: give a {resolution}x{resolution} source image"
         )
     return pixels.float() / 255.0
 
 
 def source_images(records, resolution: int = 0) -> torch.Tensor | None:
-    """(B, 3, H, W) float32 in [0, 1] of the records' source images, None when no record has one."""
+    """(B, 3, H, W) float32 in [0, 1] of the records' source images, None when no record has one; (B, K, 3, H, W)
+    when a record names its sources in the field 'source_images' (K per record, the same for all)."""
+    if any(SOURCES_FIELD in record.metadata for record in records):
+        return _several_sources(records, resolution)
     paths = [record.metadata.get(SOURCE_FIELD) for record in records]
     if all(path is None for path in paths):
         return None
@@ -93,11 +121,40 @@ def source_images(records, resolution: int = 0) -> torch.Tensor | None:
     return torch.stack(images)
 
 
+def _several_sources(records, resolution: int) -> torch.Tensor:
+    """(B, K, 3, H, W) of records with K sources each ('source_images', or 'source_image' as one)."""
+    lists = [record_sources(record.metadata) for record in records]
+    for record, paths in zip(records, lists):
+        if paths is None:
+            raise ValueError(f"prompt {record.prompt!r} has no field '{SOURCES_FIELD}' while others of the batch have "
+                             "one: give every prompt of an editing run its source images")
+    counts = sorted({len(paths) for paths in lists})
+    if len(counts) > 1:
+        raise ValueError(f"field '{SOURCES_FIELD}': the prompts of one batch have {counts} source images; give every "
+                         "prompt of a run the same number")
+    images = [torch.stack([read_source_image(path, f"prompt {record.prompt!r}", resolution, SOURCES_FIELD)
+                           for path in paths]) for paths, record in zip(lists, records)]
+    shapes = {tuple(image.shape) for image in images}
+    if len(shapes) > 1:
+        raise ValueError(f"field '{SOURCES_FIELD}': the source images of one batch differ in size; set "
+                         "config.sample.resolution and give every source image that size")
+    return torch.stack(images)
+
+
 def reward_metadata(metadata, sources: torch.Tensor | None) -> list:
     """The rewards' metadata: copies of `metadata` with source_image the (3, H, W) float32 CPU image in [0, 1] and
     source_image_path its path; `metadata` itself when there are no sources."""
     if sources is None:
         return list(metadata)
+    if sources.dim() == 5:  # several sources per prompt: the list, and the first as 'source_image'
+        out = []
+        for meta, images in zip(metadata, sources):
+            meta, paths = dict(meta), record_sources(meta) or [None] * len(images)
+            meta[SOURCE_PATHS_FIELD], meta[SOURCE_PATH_FIELD] = paths, paths[0]
+            meta[SOURCES_FIELD] = [image.clone() for image in images]
+            meta[SOURCE_FIELD] = images[0].clone()
+            out.append(meta)
+        return out
     out = []
     for meta, image in zip(metadata, sources):
         meta = dict(meta)
@@ -107,9 +164,21 @@ def reward_metadata(metadata, sources: torch.Tensor | None) -> list:
     return out
 
 
-def check_edit_prompts(records, conditions_on_images: bool, resolution: int, field: str, model: str) -> None:
+def check_edit_prompts(records, conditions_on_images: bool, resolution: int, field: str, model: str,
+                       max_sources: int = 1) -> None:
     """Before any model loads: an editing model needs a readable source image of the run's resolution on every
-    prompt (config.<field>); a model that does not condition on images is refused a source image."""
+    prompt (config.<field>); a model that does not condition on images is refused a source image. A model that
+    edits several (``max_sources`` > 1) needs 1 to max_sources of them per prompt, the same number on every prompt;
+    one that edits one is refused the field 'source_images'."""
+    if conditions_on_images and max_sources > 1:
+        _check_several_sources(records, resolution, field, model, max_sources)
+        return
+    several = [record for record in records if SOURCES_FIELD in record.metadata]
+    if several:
+        what = "edits one image per prompt: give it the field 'source_image'" if conditions_on_images else (
+            "does not edit images: use an editing model or drop the field")
+        raise ValueError(f"config.{field}: prompt {several[0].prompt!r} has a field '{SOURCES_FIELD}' but "
+                         f"config.pretrained.model={model!r} {what}")
     has = [SOURCE_FIELD in record.metadata for record in records]
     if conditions_on_images:
         if not all(has):
@@ -127,6 +196,28 @@ def check_edit_prompts(records, conditions_on_images: bool, resolution: int, fie
             f"config.{field}: prompt {record.prompt!r} has a field '{SOURCE_FIELD}' but config.pretrained.model="
             f"{model!r} does not edit images: use an editing model (FLUX.1 Kontext, Qwen-Image-Edit) or drop the field"
         )
+
+
+def _check_several_sources(records, resolution: int, field: str, model: str, max_sources: int) -> None:
+    """check_edit_prompts for a model that edits 1 to max_sources images per prompt."""
+    counts = {}
+    for record in records:
+        paths = record_sources(record.metadata)
+        where = f"config.{field}: prompt {record.prompt!r}"
+        if paths is None:
+            raise ValueError(f"{where} has no field '{SOURCES_FIELD}'; config.pretrained.model={model!r} edits images: "
+                             f"give each record a list of 1 to {max_sources} source images (paths relative to the "
+                             "prompt file)")
+        if not 1 <= len(paths) <= max_sources:
+            raise ValueError(f"{where}: field '{SOURCES_FIELD}' lists {len(paths)} images; config.pretrained.model="
+                             f"{model!r} takes 1 to {max_sources}")
+        counts.setdefault(len(paths), record.prompt)
+        for path in paths:
+            read_source_image(path, where, resolution, SOURCES_FIELD)
+    if len(counts) > 1:
+        (n, first), (m, other) = sorted(counts.items())[:2]
+        raise ValueError(f"config.{field}: field '{SOURCES_FIELD}': prompt {first!r} has {n} source images and prompt "
+                         f"{other!r} {m}; give every prompt of a run the same number")
 
 
 def edit_pairs_html(run_dir: str, epoch: int | None = None, max_pairs: int = 16) -> str:

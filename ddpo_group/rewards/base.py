@@ -43,7 +43,9 @@ Image editing (FLUX.1 Kontext, Qwen-Image-Edit; docs/editing.md): a prompt recor
 reward as the image itself, so an edit reward compares before and after: ``metadata[i]["source_image"]`` is the
 source the sample edited, a float32 CPU tensor (3, H, W) in [0, 1] of the images' size (the reward's own copy),
 and ``metadata[i]["source_image_path"]`` the file it was read from (a remote reward receives the image as nested
-lists, ``remote.py``). Text-to-image prompts carry neither.
+lists, ``remote.py``). Several sources per prompt (Qwen-Image-Edit-2509 / 2511, the record's ``source_images``):
+``metadata[i]["source_images"]`` is the list of the K source tensors and ``metadata[i]["source_image_paths"]`` their
+files, ``source_image`` / ``source_image_path`` the first. Text-to-image prompts carry none of these.
 
 Built-in, optional and shapes-world rewards register here when their modules are imported;
 ``registry.py`` imports them all and resolves a spec string to a reward.

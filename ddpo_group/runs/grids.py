@@ -332,11 +332,13 @@ def save_epoch_samples(
     stem = f"{prefix}_{epoch:04d}"
     digits = max(3, len(str(num - 1)))
     source_array = None if sources is None else _to_numpy(sources)
-    source_stills = source_array  # the source PNGs; an image-to-video model's first frame is still over the clip
-    if source_array is not None and video and source_array.shape == array.shape[:1] + array.shape[2:]:
-        source_array = np.repeat(source_array[:, None], array.shape[1], axis=1)
-    if source_array is not None and source_array.shape != array.shape:
+    if source_array is not None and source_array.ndim == array.ndim + 1:  # several sources per sample: the first
+        source_array = source_array[:, 0]
+    source_stills = source_array  # the source PNGs; an image-to-video model's first frame is one still per clip
+    still = tuple(array.shape[:1]) + tuple(array.shape[-3:])  # an image-to-video run's sources: one image per video
+    if source_array is not None and tuple(source_array.shape) not in (tuple(array.shape), still):
         raise ValueError(f"sources must have the images' shape {tuple(array.shape)}, got {tuple(source_array.shape)}")
+    animate_source = source_array is not None and source_array.ndim < array.ndim  # the grid shows it in every frame
     records = []
     for index in range(num):
         if video:
@@ -370,7 +372,8 @@ def save_epoch_samples(
         captions: list[str] = []
         for _, indices in rows:
             if source_array is not None:  # the row's source first: source -> edited
-                cells.append(source_array[indices[0]])
+                source = source_array[indices[0]]
+                cells.append(np.repeat(source[None], array.shape[1], axis=0) if animate_source else source)
                 captions.append("source")
             for slot in range(group_size):
                 if slot < len(indices):
