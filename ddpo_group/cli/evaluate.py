@@ -73,7 +73,7 @@ def _finite_float(text):
 
 def _images_per_prompt(text):
     """--images-per-prompt: as the training config's eval_images_per_prompt, 1 to MAX_EVAL_IMAGES_PER_PROMPT."""
-    from ddpo_group.config.check import MAX_EVAL_IMAGES_PER_PROMPT
+    from ddpo_group.evaluation.evaluator import MAX_EVAL_IMAGES_PER_PROMPT
 
     value = _positive_int(text)
     if value > MAX_EVAL_IMAGES_PER_PROMPT:
@@ -84,7 +84,7 @@ def _images_per_prompt(text):
 
 def _seed(text):
     """--seed: as the training config's eval_seed, 0 to MAX_SEED."""
-    from ddpo_group.config.check import MAX_SEED
+    from ddpo_group.config.fields import MAX_SEED
 
     try:
         value = int(text)
