@@ -14,8 +14,6 @@ import math
 
 import torch
 
-from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
-
 from ddpo_group.algos.advantages import (
     estimator_option,
     compute_gae_advantages,
@@ -24,6 +22,7 @@ from ddpo_group.algos.advantages import (
     register_adv_est,
     token_level_rewards_from_outcome,
 )
+from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
 
 __all__ = [
     "ADVANTAGE_NORMS",

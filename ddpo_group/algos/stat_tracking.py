@@ -24,9 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpo_group.config.registry import ConfigError, check_positive, register_config_check
-
 from ddpo_group.algos import advantages as adv_lib
+from ddpo_group.config.registry import ConfigError, check_positive, register_config_check
 
 __all__ = ["PerPromptStatTracker"]
 
