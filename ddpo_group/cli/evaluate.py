@@ -109,7 +109,7 @@ def _seconds(text):
 def reward_timeout(args, run):
     """The seconds a batch's reward may take: --reward-timeout, else the run's config.reward_timeout, else the
     training config's default; None: no limit (0)."""
-    from ddpo_group.config.check import load_base_config
+    from ddpo_group.config.fields import load_base_config
 
     if args.reward_timeout is not None:
         seconds = args.reward_timeout
