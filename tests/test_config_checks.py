@@ -21,6 +21,7 @@ WHERE = {
     "check_field_names": ("fields", "ddpo_group.config.fields"),
     "check_finite_numbers": ("fields", "ddpo_group.config.fields"),
     "check_run_length_and_precision": ("fields", "ddpo_group.config.fields"),
+    "check_seeds": ("fields", "ddpo_group.config.fields"),
     "check_adv_estimator": ("algorithm", "ddpo_group.algos.advantages"),
     "check_loss_fields": ("algorithm", "ddpo_group.algos.losses"),
     "check_objective": ("algorithm", "ddpo_group.algos.forward"),
