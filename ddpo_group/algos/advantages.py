@@ -69,6 +69,8 @@ from typing import Any
 
 import torch
 
+from ddpo_group.config.registry import check_choice, register_config_check
+
 __all__ = [
     "ADV_ESTIMATOR_REGISTRY",
     "ESTIMATOR_KEYWORDS",
@@ -565,3 +567,8 @@ def gae_estimator(
         raise ValueError(f"gae: gamma and lam must be finite numbers, got gamma={gamma}, lam={lam}")
     return compute_gae_advantages(token_level_rewards, _require(values, "values", "gae"), mask, gamma=gamma, lam=lam)
 
+
+@register_config_check("algorithm")
+def check_adv_estimator(config, machine):
+    """config.algorithm.adv_estimator is a registered estimator (a plugin's too: config.plugins is imported first)."""
+    check_choice(config.algorithm.adv_estimator, registered_adv_estimators(), "algorithm.adv_estimator")

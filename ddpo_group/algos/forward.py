@@ -48,6 +48,8 @@ Pure math: no trainer, no I/O.
 
 import torch
 
+from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
+
 __all__ = ["WEIGHTINGS", "nft_optimality", "nft_loss", "matching_log_prob", "squared_error", "weighted_error"]
 
 WEIGHTINGS = ("uniform", "x0", "adaptive")
@@ -124,3 +126,54 @@ def nft_loss(prediction, old_prediction, target, optimality, beta, x0_scale=None
 def matching_log_prob(prediction, target, x0_scale=None, weighting="uniform"):
     """AWM's surrogate log-likelihood of a clean sample at one (t, eps): -||prediction - target||^2 (weighted), (B,)."""
     return -weighted_error(prediction, target, x0_scale, weighting)
+
+
+# train.objective: the reverse-process update (training/stepwise_update.py) or the forward-process ones (this module).
+OBJECTIVES = ("stepwise", "nft", "awm")
+
+
+@register_config_check("algorithm")
+def check_objective(config, machine):
+    """config.train.objective is known; the forward-process objectives ('nft' / 'awm'): what they use, and what
+    they cannot."""
+    from ddpo_group.algos.advantages import get_adv_estimator
+    from ddpo_group.algos.losses import get_policy_loss
+
+    train, forward = config.train, config.forward
+    check_choice(train.objective, OBJECTIVES, "train.objective")
+    if train.objective == "stepwise":
+        return
+    objective = f"config.train.objective={train.objective!r}"
+    estimator = get_adv_estimator(config.algorithm.adv_estimator)
+    if estimator.needs_values:
+        raise ConfigError(
+            f"{objective} trains on outcome advantages; algorithm.adv_estimator={config.algorithm.adv_estimator!r} "
+            "needs a critic over reverse-process steps: use grpo, rloo or ddpo"
+        )
+    if estimator.needs_step_rewards:
+        raise ConfigError(
+            f"{objective} trains on outcome advantages; algorithm.adv_estimator={config.algorithm.adv_estimator!r} "
+            "credits the reverse-process steps, which this objective does not keep: use grpo, rloo or ddpo"
+        )
+    if train.objective == "awm" and get_policy_loss(train.policy_loss).couples_steps:
+        raise ConfigError(
+            f"config.train.policy_loss={train.policy_loss!r} couples the steps of a trajectory; AWM's ratio is one "
+            "per (sample, timestep): use train.policy_loss='vanilla'"
+        )
+    if train.skip_last_steps:
+        raise ConfigError(f"config.train.skip_last_steps applies to train.objective='stepwise'; {objective}: set it to 0")
+    check_choice(forward.weighting, WEIGHTINGS, "forward.weighting")
+    check_positive(forward.num_timesteps, "forward.num_timesteps", allow_zero=True)
+    if forward.num_timesteps > config.sample.num_steps:
+        raise ConfigError(
+            f"config.forward.num_timesteps={forward.num_timesteps} exceeds the sampling grid's sample.num_steps="
+            f"{config.sample.num_steps}; use at most {config.sample.num_steps} (0: all)"
+        )
+    if not 0.0 < forward.nft_beta <= 1.0:
+        raise ConfigError(f"config.forward.nft_beta={forward.nft_beta} must be in (0, 1] (DiffusionNFT's beta)")
+    check_positive(forward.old_decay_rate, "forward.old_decay_rate", allow_zero=True)
+    if not 0.0 <= forward.old_decay_max < 1.0:
+        raise ConfigError(
+            f"config.forward.old_decay_max={forward.old_decay_max} must be in [0, 1): at 1 the sampling model "
+            "would never follow the policy"
+        )

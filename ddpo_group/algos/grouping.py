@@ -22,6 +22,7 @@ from ddpo_group.algos.advantages import (
     register_adv_est,
     token_level_rewards_from_outcome,
 )
+from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
 
 __all__ = [
     "ADVANTAGE_NORMS",
@@ -428,3 +429,19 @@ def group_ppo_estimator(
     if info is not None:
         info.update(endpoint_mask=endpoint_mask, group_ids=group_ids)
     return segment_adv, returns
+
+
+@register_config_check("advantages")
+def check_group_ppo(config, machine):
+    """config.group_ppo: the variance thresholds in order, the group size, the normalisation, the compression."""
+    gp = config.group_ppo
+    if not gp.min_threshold <= gp.variance_threshold <= gp.max_threshold:
+        raise ConfigError(
+            f"config.group_ppo.variance_threshold={gp.variance_threshold} must lie in "
+            f"[group_ppo.min_threshold={gp.min_threshold}, group_ppo.max_threshold={gp.max_threshold}]"
+        )
+    check_positive(gp.min_threshold, "group_ppo.min_threshold")
+    check_positive(gp.max_group_size, "group_ppo.max_group_size")
+    check_choice(gp.advantage_norm, ADVANTAGE_NORMS, "group_ppo.advantage_norm")
+    if not 0.0 <= gp.target_compression < 1.0:
+        raise ConfigError(f"config.group_ppo.target_compression={gp.target_compression} must be in [0, 1)")

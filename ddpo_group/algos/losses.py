@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
+
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
@@ -451,3 +453,16 @@ def compute_value_loss(
     with torch.no_grad():
         clipfrac = _masked_mean((vf_losses2 > vf_losses1).to(vpreds.dtype), mask.to(vpreds.dtype))
     return loss, clipfrac
+
+
+@register_config_check("algorithm")
+def check_loss_fields(config, machine):
+    """The KL estimator, the loss aggregation and the policy loss are registered names; the clip ranges hold."""
+    train = config.train
+    check_choice(train.kl_type, KL_TYPES, "train.kl_type")
+    check_choice(train.loss_agg_mode, AGG_MODES, "train.loss_agg_mode")
+    check_choice(train.policy_loss, registered_policy_losses(), "train.policy_loss")
+    check_positive(train.clip_range, "train.clip_range")
+    check_positive(train.adv_clip_max, "train.adv_clip_max")
+    if train.clip_ratio_c <= 1.0:
+        raise ConfigError(f"config.train.clip_ratio_c={train.clip_ratio_c} must be > 1 (dual clip)")

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ddpo_group.algos import advantages as adv_lib
+from ddpo_group.config.registry import ConfigError, check_positive, register_config_check
 
 __all__ = ["PerPromptStatTracker"]
 
@@ -237,3 +238,16 @@ def ddpo_estimator(
     dtype = adv_lib._float_dtype(rewards, mask)
     advantages = torch.as_tensor(per_sample, dtype=dtype, device=mask.device)[:, None] * mask.to(dtype)
     return advantages, advantages.clone()
+
+
+@register_config_check("advantages")
+def check_stat_tracking(config, machine):
+    """config.per_prompt_stat_tracking: sizes >= 0, and a bounded buffer can reach min_count."""
+    tracking = config.per_prompt_stat_tracking
+    check_positive(tracking.buffer_size, "per_prompt_stat_tracking.buffer_size", allow_zero=True)
+    check_positive(tracking.min_count, "per_prompt_stat_tracking.min_count", allow_zero=True)
+    if tracking.buffer_size and tracking.min_count > tracking.buffer_size:
+        raise ConfigError(
+            f"config.per_prompt_stat_tracking.min_count={tracking.min_count} exceeds buffer_size="
+            f"{tracking.buffer_size}: the buffer could never be used; lower min_count or raise buffer_size (0: unbounded)"
+        )

@@ -14,7 +14,7 @@ def debug() -> bool:
 
 def one_line(err: BaseException) -> str:
     """An exception as one line: its message, with the type for errors that are not the library's own."""
-    from ddpo_group.config.check import ConfigError
+    from ddpo_group.config.registry import ConfigError
 
     text = " ".join(str(err).split()) or type(err).__name__
     own = isinstance(err, ConfigError) or type(err).__name__ in (

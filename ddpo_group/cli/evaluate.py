@@ -73,7 +73,7 @@ def _finite_float(text):
 
 def _images_per_prompt(text):
     """--images-per-prompt: as the training config's eval_images_per_prompt, 1 to MAX_EVAL_IMAGES_PER_PROMPT."""
-    from ddpo_group.config.check import MAX_EVAL_IMAGES_PER_PROMPT
+    from ddpo_group.evaluation.evaluator import MAX_EVAL_IMAGES_PER_PROMPT
 
     value = _positive_int(text)
     if value > MAX_EVAL_IMAGES_PER_PROMPT:
@@ -84,7 +84,7 @@ def _images_per_prompt(text):
 
 def _seed(text):
     """--seed: as the training config's eval_seed, 0 to MAX_SEED."""
-    from ddpo_group.config.check import MAX_SEED
+    from ddpo_group.config.fields import MAX_SEED
 
     try:
         value = int(text)
@@ -109,7 +109,7 @@ def _seconds(text):
 def reward_timeout(args, run):
     """The seconds a batch's reward may take: --reward-timeout, else the run's config.reward_timeout, else the
     training config's default; None: no limit (0)."""
-    from ddpo_group.config.check import load_base_config
+    from ddpo_group.config.fields import load_base_config
 
     if args.reward_timeout is not None:
         seconds = args.reward_timeout

@@ -130,7 +130,7 @@ def _override_fields(argv: Sequence[str]) -> list[str]:
 
 def _unknown_override(fields: Sequence[str]) -> str | None:
     """A one-line error for the first override that names no config field, else None."""
-    from ddpo_group.config.check import FREE_FORM_FIELDS, closest_field, field_paths, load_base_config
+    from ddpo_group.config.fields import FREE_FORM_FIELDS, closest_field, field_paths, load_base_config
 
     base = load_base_config()
     known = set(field_paths(base))
@@ -278,7 +278,7 @@ def _config_file_problem(config, file: str) -> str | None:
     top-level field of the base config; None when it is."""
     import ml_collections
 
-    from ddpo_group.config.check import load_base_config
+    from ddpo_group.config.fields import load_base_config
 
     if not isinstance(config, ml_collections.ConfigDict):
         return f"config file {file!r}: get_config returned a {type(config).__name__}, not a ConfigDict; {GET_CONFIG_CONTRACT}"

@@ -32,6 +32,7 @@ import json
 import os
 from typing import Any
 
+from ddpo_group.config.registry import ConfigError
 from ddpo_group.data.edit_sources import resolve_source_path
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "prompts")
@@ -227,3 +228,32 @@ def load_prompts(source, low: int | None = None, high: int | None = None, **kwar
     if not records:
         raise ValueError(f"{name} has no prompts" + (f" in [{low}:{high}]" if low is not None or high is not None else ""))
     return records
+
+
+def load_config_prompts(config, field: str) -> list:
+    """The prompt records of config.<field> ("prompt_fn" with prompt_fn_kwargs, or "eval_prompt_fn"); a file that
+    is missing, empty or unreadable is a ConfigError naming the field."""
+    kwargs = dict(config.prompt_fn_kwargs) if field == "prompt_fn" else {}
+    try:
+        records = load_prompts(config[field], **kwargs)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"config.{field}={config[field]!r}: {' '.join(str(err).split())}") from None
+    _check_edit_prompts(config, field, records)
+    return records
+
+
+def _check_edit_prompts(config, field, records):
+    """An editing model's prompts carry readable source images of the run's resolution; other models' carry none
+    (ddpo_group/data/edit_sources.py); checked before any model loads (the family is known by the model's name)."""
+    from ddpo_group.data.edit_sources import check_edit_prompts, record_sources
+    from ddpo_group.diffusion.policy import family_for_model
+
+    family = family_for_model(config.pretrained.model)
+    editing = getattr(family, "conditions_on_images", False)
+    if not editing and not any(record_sources(record.metadata) for record in records):
+        return
+    try:
+        check_edit_prompts(records, editing, config.sample.resolution, field, config.pretrained.model,
+                           getattr(family, "max_source_images", 1))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

@@ -291,6 +291,12 @@ class DiffusionPolicy:
     def load(cls, model, revision=None, torch_dtype=None):
         raise NotImplementedError
 
+    @classmethod
+    def check_config(cls, config):
+        """ValueError naming the field for a run configuration this family cannot honour, before any model loads
+        (the config check calls it for the family that claims config.pretrained.model by its offline name). The
+        default accepts every config; a family overrides it with its own rules."""
+
     def configure(self, sde_type="", max_sequence_length=0, resolution=0, cps_log_prob="normalized",
                   flow_grid="pipeline", flow_grid_shift=3.0):
         raise NotImplementedError

@@ -173,7 +173,7 @@ def sde_step_with_logprob(
         std = g * torch.sqrt(-dt)
 
     if prev_sample is None:
-        from diffusers.utils.torch_utils import randn_tensor  # here: config_check imports this module's constants
+        from diffusers.utils.torch_utils import randn_tensor  # here: the config check (training/rollout.py) imports this module's constants
 
         noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=dtype)
         prev_sample = mean + std * noise if a > 0 else mean

@@ -20,6 +20,7 @@ from ddpo_group.diffusion import zimage  # noqa: F401  Z-Image and Z-Image-Turbo
 from ddpo_group.diffusion import wan_i2v, wan_moe  # noqa: F401  Wan image-to-video, Wan 2.2 A14B's two experts
 from ddpo_group.diffusion import hunyuan_video15, sana  # noqa: F401  issue 46 (Qwen-Image-Edit-2509: in qwen_image)
 from ddpo_group.diffusion.base import FAMILIES, DiffusionPolicy, register_family  # noqa: F401  (re-exported)
+from ddpo_group.config.registry import ConfigError, register_config_check
 
 
 def policy_for(pipeline):
@@ -70,3 +71,17 @@ def load_policy(model, revision=None, torch_dtype=None):
     pipeline = cls.load(model, revision=revision, torch_dtype=torch_dtype)
     # one pipeline class may hold several families (WanPipeline: Wan 2.1 / 2.2 TI2V, or 2.2 A14B's two experts)
     return cls(pipeline) if cls.supports(pipeline) else policy_for(pipeline)
+
+
+@register_config_check("family")
+def check_family(config, machine):
+    """The family that claims config.pretrained.model by its offline name checks the config
+    (`DiffusionPolicy.check_config`); a hub id or a directory is not looked up here (its family is known when it
+    loads). The family's ValueError is a ConfigError with its words."""
+    family = next((cls for cls in FAMILIES.values() if config.pretrained.model in cls.offline_models), None)
+    if family is None:
+        return
+    try:
+        family.check_config(config)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

@@ -327,6 +327,27 @@ class StableDiffusionPolicy(DiffusionPolicy):
         return isinstance(pipeline, StableDiffusionPipeline)
 
     @classmethod
+    def check_config(cls, config):
+        """SD steps with DDIM: no flow-matching SDE, time grid or Flow-GRPO KL (ValueError naming the field)."""
+        sample, model = config.sample, config.pretrained.model
+        if sample.sde_type:
+            raise ValueError(
+                f"config.sample.sde_type={sample.sde_type!r} needs a flow-matching model (SD3, FLUX); "
+                f"config.pretrained.model={model!r} steps with DDIM (its noise is sample.eta): set sample.sde_type=''"
+            )
+        # (sample.cps_log_prob needs sde_type="cps", which the check above refuses)
+        if sample.flow_grid != "pipeline":
+            raise ValueError(
+                f"config.sample.flow_grid={sample.flow_grid!r} needs a flow-matching model (SD3, FLUX); config.pretrained."
+                f"model={model!r} steps with DDIM: set sample.flow_grid='pipeline'"
+            )
+        if config.train.kl_type == "flow_grpo":
+            raise ValueError(
+                f"config.train.kl_type='flow_grpo' is Flow-GRPO's KL of a flow-matching step; "
+                f"config.pretrained.model={model!r} steps with DDIM: use train.kl_type='gaussian'"
+            )
+
+    @classmethod
     def load(cls, model, revision=None, torch_dtype=None):
         """``load_pipeline``: "tiny", "tiny-shapes", "tiny-scenes", "random-sd15", a directory or a hub id; DDIM scheduler.
 

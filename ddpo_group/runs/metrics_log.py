@@ -17,9 +17,29 @@ import sys
 
 import torch
 
+from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
 from ddpo_group.data.edit_sources import source_images
 from ddpo_group.runs.grids import save_epoch_samples
 from ddpo_group.runs.run_dir import write_json_atomic
+
+
+LOG_WITH = ("none", "wandb", "tensorboard")
+
+
+@register_config_check("run")
+def check_logging(config, machine):
+    """config.log_with is known and its package installed; config.log_images_every >= 0."""
+    check_choice(config.log_with, LOG_WITH, "log_with")
+    check_positive(config.log_images_every, "log_images_every", allow_zero=True)
+    if config.log_with in ("wandb", "tensorboard"):
+        import importlib.util
+
+        package = "wandb" if config.log_with == "wandb" else "tensorboard"
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"config.log_with={config.log_with!r} needs the {package} package: pip install \"ddpo-group[{package}]\" "
+                f"(or pip install {package}), or set --config.log_with=none"
+            )
 
 
 def phase_text(seconds):

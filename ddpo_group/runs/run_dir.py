@@ -45,7 +45,8 @@ import ml_collections
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from ddpo_group.config.check import FREE_FORM_FIELDS, ConfigError, load_base_config
+from ddpo_group.config.fields import FREE_FORM_FIELDS, load_base_config
+from ddpo_group.config.registry import ConfigError, check_positive, register_config_check
 from ddpo_group.evaluation.hacking import gold_specs
 from ddpo_group.report.inspect import read_metrics
 from ddpo_group.data.prompts import BUILTIN_PROMPT_SETS
@@ -853,3 +854,11 @@ def _truncate_metrics(path, first_epoch):
     os.replace(tmp, path)
 
 
+@register_config_check("run")
+def check_run_dir_fields(config, machine):
+    """config.save_freq and num_checkpoint_limit >= 0; config.logdir is a directory (or not there yet)."""
+    check_positive(config.save_freq, "save_freq", allow_zero=True)
+    check_positive(config.num_checkpoint_limit, "num_checkpoint_limit", allow_zero=True)
+    logdir = os.path.expanduser(config.logdir)
+    if os.path.exists(logdir) and not os.path.isdir(logdir):
+        raise ConfigError(f"config.logdir={config.logdir!r} is a file; give a directory (created if missing)")

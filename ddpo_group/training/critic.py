@@ -20,6 +20,7 @@ from diffusers.models.embeddings import get_timestep_embedding
 from torch import nn
 
 from ddpo_group.algos.losses import compute_value_loss
+from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
 
 __all__ = ["ValueNetwork", "compute_values", "num_parameters"]
 
@@ -192,3 +193,21 @@ def update_critic(critic, optimizer, samples, config, accelerator, epoch, metric
     if acc.scaler is not None:
         metrics["critic/skipped_steps"] = skipped
     metrics["time/critic"] = time.perf_counter() - start
+
+
+CRITIC_TRAIN_STEPS = ("endpoints", "all")
+
+
+@register_config_check("critic")
+def check_critic_training(config, machine):
+    """config.critic.train_steps is known; a warmup needs an estimator with a critic."""
+    from ddpo_group.algos.advantages import get_adv_estimator
+
+    critic, algo = config.critic, config.algorithm
+    check_choice(critic.train_steps, CRITIC_TRAIN_STEPS, "critic.train_steps")
+    check_positive(critic.warmup_epochs, "critic.warmup_epochs", allow_zero=True)
+    if critic.warmup_epochs and not get_adv_estimator(algo.adv_estimator).needs_values:
+        raise ConfigError(
+            f"config.critic.warmup_epochs={critic.warmup_epochs} needs a critic; "
+            f"algorithm.adv_estimator={algo.adv_estimator!r} has none (use gae or group_ppo, or set it to 0)"
+        )

@@ -31,7 +31,7 @@ r[:, k] = R(decode(x0_hat(x_k))) at every step k (epoch_advantages.EpochAdvantag
 import torch
 
 from ddpo_group.algos.advantages import get_adv_estimator
-from ddpo_group.config.check import ConfigError
+from ddpo_group.config.registry import ConfigError, register_config_check
 from ddpo_group.diffusion.ddim import ddim_x0_hat
 
 __all__ = ["CRITIC_KINDS", "check_critic_config", "critic_lambda", "ddim_x0_hat", "anchor_values", "keeps_x0_hat",
@@ -83,6 +83,14 @@ def check_critic_config(config, needs_values, family=None, needs_step_rewards=Fa
             f"config.algorithm.adv_estimator={config.algorithm.adv_estimator!r} scores each step's decoded one-step "
             f"prediction x0_hat; the {family} family has no anchor ({refusal}): use algorithm.adv_estimator='grpo'"
         )
+
+
+@register_config_check("critic")
+def check_critic_design(config, machine):
+    """`check_critic_config` before any model loads (the family's part, the anchor, is checked once the model is
+    known: training/models.py)."""
+    estimator = get_adv_estimator(config.algorithm.adv_estimator)
+    check_critic_config(config, estimator.needs_values, needs_step_rewards=estimator.needs_step_rewards)
 
 
 def keeps_x0_hat(config):

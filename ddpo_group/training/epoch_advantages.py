@@ -19,7 +19,7 @@ from ddpo_group.algos import advantages as adv_lib
 from ddpo_group.algos import grouping
 from ddpo_group.training.batch import GatheredBatch
 from ddpo_group.training import critic_designs
-from ddpo_group.config.check import ConfigError
+from ddpo_group.config.registry import ConfigError
 from ddpo_group.training.critic import compute_values
 from ddpo_group.training.diagnostics import advantage_step_stats, step_reward_stats, value_step_stats
 from ddpo_group.algos.stat_tracking import PerPromptStatTracker

@@ -17,7 +17,7 @@ import torch
 from ddpo_group.training import sharding as sharding_lib
 from ddpo_group.algos import advantages as adv_lib
 from ddpo_group.algos.losses import get_policy_loss
-from ddpo_group.config.check import ConfigError
+from ddpo_group.config.registry import ConfigError, check_positive, register_config_check
 from ddpo_group.training.critic import ValueNetwork
 from ddpo_group.training.critic_designs import check_critic_config
 from ddpo_group.diffusion.base import configure_from_sample
@@ -66,6 +66,12 @@ def _optimizer_class(train):
             "or set --config.train.use_8bit_adam=False"
         ) from err
     return bnb.optim.AdamW8bit
+
+
+@register_config_check("model")
+def check_lora_rank(config, machine):
+    """config.lora_rank > 0 (the LoRA the policy is prepared with)."""
+    check_positive(config.lora_rank, "lora_rank")
 
 
 def build_models(config, accelerator):

@@ -22,6 +22,7 @@ sharded checkpoint, not as a safetensors file.
 
 import torch
 
+from ddpo_group.config.registry import ConfigError, check_positive, register_config_check
 from ddpo_group.diffusion.lora import disabled_adapters
 
 
@@ -117,3 +118,18 @@ class ReferencePolicy:
             )
         for name, value in params.items():
             self.params[name].copy_(value)
+
+
+@register_config_check("training")
+def check_reference(config, machine):
+    """The KL loss has its reference model; beta, the mixup alpha and the update frequency hold."""
+    train = config.train
+    if train.use_kl_loss and not train.use_reference_model:
+        raise ConfigError("config.train.use_kl_loss=True needs config.train.use_reference_model=True")
+    if train.use_kl_loss and train.beta < 0:
+        raise ConfigError(f"config.train.beta={train.beta} must be >= 0")
+    if not 0.0 < train.reference_model_mixup_alpha <= 1.0:
+        raise ConfigError(
+            f"config.train.reference_model_mixup_alpha={train.reference_model_mixup_alpha} must be in (0, 1]"
+        )
+    check_positive(train.reference_update_freq, "train.reference_update_freq", allow_zero=True)

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
+from ddpo_group.diffusion.flow import CPS_LOG_PROBS, FLOW_GRIDS, SDE_TYPES
 from ddpo_group.training.batch import EpochBatch
 from ddpo_group.training.critic_designs import keeps_x0_hat
 from ddpo_group.diffusion.base import window_noise_levels
@@ -117,10 +119,65 @@ class GroupCollector:
 GROUP_NOISES = ("independent", "shared")
 
 
-def check_group_noise(config):
-    """ConfigError naming the field for a sample.group_noise that cannot run (before the model loads)."""
-    from ddpo_group.config.check import ConfigError
+SDE_WINDOWS = ("fixed", "random", "sliding")
 
+
+@register_config_check("sampling")
+def check_sampling(config, machine):
+    """config.sample: the batch and its groups over every process (machine.num_processes), the step noise (eta,
+    sde_type, cps_log_prob), the time grid, the SDE window, the guidance scale."""
+    sample = config.sample
+    for field in ("num_steps", "batch_size", "num_batches_per_epoch", "group_size"):
+        check_positive(sample[field], f"sample.{field}")
+    if sample.eta < 0 or (sample.eta == 0 and config.train.objective == "stepwise"):
+        raise ConfigError(
+            f"config.sample.eta={sample.eta} gives deterministic steps with no log-probability (DDIM's eta, "
+            "or a flow model's noise level); RL needs eta > 0 (1.0 is the usual DDIM value); only the "
+            "forward-process objectives (train.objective='nft' or 'awm') may sample deterministically"
+        )
+    check_choice(sample.sde_type, ("",) + SDE_TYPES, "sample.sde_type")
+    check_choice(sample.cps_log_prob, CPS_LOG_PROBS, "sample.cps_log_prob")
+    check_choice(sample.flow_grid, FLOW_GRIDS, "sample.flow_grid")
+    check_positive(sample.flow_grid_shift, "sample.flow_grid_shift")
+    if sample.cps_log_prob != "normalized" and sample.sde_type != "cps":
+        raise ConfigError(
+            f"config.sample.cps_log_prob={sample.cps_log_prob!r} is the log-prob of sample.sde_type='cps'; "
+            f"sample.sde_type={sample.sde_type!r}: set sample.cps_log_prob='normalized' (the other steps have one form)"
+        )
+    check_choice(sample.sde_window, SDE_WINDOWS, "sample.sde_window")
+    if sample.sde_type == "cps" and sample.eta > 1.0:
+        raise ConfigError(
+            f"config.sample.eta={sample.eta} is the noise level a of sample.sde_type='cps' (std = sigma' sin(a pi / 2)); "
+            "it must lie in (0, 1]"
+        )
+    for field in ("sde_window_size", "sde_window_start", "max_sequence_length", "resolution"):
+        check_positive(sample[field], f"sample.{field}", allow_zero=True)
+    check_positive(sample.sde_window_shift_every, "sample.sde_window_shift_every")
+    if sample.sde_window_size > sample.num_steps:
+        raise ConfigError(
+            f"config.sample.sde_window_size={sample.sde_window_size} exceeds sample.num_steps={sample.num_steps}; "
+            "a window is at most every step (0 means every step)"
+        )
+    if sample.sde_window_size and sample.sde_window == "fixed" and sample.sde_window_start + sample.sde_window_size > sample.num_steps:
+        raise ConfigError(
+            f"config.sample.sde_window_start={sample.sde_window_start} with sde_window_size={sample.sde_window_size} "
+            f"runs past the last of sample.num_steps={sample.num_steps} steps; choose a start <= "
+            f"{sample.num_steps - sample.sde_window_size}"
+        )
+    if sample.guidance_scale < 1.0:
+        raise ConfigError(f"config.sample.guidance_scale={sample.guidance_scale} must be >= 1 (1: no guidance)")
+    total = sample.batch_size * machine.num_processes
+    if total % sample.group_size:
+        raise ConfigError(
+            f"config.sample.group_size={sample.group_size} does not divide the sampling batch of all processes "
+            f"(sample.batch_size={sample.batch_size} x {machine.num_processes} processes = {total}); "
+            "choose a group_size that divides it"
+        )
+
+
+@register_config_check("sampling")
+def check_group_noise(config, machine=None):
+    """ConfigError naming the field for a sample.group_noise that cannot run (before the model loads)."""
     s = config.sample
     group_noise = s.get("group_noise", "independent")  # a config written before the field existed: independent
     if group_noise not in GROUP_NOISES:

@@ -27,7 +27,7 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from ddpo_group.config.check import ConfigError
+from ddpo_group.config.registry import ConfigError, register_config_check
 
 SHARDINGS = ("none", "fsdp2")
 # the directory of a checkpoint that holds the torch.distributed.checkpoint files (*.distcp, .metadata)
@@ -123,6 +123,17 @@ def check_sharding_config(config, family_blocks):
             "config.train.use_8bit_adam=True with train.sharding='fsdp2': bitsandbytes' 8-bit AdamW does not "
             "take sharded (DTensor) parameters; set train.use_8bit_adam=False"
         )
+
+
+@register_config_check("model")
+def check_sharding(config, machine):
+    """`check_sharding_config` before any model loads, with the family's blocks (the family by the model's name)."""
+    blocks = ()
+    if config.train.get("sharding", "none") == "fsdp2":
+        from ddpo_group.diffusion.policy import family_for_model
+
+        blocks = family_for_model(config.pretrained.model).shard_blocks
+    check_sharding_config(config, blocks)
 
 
 def compute_dtype(config):

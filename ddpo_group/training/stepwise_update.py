@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from ddpo_group.algos.losses import agg_loss, gaussian_kl, kl_penalty
 from ddpo_group.algos.stepwise import column_loss, grpo_loss
+from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
 from ddpo_group.training.diagnostics import GradShare, StepAccumulator
 
 
@@ -378,3 +379,59 @@ class StepwiseUpdate:
             recomputed = torch.stack(columns, 1)
             mb.layout_noise = max_abs_diff(recomputed, mb.old_log_probs, mb.step_mask)
             mb.old_log_probs = torch.where(mb.step_mask > 0, recomputed, mb.old_log_probs)
+
+
+TIMESTEP_SELECTIONS = ("all", "fraction", "endpoints", "segment_start", "segment_sample", "early")
+OLD_LOG_PROBS = ("recompute", "sampled")
+
+
+@register_config_check("training")
+def check_update_fields(config, machine):
+    """The update's plan: the batch sizes and how the epoch's trajectories split, pi_old, the optimizer's
+    step sizes, the gradient share."""
+    sample, train = config.sample, config.train
+    check_choice(train.old_log_probs, OLD_LOG_PROBS, "train.old_log_probs")
+    for field in ("batch_size", "gradient_accumulation_steps", "num_inner_epochs", "learning_rate", "max_grad_norm"):
+        check_positive(train[field], f"train.{field}")
+    check_positive(train.grad_share_every, "train.grad_share_every", allow_zero=True)
+    per_epoch = sample.batch_size * sample.num_batches_per_epoch
+    if per_epoch % train.batch_size:
+        raise ConfigError(
+            f"config.train.batch_size={train.batch_size} must divide the trajectories each process samples per "
+            f"epoch (sample.batch_size x sample.num_batches_per_epoch = {per_epoch})"
+        )
+
+
+@register_config_check("training")
+def check_step_selection(config, machine):
+    """Which steps of a trajectory train (`select_steps`): train.timestep_selection and the fields it reads,
+    against the estimator's endpoints and sample.num_steps."""
+    from ddpo_group.algos.advantages import get_adv_estimator
+
+    sample, train, algo = config.sample, config.train, config.algorithm
+    check_choice(train.timestep_selection, TIMESTEP_SELECTIONS, "train.timestep_selection")
+    check_positive(train.skip_last_steps, "train.skip_last_steps", allow_zero=True)
+    if train.skip_last_steps >= sample.num_steps:
+        raise ConfigError(
+            f"config.train.skip_last_steps={train.skip_last_steps} leaves no step of sample.num_steps="
+            f"{sample.num_steps} to train: use at most {sample.num_steps - 1}"
+        )
+    if not 0.0 < train.timestep_fraction <= 1.0:
+        raise ConfigError(f"config.train.timestep_fraction={train.timestep_fraction} must be in (0, 1]")
+    estimator = get_adv_estimator(algo.adv_estimator)
+    if train.timestep_selection in ("endpoints", "segment_start", "segment_sample") and not estimator.defines_endpoints:
+        raise ConfigError(
+            f"config.train.timestep_selection={train.timestep_selection!r} needs an estimator that defines segment "
+            f"endpoints, such as algorithm.adv_estimator='group_ppo' (got {algo.adv_estimator!r})"
+        )
+    check_positive(train.early_steps, "train.early_steps")
+    if estimator.defines_endpoints and train.timestep_selection == "fraction":
+        raise ConfigError(
+            f"config.train.timestep_selection='fraction' contradicts algorithm.adv_estimator={algo.adv_estimator!r}, "
+            "which chooses its steps itself; use 'endpoints' (train at the segment endpoints) or 'all'"
+        )
+    if train.timestep_selection != "fraction" and train.timestep_fraction != 1.0:
+        raise ConfigError(
+            f"config.train.timestep_fraction={train.timestep_fraction} has no effect unless "
+            "train.timestep_selection='fraction'; set both"
+        )
