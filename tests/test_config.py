@@ -163,3 +163,18 @@ def test_eval_images_per_prompt_is_bounded(tmp_path, no_model_loading):
     message = _assert_rejected(tmp_path, make_config(tmp_path, eval_images_per_prompt=10000), "eval_images_per_prompt")
     assert "1024" in message and "scripts/evaluate.py" in message
     check_config(make_config(tmp_path, eval_images_per_prompt=1024))
+
+
+def test_train_help_lists_each_variant_on_one_aligned_line_with_its_whole_description():
+    # a name longer than the old 16-column field ran into its text, and tiny_scenes' description, which goes on over
+    # two lines of grpo.py's docstring, was cut at "(1-4 shapes"
+    from ddpo_group.cli.train import _variant_lines
+    from ddpo_group.config import grpo
+
+    lines = _variant_lines()
+    assert [line.split()[0] for line in lines] == list(grpo.VARIANTS)
+    columns = {len(line) - len(line[2:].split(" ", 1)[1].lstrip()) for line in lines}
+    assert len(columns) == 1, "the descriptions start in one column"
+    scenes = next(line for line in lines if line.split()[0] == "tiny_scenes")
+    assert scenes.rstrip().endswith("geneval_scenes.jsonl, CPU, minutes")
+    assert all(line.split(None, 1)[1].strip() for line in lines), "every variant has a description"

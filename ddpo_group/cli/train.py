@@ -11,18 +11,27 @@ from ddpo_group.cli.common import cpu_threads, one_line  # noqa: F401  (one_line
 
 
 def _variant_lines() -> list[str]:
-    """'  NAME  description' for each built-in variant, from ddpo_group/config/grpo.py's docstring."""
+    """'  NAME  description' for each built-in variant, one line each, the descriptions in one column: from
+    ddpo_group/config/grpo.py's docstring (a description that goes on over the next, more indented lines is joined),
+    else the first line of the variant function's docstring."""
     from ddpo_group.config import grpo
 
-    described = {}
+    described: dict[str, str] = {}
+    last = None
     for line in (grpo.__doc__ or "").splitlines():
         name, _, text = line.strip().partition(" ")
         if name in grpo.VARIANTS:
-            described[name] = text.strip()
+            described[name], last = text.strip(), name
+        elif last is not None and line.strip() and line.startswith(" " * 8) and not name.endswith(":"):
+            described[last] += " " + line.strip()  # the description goes on
+        else:
+            last = None
+
     def first_line(fn):  # a variant the docstring does not list: its function's docstring's first line
         return (fn.__doc__ or "").strip().splitlines()[0] if (fn.__doc__ or "").strip() else ""
 
-    return [f"  {name:<16} {described.get(name) or first_line(grpo.VARIANTS[name])}" for name in grpo.VARIANTS]
+    width = max(len(name) for name in grpo.VARIANTS)
+    return [f"  {name:<{width}}  {described.get(name) or first_line(grpo.VARIANTS[name])}" for name in grpo.VARIANTS]
 
 
 def train_help() -> str:
@@ -43,7 +52,8 @@ def train_help() -> str:
             "                         ml_collections.ConfigDict (default: tiny, the offline shapes-world run)",
             "  --config.FIELD=VALUE   override one field, e.g. --config.train.beta=0.01 --config.num_epochs=10",
             "",
-            f"built-in variants (defined in {os.path.join(config_dir, 'grpo.py')}):",
+            f"built-in variants (listed in {os.path.join(config_dir, 'grpo.py')}, defined in "
+            f"{os.path.join(config_dir, 'variants')}{os.sep}):",
             *_variant_lines(),
             "",
             f"every field, its default and what it does: {os.path.join(config_dir, 'base.py')}",
