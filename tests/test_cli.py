@@ -103,3 +103,21 @@ def test_serve_takes_the_reward_first_and_says_so_when_it_is_missing(capsys):
     with pytest.raises(SystemExit) as exit_info:  # the reward's name is read: a limit of 0 is refused after it
         main(["serve", "jpeg_compressibility", "--workers", "0"])
     assert str(exit_info.value) == "reward server: error: --workers must be > 0, got 0"
+
+
+def test_a_train_error_names_the_command_it_was_called_by_and_reads_as_one_sentence():
+    # `ddpo-group train` errors began "ddpo-group-train: error:", and the variant / field lists ran on without a break
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", "no_such"])
+    message = str(exit_info.value)
+    assert message.startswith("ddpo-group train: error: unknown config variant 'no_such' (--config no_such); "
+                              "the built-in variants: sd15, "), message
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", "tiny", "--config.no_such_field=1"])
+    assert str(exit_info.value).startswith("ddpo-group train: error: unknown config field 'no_such_field' "
+                                           "(--config.no_such_field); every field and its default"), exit_info.value
+    from ddpo_group.cli import train_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["train.py", "--config", "no_such"])
+    assert str(exit_info.value).startswith("ddpo-group-train: error: unknown config variant 'no_such'")

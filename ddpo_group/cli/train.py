@@ -108,7 +108,7 @@ def _unknown_variant(argv: Sequence[str]) -> str | None:
     hint = difflib.get_close_matches(name, list(grpo.VARIANTS), n=1)
     return (
         f"unknown config variant {name!r} (--config {value})" + (f"; did you mean {hint[0]!r}?" if hint else "")
-        + f" The built-in variants: {', '.join(grpo.VARIANTS)} (ddpo-group-train --help)"
+        + f"; the built-in variants: {', '.join(grpo.VARIANTS)} (ddpo-group-train --help)"
     )
 
 
@@ -150,7 +150,7 @@ def _unknown_override(fields: Sequence[str]) -> str | None:
         hint = closest_field(field, base)
         return (
             f"unknown config field {field!r} (--config.{field})" + (f"; did you mean {hint!r}?" if hint else "")
-            + " Every field and its default is listed in ddpo_group/config/base.py (ddpo-group-train --help)"
+            + "; every field and its default is listed in ddpo_group/config/base.py (ddpo-group-train --help)"
         )
     return None
 
@@ -273,13 +273,13 @@ def _parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as err:
-        sys.exit(f"ddpo-group-train: error: {_without_traceback(str(err))} (ddpo-group-train --help)")
+        sys.exit(f"{_PROG}: error: {_without_traceback(str(err))} (ddpo-group-train --help)")
     except Exception as err:  # the user's config file raised while it was imported, or has no get_config
         file = _user_config_file(argv[1:])
         if file is None or os.environ.get("DDPO_GROUP_DEBUG", "").lower() in ("1", "true", "yes"):
             raise
         text = " ".join(str(err).split()) or type(err).__name__
-        sys.exit(f"ddpo-group-train: error: config file {file!r} could not be loaded ({type(err).__name__}: {text}); "
+        sys.exit(f"{_PROG}: error: config file {file!r} could not be loaded ({type(err).__name__}: {text}); "
                  f"{GET_CONFIG_CONTRACT}")
 
 
@@ -311,6 +311,10 @@ def _without_traceback(message: str) -> str:
     return " ".join(message.split())
 
 
+# the program name the errors start with: `ddpo-group train` when the dispatcher called it so, else ddpo-group-train
+_PROG = "ddpo-group-train"
+
+
 def train_main(argv: Sequence[str] | None = None) -> None:
     """ddpo-group train / ddpo-group-train / scripts/train.py: `--config NAME | FILE.py[:VARIANT] [--config.FIELD=VALUE ...]`.
 
@@ -323,7 +327,9 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     """
     import os
 
+    global _PROG
     argv = list(sys.argv if argv is None else argv)
+    _PROG = "ddpo-group train" if argv and argv[0] == "ddpo-group train" else "ddpo-group-train"
     if any(arg in ("-h", "--help", "-help", "--helpfull", "--helpshort") for arg in argv[1:]):
         print(train_help())
         sys.exit(0)
@@ -331,7 +337,7 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     overrides = _override_fields(argv[1:])
     problem = _missing_config_file(argv[1:]) or _unknown_variant(argv[1:]) or _unknown_override(overrides)
     if problem:
-        sys.exit(f"ddpo-group-train: error: {problem}")
+        sys.exit(f"{_PROG}: error: {problem}")
 
     from absl import app, flags
     from ml_collections import config_flags
@@ -361,18 +367,18 @@ def train_main(argv: Sequence[str] | None = None) -> None:
         problem = _config_file_problem(flags.FLAGS.config, file) if file else None
         problem = problem or _set_reward_kwargs(flags.FLAGS.config, reward_kwargs)
         if problem:
-            sys.exit(f"ddpo-group-train: error: {problem}")
+            sys.exit(f"{_PROG}: error: {problem}")
         try:
             run_dir = train(flags.FLAGS.config, overrides=overrides)
         except Exception as err:
             if debug:
                 raise
-            sys.exit(f"ddpo-group-train: error: {one_line(err)}")
+            sys.exit(f"{_PROG}: error: {one_line(err)}")
         stopped = os.path.join(run_dir, STOPPED_FILE)
         if os.path.exists(stopped):  # a signal stopped it: not a finished run (exit 128 + signal, as the shell does)
             with open(stopped) as f:
                 info = json.load(f)
-            print(f"ddpo-group-train: stopped by signal {info.get('signal')} after epoch {info.get('epoch')}, "
+            print(f"{_PROG}: stopped by signal {info.get('signal')} after epoch {info.get('epoch')}, "
                   f"checkpoint written; resume with {info.get('resume')}", file=sys.stderr)
             sys.exit(128 + int(info.get("signal") or 0) if info.get("signal") else 1)
 
@@ -381,9 +387,9 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C before the epochs start (during them the run stops itself: stopped.json)
         if debug:
             raise
-        print("ddpo-group-train: interrupted (Ctrl-C) before training started; no epoch was run", file=sys.stderr)
+        print(f"{_PROG}: interrupted (Ctrl-C) before training started; no epoch was run", file=sys.stderr)
         sys.exit(130)
     except Exception as err:  # a config file that cannot be read, a value that does not parse
         if debug:
             raise
-        sys.exit(f"ddpo-group-train: error: {one_line(err)}")
+        sys.exit(f"{_PROG}: error: {one_line(err)}")
