@@ -102,7 +102,10 @@ def test_serve_takes_the_reward_first_and_says_so_when_it_is_missing(capsys):
     assert line.startswith("ddpo-group serve: error: name the reward to serve first") and "\n" not in line
     with pytest.raises(SystemExit) as exit_info:  # the reward's name is read: a limit of 0 is refused after it
         main(["serve", "jpeg_compressibility", "--workers", "0"])
-    assert str(exit_info.value) == "reward server: error: --workers must be > 0, got 0"
+    assert str(exit_info.value) == "ddpo-group serve: error: --workers must be > 0, got 0"  # named as it was called
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "no_such_reward", "--port", "0"])
+    assert str(exit_info.value).startswith("ddpo-group serve: error: --serve 'no_such_reward': unknown reward")
 
 
 def test_a_train_error_names_the_command_it_was_called_by_and_reads_as_one_sentence():

@@ -445,29 +445,29 @@ def main(argv=None, prog: str = "reward server", help_command: str = "python -m 
     try:
         import uvicorn  # noqa: F401  checked before a reward model loads
     except ImportError:
-        sys.exit(f"reward server: error: {INSTALL_HINT}")
+        sys.exit(f"{prog}: error: {INSTALL_HINT}")
     try:
         limits = Limits(args.max_body_mb, args.max_images, args.max_pixels, args.request_timeout,
                         args.max_connections, args.workers, args.max_decoded_mb)
     except ValueError as err:
-        sys.exit(f"reward server: error: {err}")
+        sys.exit(f"{prog}: error: {err}")
     try:
         kwargs = json.loads(args.kwargs)
     except json.JSONDecodeError as err:
-        sys.exit(f"reward server: error: --kwargs {args.kwargs!r} is not JSON ({err.msg}); give an object, "
+        sys.exit(f"{prog}: error: --kwargs {args.kwargs!r} is not JSON ({err.msg}); give an object, "
                  "e.g. --kwargs '{\"key\": 1}'")
     if not isinstance(kwargs, dict):
-        sys.exit(f"reward server: error: --kwargs {args.kwargs!r} must be a JSON object, e.g. --kwargs '{{\"key\": 1}}'")
+        sys.exit(f"{prog}: error: --kwargs {args.kwargs!r} must be a JSON object, e.g. --kwargs '{{\"key\": 1}}'")
     try:
         reward_fn = get_reward(args.serve, device=args.device, **kwargs)
         if hasattr(reward_fn, "check_ready"):
             reward_fn.check_ready()
     except (ValueError, TypeError, ImportError, OSError) as err:  # an unknown reward, bad kwargs, a missing model
-        sys.exit(f"reward server: error: --serve {args.serve!r}: {' '.join(str(err).split())}")
+        sys.exit(f"{prog}: error: --serve {args.serve!r}: {' '.join(str(err).split())}")
     try:
         server = RewardServer(reward_fn, component_name(args.serve), args.host, args.port, limits)
     except OSError as err:
-        sys.exit(f"reward server: error: cannot listen on --host {args.host} --port {args.port}: {err.strerror or err}")
+        sys.exit(f"{prog}: error: cannot listen on --host {args.host} --port {args.port}: {err.strerror or err}")
     logging.basicConfig(format="%(asctime)s %(message)s", level=logging.INFO, stream=sys.stderr)
     logging.getLogger("uvicorn").setLevel(logging.WARNING)
     print(f"serving reward {args.serve!r} on {server.url}", flush=True)
