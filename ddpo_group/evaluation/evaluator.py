@@ -3,7 +3,7 @@
 Image j of prompt i starts from noise drawn with a generator seeded by (seed, i, j) and draws its
 step noise from the same generator, so two evaluations differ only by the weights (and neither
 depends on how the prompts are batched or split over processes). Used by the trainer
-(`eval_freq`) and by `scripts/evaluate.py`.
+(`eval_freq`) and by `ddpo-group evaluate` (ddpo_group/cli/evaluate.py).
 
     result = evaluate(policy, model, records, reward_fn, images_per_prompt=2, num_steps=10,
                       guidance_scale=3.0, eta=1.0, seed=1234, batch_size=32, accelerator=acc)
@@ -374,7 +374,7 @@ def check_evaluation(config, machine):
         raise ConfigError(
             f"config.eval_images_per_prompt={config.eval_images_per_prompt}: every evaluation would draw that many "
             f"images for each prompt; use at most {MAX_EVAL_IMAGES_PER_PROMPT} (the standard error of a mean over "
-            "1024 rewards in [0, 1] is below 0.016), or score a checkpoint once with scripts/evaluate.py"
+            "1024 rewards in [0, 1] is below 0.016), or score a checkpoint once with ddpo-group evaluate --checkpoint RUN_DIR"
         )
     check_positive(config.eval_grid_prompts, "eval_grid_prompts", allow_zero=True)
     check_positive(config.eval_batch_size, "eval_batch_size", allow_zero=True)
