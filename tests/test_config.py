@@ -161,7 +161,7 @@ def test_train_help_names_the_variants_and_the_defaults_file():
 
 def test_eval_images_per_prompt_is_bounded(tmp_path, no_model_loading):
     message = _assert_rejected(tmp_path, make_config(tmp_path, eval_images_per_prompt=10000), "eval_images_per_prompt")
-    assert "1024" in message and "scripts/evaluate.py" in message
+    assert "1024" in message and "ddpo-group evaluate --checkpoint" in message
     check_config(make_config(tmp_path, eval_images_per_prompt=1024))
 
 
