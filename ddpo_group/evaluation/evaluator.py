@@ -374,7 +374,8 @@ def check_evaluation(config, machine):
         raise ConfigError(
             f"config.eval_images_per_prompt={config.eval_images_per_prompt}: every evaluation would draw that many "
             f"images for each prompt; use at most {MAX_EVAL_IMAGES_PER_PROMPT} (the standard error of a mean over "
-            "1024 rewards in [0, 1] is below 0.016), or score a checkpoint once with ddpo-group evaluate --checkpoint RUN_DIR"
+            "1024 rewards in [0, 1] is below 0.016), or score a checkpoint once with "
+            "ddpo-group evaluate --checkpoint RUN_DIR"
         )
     check_positive(config.eval_grid_prompts, "eval_grid_prompts", allow_zero=True)
     check_positive(config.eval_batch_size, "eval_batch_size", allow_zero=True)

@@ -423,9 +423,9 @@ def main(argv=None, prog: str = "reward server", help_command: str = "python -m 
     from ddpo_group.cli.common import OneLineArgumentParser
 
     parser = OneLineArgumentParser(prog=prog, help_command=help_command,
-                                   description="Serve a reward over HTTP to training runs elsewhere (POST / scores a batch; "
-                                               "docs/reward_server.md). `ddpo-group serve REWARD ...` takes the "
-                                               "reward first, without --serve.")
+                                   description="Serve a reward over HTTP to training runs elsewhere (POST / "
+                                               "scores a batch; docs/reward_server.md). `ddpo-group serve REWARD "
+                                               "...` takes the reward first, without --serve.")
     parser.add_argument("--serve", required=True, metavar="REWARD_NAME",
                         help="registered reward name, 'module:function' or 'file.py:function'")
     parser.add_argument("--host", default="127.0.0.1")
