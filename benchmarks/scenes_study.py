@@ -234,10 +234,13 @@ def collect(results, target=None):
         rows = [r for r in summary if r["method"] == method]
         if not rows:
             continue
+        # the target is the flow model's (the best flow_grpo run): a run of the UNet model, whose base scores
+        # differently, is not measured against it
+        comparable = best_flow is not None and rows[0]["model"] == best_flow["model"]
         to_target = []
         for r in rows:
             hit = next(((c, s) for _, o, _, c, s in curves[(method, r["seed"])] if o >= target - 1e-12), None)
-            to_target.append(hit)
+            to_target.append(hit if comparable else None)
         hits = [h for h in to_target if h is not None]
         seconds = statistics.median(h[1] for h in hits) if len(hits) * 2 > len(rows) else None
         table.append({
@@ -246,7 +249,7 @@ def collect(results, target=None):
             "tags": {tag: _spread([r[tag] for r in rows]) for tag in TAGS},
             "train_seconds": statistics.median(r["train_seconds"] for r in rows),
             "model_calls": statistics.median(r["model_calls"] for r in rows),
-            "reached_target": f"{len(hits)}/{len(rows)}",
+            "reached_target": f"{len(hits)}/{len(rows)}" if comparable else "n/a (another model)",
             "seconds_to_target": seconds,
             "calls_to_target": statistics.median(h[0] for h in hits) if seconds is not None else None,
             "ratio_to_flow_grpo": seconds / reference_seconds if seconds is not None and reference_seconds else None,
