@@ -57,7 +57,7 @@ def test_the_families_are_found_by_name_and_by_pipeline(pipelines):
 
 
 def test_a_negative_prompt_for_flux2_dev_is_refused_in_one_line_naming_the_field(tmp_path):
-    from ddpo_group.config_check import ConfigError
+    from ddpo_group.config.check import ConfigError
 
     with pytest.raises(ConfigError, match=r"^config\.sample\.negative_prompt='blurry': .*FLUX\.2 \[dev\]"):
         Trainer(make_config(tmp_path, variant="tiny_flux2", sample__negative_prompt="blurry"))

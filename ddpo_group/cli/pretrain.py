@@ -341,7 +341,7 @@ def save_grid(images: torch.Tensor, path: str, columns: int) -> None:
     n, _, h, w = images.shape
     rows = math.ceil(n / columns)
     grid = np.zeros((rows * h, columns * w, 3), dtype=np.uint8)
-    array = (images.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+    array = (images.clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
     for k in range(n):
         r, c = divmod(k, columns)
         grid[r * h : (r + 1) * h, c * w : (c + 1) * w] = array[k]
@@ -570,7 +570,7 @@ def _train_scenes_vae(pipeline, images, args, state_dir, deadline) -> dict:
             raise Stopped(f"vae step {step}")
         idx = torch.randint(0, images.shape[0], (args.vae_batch_size,), generator=generator)
         top, left = (int(v) for v in torch.randint(0, size - crop + 1, (2,), generator=generator))
-        x = torch.from_numpy(images[idx.numpy()][:, top : top + crop, left : left + crop]).permute(0, 3, 1, 2)
+        x = torch.from_numpy(images[idx.cpu().numpy()][:, top : top + crop, left : left + crop]).permute(0, 3, 1, 2)
         x = x.float() / 127.5 - 1.0
         vae_step(vae, vae.encode(x).latent_dist, x, optimizer, scheduler, args.kl_weight, generator, smooth)
         progress.set_postfix(mse=f"{smooth['mse']:.4f}", refresh=False)
