@@ -97,9 +97,9 @@ def _cache_file():
     return os.path.join(root, "ddpo_group", "cpu_matmul_tflops.json")
 
 
-def cpu_matmul_tflops(size=512, seconds=0.25):
+def cpu_matmul_tflops(size=1024, seconds=0.5):
     """The CPU's float32 matmul throughput in TFLOPS at torch's current thread count: (size x size) @ (size x size)
-    repeated for about `seconds` (2 size^3 FLOPs each), the best of three rounds. Measured once per process and
+    repeated for about `seconds` (2 size^3 FLOPs each), the best of five rounds. Measured once per process and
     cached in <user cache>/ddpo_group/cpu_matmul_tflops.json keyed by CPU model and thread count (written
     atomically); a shared, loaded machine measures less than its peak."""
     key = f"{_cpu_model()}|threads={torch.get_num_threads()}"
@@ -117,9 +117,9 @@ def cpu_matmul_tflops(size=512, seconds=0.25):
     a, b = torch.randn(size, size, generator=torch.Generator().manual_seed(0)), torch.randn(size, size)
     torch.mm(a, b)  # warm-up
     best = 0.0
-    for _ in range(3):
+    for _ in range(5):
         n, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / 3:
+        while time.perf_counter() - start < seconds / 5:
             torch.mm(a, b)
             n += 1
         best = max(best, 2 * size**3 * n / (time.perf_counter() - start) / 1e12)
@@ -160,6 +160,16 @@ def _shapes(value, depth=0):
     return None
 
 
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
 class PerfAccounting:
     """Seconds, model calls, FLOPs and model seconds of each phase since the last ``epoch_metrics`` (module
     docstring). ``attach(name, module)`` hooks a model; ``phase(name)`` / ``model_time()`` are entered by the loop
@@ -172,9 +182,18 @@ class PerfAccounting:
         self.signature_flops = {}  # (module name, input signature) -> forward FLOPs
         self.handles, self.calls_in_flight = [], []
         self._counting = None
+        self.modules = {}  # name -> module attached
+        # record_inputs (benchmarks/overhead.py): one detached copy of each signature's inputs and the run's calls
+        # per (phase, module name, signature, grad enabled), to replay them bare
+        self.record_inputs, self.example_inputs, self.run_calls = False, {}, {}
+        self.run_seconds, self.run_model_seconds = {}, {}  # the epochs' totals, rows already written
         self.reset()
 
     def reset(self):
+        for phase, seconds in getattr(self, "seconds", {}).items():
+            self.run_seconds[phase] = self.run_seconds.get(phase, 0.0) + seconds
+        for phase, seconds in getattr(self, "model_seconds", {}).items():
+            self.run_model_seconds[phase] = self.run_model_seconds.get(phase, 0.0) + seconds
         self.seconds = {}  # phase -> wall seconds (innermost)
         self.flops = {}  # phase -> model FLOPs
         self.calls = {}  # (phase, module name) -> calls
@@ -278,9 +297,15 @@ class PerfAccounting:
                     flops *= 3  # forward + backward
                 self.flops[current] = self.flops.get(current, 0) + flops
                 self.calls[current, name] = self.calls.get((current, name), 0) + 1
+                if self.record_inputs:
+                    key = (current, name, signature, torch.is_grad_enabled())
+                    self.run_calls[key] = self.run_calls.get(key, 0) + 1
+                    if signature not in self.example_inputs:
+                        self.example_inputs[signature] = _detached((args, kwargs))
             if own is not None:
                 self._exit()
 
+        self.modules[name] = module
         self.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         self.handles.append(module.register_forward_hook(after, with_kwargs=True))
 
