@@ -16,7 +16,9 @@ number of calls, one after another, nothing else around them (--replays times, t
 
 Per phase: seconds (the run's, every epoch), bare_seconds (the replay), overhead = seconds / bare_seconds (1.0:
 the loop adds nothing around its model calls; the phases that call no model have none), mfu = the phase's model
-FLOPs / seconds / peak (perf.py's). The first epoch (--warmup-epochs) is run and not counted: its first call of
+FLOPs / seconds / peak (perf.py's). Seconds on the CPU are the loop thread's CPU seconds (--clock cpu), which the
+load of a shared machine does not stretch as it does the wall clock (run with OMP_NUM_THREADS=1: torch's work is
+then on that thread; the reward's own thread is not counted). The first epoch (--warmup-epochs) is run and not counted: its first call of
 each input shape runs under FlopCounterMode. Printed as a table and written as JSON
 {"phases": {phase: {"seconds", "bare_seconds", "overhead", "mfu", "calls", "tflops"}}, "peak_tflops", ...}.
 """
@@ -50,7 +52,7 @@ def _first_tensor(output):
     return None
 
 
-def replay(accounting, module_for, sync):
+def replay(accounting, module_for, sync, clock=time.perf_counter):
     """{phase: bare seconds} of the run's recorded calls, made again one after another."""
     bare = {}
     for (phase, name, signature, grad), calls in sorted(accounting.run_calls.items(), key=lambda kv: kv[0][0]):
@@ -69,17 +71,17 @@ def replay(accounting, module_for, sync):
         if train:
             module.zero_grad(set_to_none=True)
         sync()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(calls):
             call()
         if train:
             module.zero_grad(set_to_none=True)
         sync()
-        bare[phase] = bare.get(phase, 0.0) + time.perf_counter() - start
+        bare[phase] = bare.get(phase, 0.0) + clock() - start
     return bare
 
 
-def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2):
+def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="cpu"):
     """Train `epochs` epochs of `variant` with recording accounting, then replay bare; returns the JSON dict.
     The first `warmup` epochs are run but not counted."""
     from ddpo_group.config.grpo import get_config
@@ -101,6 +103,8 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2):
     trainer = Trainer(config)
     accounting = trainer.perf
     accounting.record_inputs = True
+    timer = time.thread_time if clock == "cpu" and trainer.accelerator.device.type == "cpu" else time.perf_counter
+    accounting.clock = timer
     log_epoch = trainer.log_epoch
 
     def log_and_forget_warmup(epoch, samples, metrics):
@@ -125,7 +129,7 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     bare = {}
     for _ in range(repeats):  # the least of `repeats` replays: a shared machine's load only ever adds
-        for phase, seconds_bare in replay(accounting, lambda name: accounting.modules[name], sync).items():
+        for phase, seconds_bare in replay(accounting, lambda name: accounting.modules[name], sync, timer).items():
             bare[phase] = min(bare.get(phase, float("inf")), seconds_bare)
     peak = accounting.peak_tflops()
     phases = {}
@@ -141,7 +145,8 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2):
             row["mfu"] = flops[phase] / seconds[phase] / (peak * 1e12)
         phases[phase] = row
     return {
-        "variant": variant, "epochs": epochs, "warmup_epochs": warmup, "replays": repeats, "overrides": list(overrides), "phases": phases,
+        "variant": variant, "epochs": epochs, "warmup_epochs": warmup, "replays": repeats,
+        "clock": "thread CPU seconds" if timer is time.thread_time else "wall seconds", "overrides": list(overrides), "phases": phases,
         "peak_tflops": peak, "wall_seconds": wall, "threads": torch.get_num_threads(), "device": str(device),
         "cpu": perf._cpu_model(), "torch": torch.__version__, "python": platform.python_version(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -150,7 +155,7 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2):
 
 
 def table(result):
-    lines = [f"{result['variant']}: {result['epochs'] - result['warmup_epochs']} epochs counted, peak {result['peak_tflops']:.4g} TFLOPS, "
+    lines = [f"{result['variant']}: {result['epochs'] - result['warmup_epochs']} epochs counted, {result['clock']}, peak {result['peak_tflops']:.4g} TFLOPS, "
              f"{result['threads']} threads, load {result['load_average']}",
              f"{'phase':<14}{'seconds':>10}{'bare s':>10}{'overhead':>10}{'MFU':>8}{'calls':>8}"]
     for phase, row in result["phases"].items():
@@ -171,6 +176,9 @@ def main(argv=None):
     parser.add_argument("--warmup-epochs", type=int, default=-1,
                         help="epochs run first and not counted (default: 1 when --epochs > 1, else 0)")
     parser.add_argument("--replays", type=int, default=2, help="bare replays; the least time of each phase counts")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="cpu (default on the CPU): the loop thread's CPU seconds, which other processes' load "
+                             "does not stretch (exact with OMP_NUM_THREADS=1); wall: the wall clock (a GPU always)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a config field, e.g. --set sample.num_batches_per_epoch=1 (repeatable)")
     args = parser.parse_args(argv)
@@ -179,7 +187,7 @@ def main(argv=None):
     warmup = args.warmup_epochs if args.warmup_epochs >= 0 else int(args.epochs > 1)
     if warmup >= args.epochs:
         parser.error(f"--warmup-epochs={warmup} leaves none of --epochs={args.epochs} to count")
-    result = run(args.config, args.epochs, args.set, args.logdir or None, warmup, args.replays)
+    result = run(args.config, args.epochs, args.set, args.logdir or None, warmup, args.replays, args.clock)
     print(table(result))
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

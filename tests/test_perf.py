@@ -56,7 +56,8 @@ def test_phases_nest_and_a_second_counts_for_the_innermost_only():
                 x = sum(range(10000))
             perf.switch("critic")
     metrics = accounting.epoch_metrics()
-    assert x and set(metrics) == {f"perf/{p}_{k}" for p in ("reference", "training", "critic") for k in ("seconds", "tflops")}
+    phases = {f"perf/{p}_{k}" for p in ("reference", "training", "critic") for k in ("seconds", "tflops")}
+    assert x and set(metrics) == phases | {"perf/peak_tflops"}
     assert all(metrics[f"perf/{p}_seconds"] >= 0 for p in ("reference", "training", "critic"))
     assert accounting.seconds == {}  # started afresh
 
@@ -151,3 +152,20 @@ def test_overhead_benchmark_help_and_a_one_epoch_smoke_writes_its_json(tmp_path,
         assert set(row) >= {"seconds", "bare_seconds", "overhead", "mfu"}
         assert row["bare_seconds"] > 0 and row["overhead"] == pytest.approx(row["seconds"] / row["bare_seconds"])
     assert "sampling" in capsys.readouterr().out
+
+
+def test_report_phase_costs_are_mean_seconds_and_flops_over_seconds_over_peak():
+    from pathlib import Path
+
+    from ddpo_group.report.figures import phase_costs, plot_phases
+    from ddpo_group.report.run import RunData
+
+    rows = [{"epoch": 0, "perf/sampling_seconds": 2.0, "perf/sampling_tflops": 0.5, "perf/peak_tflops": 1.0,
+             "perf/reward_seconds": 0.5, "perf/reward_tflops": 0.0},
+            {"epoch": 1, "perf/sampling_seconds": 3.0, "perf/sampling_tflops": 1.0, "perf/peak_tflops": 1.0,
+             "perf/reward_seconds": 0.5, "perf/reward_tflops": 0.0}]
+    run = RunData(path=Path("a"), config=None, metrics=rows)
+    assert phase_costs(run) == {"sampling": (2.5, 1.5 / 5.0), "reward": (0.5, None)}
+    other = RunData(path=Path("b"), config=None, metrics=rows[:1])
+    assert plot_phases([run, other]).startswith(b"\x89PNG")  # both runs' bars (the compare page)
+    assert plot_phases([RunData(path=Path("c"), config=None, metrics=[{"epoch": 0}])]) is None

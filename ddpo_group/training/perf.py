@@ -101,7 +101,8 @@ def cpu_matmul_tflops(size=1024, seconds=0.5):
     """The CPU's float32 matmul throughput in TFLOPS at torch's current thread count: (size x size) @ (size x size)
     repeated for about `seconds` (2 size^3 FLOPs each), the best of five rounds. Measured once per process and
     cached in <user cache>/ddpo_group/cpu_matmul_tflops.json keyed by CPU model and thread count (written
-    atomically); a shared, loaded machine measures less than its peak."""
+    atomically). With one thread the clock is the thread's CPU time (a loaded machine does not lower it); with
+    several, the wall clock (a shared, loaded machine measures less than its peak)."""
     key = f"{_cpu_model()}|threads={torch.get_num_threads()}"
     if key in _CPU_PEAK:
         return _CPU_PEAK[key]
@@ -116,13 +117,15 @@ def cpu_matmul_tflops(size=1024, seconds=0.5):
         return _CPU_PEAK[key]
     a, b = torch.randn(size, size, generator=torch.Generator().manual_seed(0)), torch.randn(size, size)
     torch.mm(a, b)  # warm-up
+    # one thread: its CPU seconds, which other processes' load does not stretch; several: the wall clock
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     best = 0.0
     for _ in range(5):
-        n, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds / 5:
+        n, start = 0, clock()
+        while clock() - start < seconds / 5:
             torch.mm(a, b)
             n += 1
-        best = max(best, 2 * size**3 * n / (time.perf_counter() - start) / 1e12)
+        best = max(best, 2 * size**3 * n / (clock() - start) / 1e12)
     _CPU_PEAK[key] = best
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -175,8 +178,11 @@ class PerfAccounting:
     docstring). ``attach(name, module)`` hooks a model; ``phase(name)`` / ``model_time()`` are entered by the loop
     (through this module's functions of the same names while the accounting is ``active``)."""
 
-    def __init__(self, peak_tflops=None, device="cpu"):
+    def __init__(self, peak_tflops=None, device="cpu", clock=time.perf_counter):
         self.peak = peak_tflops  # TFLOPS, or a callable giving it (measured on first use), or None
+        # the seconds' clock: the wall (a run's default) or time.thread_time, the loop thread's CPU seconds, which a
+        # shared machine's load does not stretch (benchmarks/overhead.py, with one torch thread)
+        self.clock = clock
         self.cuda = torch.device(device).type == "cuda"
         self.stack = []  # [phase, start] innermost last
         self.signature_flops = {}  # (module name, input signature) -> forward FLOPs
@@ -202,7 +208,7 @@ class PerfAccounting:
 
     # ---- phases ----
     def _now(self):
-        return time.perf_counter()
+        return self.clock()
 
     def _enter(self, name):
         now = self._now()
@@ -252,7 +258,7 @@ class PerfAccounting:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return self.clock()
 
     def _end_call(self, token, phase):
         if phase is None:
@@ -262,7 +268,7 @@ class PerfAccounting:
             end.record()
             self.events.append((phase, token, end))
         else:
-            self.model_seconds[phase] = self.model_seconds.get(phase, 0.0) + time.perf_counter() - token
+            self.model_seconds[phase] = self.model_seconds.get(phase, 0.0) + self.clock() - token
 
     # ---- hooks ----
     def attach(self, name, module, phase=None):
@@ -330,7 +336,8 @@ class PerfAccounting:
 
     def epoch_metrics(self):
         """perf/<phase>_seconds and perf/<phase>_tflops of the phases that happened since the last call,
-        perf/sampling_mfu, perf/train_mfu, perf/overhead; then starts counting afresh."""
+        perf/sampling_mfu, perf/train_mfu, perf/overhead and perf/peak_tflops (the report's per-phase MFU is
+        tflops / seconds / peak); then starts counting afresh."""
         model_seconds = self.model_seconds_by_phase()
         metrics = {}
         for phase in PHASES:
@@ -338,6 +345,8 @@ class PerfAccounting:
                 metrics[f"perf/{phase}_seconds"] = self.seconds[phase]
                 metrics[f"perf/{phase}_tflops"] = self.flops.get(phase, 0) / 1e12
         peak = self.peak_tflops()
+        if peak:
+            metrics["perf/peak_tflops"] = peak
         for phase, key in (("sampling", "perf/sampling_mfu"), ("training", "perf/train_mfu")):
             if self.seconds.get(phase) and self.flops.get(phase) and peak:
                 metrics[key] = self.flops[phase] / self.seconds[phase] / (peak * 1e12)
