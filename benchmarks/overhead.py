@@ -150,7 +150,6 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="
         "peak_tflops": peak, "wall_seconds": wall, "threads": torch.get_num_threads(), "device": str(device),
         "cpu": perf._cpu_model(), "torch": torch.__version__, "python": platform.python_version(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "run_dir": trainer.run_dir,
     }
 
 
