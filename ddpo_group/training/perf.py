@@ -390,13 +390,17 @@ def model_time():
     return _ACTIVE[-1].model_time() if _ACTIVE else contextlib.nullcontext()
 
 
-def for_run(config, device, policy):
-    """The run's PerfAccounting with the denoiser and the VAE decoder attached, or None with perf.enabled=False."""
+def for_run(config, device, policy, copies=()):
+    """The run's PerfAccounting with the denoiser (and `copies`, its FSDP2-sharded frozen copies: the reference, the
+    old model) and the VAE decoder attached, or None with perf.enabled=False. An unsharded reference or old model
+    runs through the denoiser itself (functional_call): its hooks see those calls."""
     perf = config.get("perf") or {}
     if not perf.get("enabled", True):
         return None
     accounting = PerfAccounting(lambda: device_peak_tflops(config, device), device)
     accounting.attach("denoiser", policy.trainable_module)
+    for n, module in enumerate(copies):
+        accounting.attach(f"denoiser_copy{n}", module)
     vae = getattr(getattr(policy, "pipeline", None), "vae", None)
     decoder = getattr(vae, "decoder", None)
     if isinstance(decoder, torch.nn.Module):

@@ -123,7 +123,8 @@ class Trainer:
         if config.train.objective != "stepwise":  # DiffusionNFT / AWM: a forward-process update (docs/forward.md)
             self.forward_update = ForwardUpdate(self)
         self.update = self.forward_update or StepwiseUpdate(self)
-        self.perf = perf.for_run(config, acc.device, self.policy)  # per-phase seconds, FLOPs, MFU (None: off)
+        self.perf = perf.for_run(config, acc.device, self.policy,  # per-phase seconds, FLOPs, MFU (None: off)
+                                 copies=list(self.sharded_copies.values()))
 
         self.first_epoch, self.global_step, self.skipped_steps = 0, 0, 0
         self.scaler_skipped_steps = 0  # fp16: steps the GradScaler skipped while it lowered its scale
