@@ -169,3 +169,20 @@ def test_report_phase_costs_are_mean_seconds_and_flops_over_seconds_over_peak():
     other = RunData(path=Path("b"), config=None, metrics=rows[:1])
     assert plot_phases([run, other]).startswith(b"\x89PNG")  # both runs' bars (the compare page)
     assert plot_phases([RunData(path=Path("c"), config=None, metrics=[{"epoch": 0}])]) is None
+
+
+def test_a_forward_that_raises_leaves_no_counter_or_phase_open():
+    class Failing(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("out of memory")
+
+    accounting = perf.PerfAccounting(peak_tflops=1.0)
+    failing, layer = Failing(), torch.nn.Linear(8, 16, bias=False)
+    accounting.attach("decoder", failing, phase="decoding")
+    accounting.attach("denoiser", layer)
+    with perf.active(accounting), perf.phase("sampling"), torch.no_grad():
+        with pytest.raises(RuntimeError, match="out of memory"):
+            failing(torch.zeros(1))
+        assert accounting.current == "sampling"  # the decoding phase closed
+        layer(torch.randn(4, 8))  # counted by a counter of its own: the failed call's was closed
+    assert accounting.flops["sampling"] == 2 * 4 * 8 * 16

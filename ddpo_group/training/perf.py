@@ -313,7 +313,8 @@ class PerfAccounting:
 
         self.modules[name] = module
         self.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-        self.handles.append(module.register_forward_hook(after, with_kwargs=True))
+        # always_call: a forward that raises still closes its FlopCounterMode and its decoding phase
+        self.handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
 
     def detach(self):
         for handle in self.handles:
