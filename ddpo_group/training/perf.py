@@ -21,6 +21,8 @@ call a model over those phases' model seconds: 1.0 means the loop adds nothing a
 MFU = FLOPs / seconds / peak. The peak (``peak_tflops``): perf.peak_tflops when set; on a GPU the published dense
 peak for its name and the run's dtype (PEAK_TFLOPS); on the CPU the measured float32 matmul throughput at the
 run's thread count (``cpu_matmul_tflops``, measured once per process and cached on disk).
+
+perf.peak_tflops is checked by ``check_perf_config``, registered in the config walk's "run" section.
 """
 
 import contextlib
@@ -32,6 +34,8 @@ import tempfile
 import time
 
 import torch
+
+from ddpo_group.config.registry import ConfigError, register_config_check
 
 PHASES = ("sampling", "decoding", "reward", "old_log_probs", "reference", "training", "critic", "evaluation",
           "checkpoint")
@@ -57,10 +61,9 @@ PEAK_TFLOPS = {
 _CPU_PEAK = {}  # (cpu model, threads) -> TFLOPS measured by this process
 
 
-def check_perf_config(config):
+@register_config_check("run")
+def check_perf_config(config, machine=None):
     """ConfigError naming the field for a perf.peak_tflops that is not a finite number >= 0 (0: the device's)."""
-    from ddpo_group.config.check import ConfigError
-
     perf = config.get("perf") or {}
     peak = perf.get("peak_tflops", 0.0)
     try:

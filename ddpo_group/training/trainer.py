@@ -84,7 +84,6 @@ class Trainer:
         # Checked before anything is created; the launcher's WORLD_SIZE is the number of processes.
         checks = {"num_processes": int(os.environ.get("WORLD_SIZE", 1)), "has_gpu": torch.cuda.is_available()}
         check_config(config, **checks)
-        perf.check_perf_config(config)
         self.files, config = RunDir.resolve(config, overrides)
         if config.resume_from:
             check_config(config, **checks)
