@@ -39,6 +39,7 @@ WHERE = {
     "check_sharding": ("model", "ddpo_group.training.sharding"),
     "check_run_dir_fields": ("run", "ddpo_group.runs.run_dir"),
     "check_logging": ("run", "ddpo_group.runs.metrics_log"),
+    "check_perf_config": ("run", "ddpo_group.training.perf"),
     "check_reward_fields": ("rewards", "ddpo_group.rewards.checks"),
     "check_rewards": ("rewards", "ddpo_group.rewards.checks"),
     "check_evaluation": ("evaluation", "ddpo_group.evaluation.evaluator"),

@@ -27,10 +27,11 @@ NO_WRITES = ["--config.save_freq=0", "--config.log_images_every=0", "--config.ev
 
 
 def _numbers(row):
-    """The row's numbers (lists of numbers included), without wall-clock times, memory and file names."""
+    """The row's numbers (lists of numbers included), without wall-clock times and costs (time/*, perf/*: a run
+    that writes no checkpoint has no checkpoint phase), memory and file names."""
     return {
         key: value for key, value in row.items()
-        if not key.startswith("time/") and key != "peak_rss_mb" and not isinstance(value, str)
+        if not key.startswith(("time/", "perf/")) and key != "peak_rss_mb" and not isinstance(value, str)
     }
 
 

@@ -176,6 +176,18 @@ def default_prompt_ids(prompts):
     return torch.tensor([first_index.setdefault(prompt, i) for i, prompt in enumerate(prompts)], dtype=torch.int64)
 
 
+def execution_device(pipeline):
+    """The device a pipeline's models run on: ``pipeline.device`` when no component carries an offloading hook
+    (accelerate's ``_hf_hook``, diffusers' ``_diffusers_hook``), else diffusers' ``pipeline._execution_device``.
+    The latter walks every submodule of every component on each call (diffusers' group-offloading check): a few
+    milliseconds per sampled batch on the tiny models, more on a large model's thousands of modules
+    (docs/performance.md)."""
+    components = [m for m in pipeline.components.values() if isinstance(m, torch.nn.Module)]
+    if any(hasattr(m, "_hf_hook") or hasattr(m, "_diffusers_hook") for m in components):
+        return pipeline._execution_device
+    return pipeline.device
+
+
 def model_dtype(module):
     """The dtype a model's inputs are cast to: that of its first floating-point parameter.
 

@@ -26,6 +26,7 @@ from ddpo_group.diffusion.base import (
     DiffusionPolicy,
     Trajectories,
     default_prompt_ids,
+    execution_device,
     final_latents_only,
     noise_levels,
 )
@@ -212,7 +213,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
             raise ValueError("prompts must hold at least one prompt")
         prompt_ids = default_prompt_ids(prompts) if prompt_ids is None else torch.as_tensor(prompt_ids, dtype=torch.int64)
         model = self.trainable_module if model is None else model
-        device = self.pipeline._execution_device
+        device = execution_device(self.pipeline)
         batch_size = len(prompts)
         levels = noise_levels(eta, num_steps)
         if self.conditions_on_images or source_images is not None:

@@ -29,6 +29,7 @@ from ddpo_group.diffusion.base import (
     DiffusionPolicy,
     Trajectories,
     default_prompt_ids,
+    execution_device,
     final_latents_only,
     model_dtype,
     noise_levels,
@@ -243,7 +244,7 @@ def sample_ddim(
         raise ValueError(f"prompt_ids must have shape (B,) = ({len(prompts)},), got {tuple(prompt_ids.shape)}")
     unet = pipeline.unet if unet is None else unet
     scheduler = pipeline.scheduler
-    device = pipeline._execution_device
+    device = execution_device(pipeline)
     batch_size = len(prompts)
     do_cfg = guidance_scale > 1.0
 

@@ -197,6 +197,54 @@ def plot_times(runs: Sequence[RunData]) -> bytes | None:
     return _figure_png(fig)
 
 
+PERF_PHASES = ("sampling", "decoding", "reward", "old_log_probs", "reference", "training", "critic", "evaluation",
+               "checkpoint")  # ddpo_group/training/perf.py's phases, in the order an epoch makes them
+
+
+def phase_costs(run: RunData) -> dict[str, tuple[float, float | None]]:
+    """{phase: (mean seconds per epoch that had it, MFU or None)} from the run's perf/<phase>_seconds,
+    perf/<phase>_tflops and perf/peak_tflops rows (MFU = TFLOPs / seconds / peak over those rows)."""
+    costs = {}
+    for phase in PERF_PHASES:
+        rows = [r for r in run.metrics if finite(r.get(f"perf/{phase}_seconds")) is not None]
+        if not rows:
+            continue
+        seconds = sum(r[f"perf/{phase}_seconds"] for r in rows)
+        peaked = [r for r in rows if finite(r.get("perf/peak_tflops")) and finite(r.get(f"perf/{phase}_tflops"))]
+        work = sum(r[f"perf/{phase}_tflops"] / r["perf/peak_tflops"] for r in peaked)
+        busy = sum(r[f"perf/{phase}_seconds"] for r in peaked)
+        costs[phase] = (seconds / len(rows), work / busy if work > 0 and busy > 0 else None)
+    return costs
+
+
+def plot_phases(runs: Sequence[RunData]) -> bytes | None:
+    """One bar per phase: seconds per epoch and MFU (perf/* rows, ddpo_group/training/perf.py), a run's bars beside
+    the other's on the compare page; None when no run logged them."""
+    costs = [phase_costs(run) for run in runs]
+    phases = [p for p in PERF_PHASES if any(p in c for c in costs)]
+    if not phases:
+        return None
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9.0, 3.4))
+    width = 0.8 / len(runs)
+    for column, (title, index, scale) in enumerate((("seconds per epoch", 0, 1.0), ("MFU (%)", 1, 100.0))):
+        ax = fig.add_subplot(1, 2, column + 1)
+        ax.set_title(title, fontsize=9)
+        for i, (run, cost) in enumerate(zip(runs, costs)):
+            values = [(cost.get(p) or (0.0, None))[index] for p in phases]
+            ax.bar([n + (i - (len(runs) - 1) / 2) * width for n in range(len(phases))],
+                   [0.0 if v is None else v * scale for v in values], width, color=RUN_COLORS[i],
+                   label=run.name if len(runs) > 1 else None)
+        ax.set_xticks(range(len(phases)))
+        ax.set_xticklabels(phases, rotation=35, ha="right", fontsize=7)
+        ax.tick_params(axis="y", labelsize=7)
+    if len(runs) > 1:
+        fig.axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return _figure_png(fig)
+
+
 STEP_LABELS = {
     "steps/trained": "trained (1) or not (0)",
     "steps/adv_mean": "advantage mean",

@@ -36,6 +36,7 @@ from ddpo_group.report.figures import (
     plot_curves,
     plot_evaluation,
     plot_step_heatmaps,
+    plot_phases,
     plot_times,
     step_keys,
 )
@@ -207,6 +208,11 @@ def _curves_section(runs: Sequence[RunData], inline: Inline) -> str:
     times = plot_times(runs)
     if times is not None:
         parts.append("<h3>Time per phase</h3>" + inline.plot(times, "time per phase"))
+    phases = plot_phases(runs)
+    if phases is not None:
+        parts.append("<h3>Cost per phase</h3><p class=\"small\">Seconds per epoch and MFU (model FLOPs over seconds "
+                     "over the device's peak, perf/peak_tflops) of each phase, from the perf/* metrics "
+                     "(docs/performance.md).</p>" + inline.plot(phases, "cost per phase"))
     return "\n".join(parts)
 
 

@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ddpo_group.algos.forward import matching_log_prob, nft_loss, nft_optimality, squared_error
+from ddpo_group.training import perf
 from ddpo_group.training.reference import ReferencePolicy
 
 
@@ -85,7 +86,8 @@ class ForwardUpdate:
                 timesteps = samples.timesteps[rows, columns[:, k].to(device)]
                 with contextlib.nullcontext() if sync else acc.no_sync(tr.model):
                     loss, stats = self._column_loss(samples, rows, x0, noise[:, k], timesteps, advantages)
-                    acc.backward(loss / (k_steps * window_len))
+                    with perf.model_time():  # the backward's seconds are model seconds (perf.py)
+                        acc.backward(loss / (k_steps * window_len))
                 bad = bad or not bool(torch.isfinite(loss))
                 for key, value in stats.items():
                     if key in info:

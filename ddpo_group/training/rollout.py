@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
 from ddpo_group.diffusion.flow import CPS_LOG_PROBS, FLOW_GRIDS, SDE_TYPES
 from ddpo_group.training.batch import EpochBatch
+from ddpo_group.training import perf
 from ddpo_group.training.critic_designs import keeps_x0_hat
 from ddpo_group.diffusion.base import window_noise_levels
 from ddpo_group.data.edit_sources import reward_metadata, source_images
@@ -252,6 +253,7 @@ def sample_epoch(policy, prompts, reward_runner, config, accelerator, epoch, met
         not_finite += int((~torch.isfinite(trajectories.images.flatten(1))).any(dim=1).sum())
     metrics["time/sample"] = time.perf_counter() - start
     _stop_on_non_finite(acc, not_finite, total * s.num_batches_per_epoch, epoch, config)
+    perf.switch("reward")  # the accounting's phase (ddpo_group/training/perf.py): waiting for the rewards
     start = time.perf_counter()
     results = [reward_runner.result(future, config.reward_timeout) for future in futures]
     samples = EpochBatch.cat(batches)

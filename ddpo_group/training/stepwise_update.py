@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from ddpo_group.algos.losses import agg_loss, gaussian_kl, kl_penalty
 from ddpo_group.algos.stepwise import column_loss, grpo_loss
 from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
+from ddpo_group.training import perf
 from ddpo_group.training.diagnostics import GradShare, StepAccumulator
 
 
@@ -223,7 +224,8 @@ class StepwiseUpdate:
         recompute = t.old_log_probs == "recompute"
         if recompute:
             old_start = time.perf_counter()
-            self.recompute_old_log_probs(samples, plan[first_window:])
+            with perf.phase("old_log_probs"):
+                self.recompute_old_log_probs(samples, plan[first_window:])
             metrics["time/old_log_probs"] = time.perf_counter() - old_start
             # its no-grad forwards in trajectory-steps per sample (benchmarks/critic_compute.py counts them)
             metrics["train/recompute_steps_per_sample"] = (
@@ -288,7 +290,7 @@ class StepwiseUpdate:
             base[:, k] = log_prob.detach()
         kl = None
         if tr.reference is not None:
-            with torch.no_grad():
+            with torch.no_grad(), perf.phase("reference"):
                 ref_log_prob, ref_mean, _ = self.step(tr.reference, samples, mb.rows, mb.step_idx[:, k])
             if t.kl_type == "gaussian":
                 kl = gaussian_kl(mean.float(), ref_mean.float(), std.float())
@@ -302,7 +304,8 @@ class StepwiseUpdate:
             tr.policy_loss, tr.loss_config, mb.old_log_probs, base, k, log_prob, mb.advantages, mb.step_mask,
             kl=kl if t.use_kl_loss else None, beta=t.beta,
         )
-        tr.accelerator.backward(loss / window_len)
+        with perf.model_time():  # the backward's seconds are model seconds (perf.py)
+            tr.accelerator.backward(loss / window_len)
         return log_prob.detach(), None if kl is None else kl.detach(), bool(torch.isfinite(loss))
 
     def sequence_base(self, samples, mb, on_policy):

@@ -36,6 +36,7 @@ from ddpo_group.evaluation.evaluator import Evaluator
 from ddpo_group.training.forward_training import ForwardUpdate
 from ddpo_group.runs.metrics_log import MetricsLog
 from ddpo_group.training.models import build_models
+from ddpo_group.training import perf
 from ddpo_group.rewards import AsyncRewardRunner, build_reward_fn
 from ddpo_group.training.rollout import sample_epoch
 from ddpo_group.runs.run_control import RunControl
@@ -121,6 +122,8 @@ class Trainer:
         if config.train.objective != "stepwise":  # DiffusionNFT / AWM: a forward-process update (docs/forward.md)
             self.forward_update = ForwardUpdate(self)
         self.update = self.forward_update or StepwiseUpdate(self)
+        self.perf = perf.for_run(config, acc.device, self.policy,  # per-phase seconds, FLOPs, MFU (None: off)
+                                 copies=list(self.sharded_copies.values()))
 
         self.first_epoch, self.global_step, self.skipped_steps = 0, 0, 0
         self.scaler_skipped_steps = 0  # fp16: steps the GradScaler skipped while it lowered its scale
@@ -168,7 +171,8 @@ class Trainer:
         )
         self.epoch, failed, start = self.first_epoch, False, time.perf_counter()
         try:
-            epoch = self._epochs()
+            with perf.active(self.perf):  # None: no accounting
+                epoch = self._epochs()
             if self._saved_at != (epoch, self.global_step):  # not again, when a stop follows a periodic save at once
                 self.save_checkpoint(epoch)
             if acc.is_main_process:  # the console's last word: evaluation, time, where things are, what to run next
@@ -229,15 +233,17 @@ class Trainer:
 
     def evaluate(self, epoch, metrics):
         """Fixed-noise evaluation of the current weights into `metrics` (eval/*) and samples/eval_XXXX.png."""
-        self.evaluator(epoch, metrics, self.policy, self.trainable_module, should_stop=lambda: self.control.requested)
+        with perf.phase("evaluation"):
+            self.evaluator(epoch, metrics, self.policy, self.trainable_module, should_stop=lambda: self.control.requested)
 
     def sample_epoch(self, epoch, metrics):
         """This process's EpochBatch of `epoch` with rewards (the forward objectives sample with their lagged model)."""
         forward = self.forward_update
-        return sample_epoch(
-            self.policy, self.prompts, self.reward_runner, self.config, self.accelerator, epoch, metrics,
-            model=None if forward is None else forward.sampling_model, keep_steps=forward is None,
-        )
+        with perf.phase("sampling"):  # rollout.py switches to "reward" when it waits for the rewards
+            return sample_epoch(
+                self.policy, self.prompts, self.reward_runner, self.config, self.accelerator, epoch, metrics,
+                model=None if forward is None else forward.sampling_model, keep_steps=forward is None,
+            )
 
     def compute_advantages(self, samples, metrics):
         """Advantages (B_local, T) on the gathered batch of all processes; sets samples.advantages."""
@@ -245,13 +251,17 @@ class Trainer:
 
     def train_epoch(self, samples, epoch, metrics):
         """The epoch's update (stepwise PPO / GRPO, or the forward-process objective)."""
-        self.update.train_epoch(samples, epoch, metrics)
+        with perf.phase("training"):
+            self.update.train_epoch(samples, epoch, metrics)
 
     def update_critic(self, samples, epoch, metrics):
         """Clipped value loss on the critic's steps (endpoints for group_ppo, every valid step for gae)."""
-        update_critic(self.critic, self.critic_optimizer, samples, self.config, self.accelerator, epoch, metrics)
+        with perf.phase("critic"):
+            update_critic(self.critic, self.critic_optimizer, samples, self.config, self.accelerator, epoch, metrics)
 
     def log_epoch(self, epoch, samples, metrics):
+        if self.perf is not None:  # the phases since the previous row (a checkpoint after it counts in the next)
+            metrics.update(self.perf.epoch_metrics())
         self.metrics_log.epoch_row(epoch, samples, metrics, self.global_step, self.prompts)
 
     def _optimizer_step(self, bad):
@@ -309,9 +319,10 @@ class Trainer:
         state = {"epoch": epoch, "global_step": self.global_step, "skipped_steps": self.skipped_steps,
                  "scaler_skipped_steps": self.scaler_skipped_steps,
                  **self.advantages.state_dict()}
-        final = self.files.save_checkpoint(self.accelerator, epoch, state, self._weight_copies(),
-                                           self.config.num_checkpoint_limit, sharded=self.sharded_state,
-                                           export=epoch >= self.config.num_epochs)
+        with perf.phase("checkpoint"):
+            final = self.files.save_checkpoint(self.accelerator, epoch, state, self._weight_copies(),
+                                               self.config.num_checkpoint_limit, sharded=self.sharded_state,
+                                               export=epoch >= self.config.num_epochs)
         self._saved_at, self._checkpoint = (epoch, self.global_step), final
         return final
 

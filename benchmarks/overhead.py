@@ -1,0 +1,201 @@
+"""Issue 44: what each phase of an epoch spends beyond its model calls, and how close those calls come to the peak.
+
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py --config tiny --epochs 2 \\
+        --output benchmarks/results/overhead/tiny.json
+
+Runs `--epochs` epochs of a variant of config/grpo.py (a throw-away run directory under --logdir) with the per-phase
+accounting of ddpo_group/training/perf.py recording one copy of each model call's inputs, then replays the same
+calls bare, at the same shapes, with the run's final weights: for every (phase, model, input shapes) the run's
+number of calls, one after another, nothing else around them (--replays times, the least time counted):
+
+    sampling, evaluation      the denoiser's forwards without gradients (CFG's doubled batch as the run made it)
+    decoding                  the VAE decoder's forwards
+    old_log_probs             the denoiser's forwards under autograd, the graph dropped (as the run makes them)
+    reference                 the reference's forwards (the same module, without gradients)
+    training                  forward + backward of the same batch (the backward of the output's sum), zero_grad
+
+Per phase: seconds (the run's, every epoch), bare_seconds (the replay), overhead = seconds / bare_seconds (1.0:
+the loop adds nothing around its model calls; the phases that call no model have none), mfu = the phase's model
+FLOPs / seconds / peak (perf.py's). Seconds on the CPU are the loop thread's CPU seconds (--clock cpu), which the
+load of a shared machine does not stretch as it does the wall clock (run with OMP_NUM_THREADS=1: torch's work is
+then on that thread; the reward's own thread is not counted). The first epoch (--warmup-epochs) is run and not counted: its first call of
+each input shape runs under FlopCounterMode. Printed as a table and written as JSON
+{"phases": {phase: {"seconds", "bare_seconds", "overhead", "mfu", "calls", "tflops"}}, "peak_tflops", ...}.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ddpo_group.training import perf  # noqa: E402
+
+REPLAYED = ("sampling", "decoding", "old_log_probs", "reference", "training", "evaluation")
+
+
+def _first_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        output = list(output.values())
+    for item in output:
+        found = _first_tensor(item) if isinstance(item, (torch.Tensor, tuple, list, dict)) else None
+        if found is not None:
+            return found
+    return None
+
+
+def replay(accounting, module_for, sync, clock=time.perf_counter):
+    """{phase: bare seconds} of the run's recorded calls, made again one after another."""
+    bare = {}
+    for (phase, name, signature, grad), calls in sorted(accounting.run_calls.items(), key=lambda kv: kv[0][0]):
+        module = module_for(name)
+        args, kwargs = accounting.example_inputs[signature]
+        train = phase == "training" and grad
+
+        def call():
+            with torch.enable_grad() if grad else torch.no_grad():
+                output = module(*args, **kwargs)
+                if train:
+                    _first_tensor(output).float().sum().backward()
+            return output
+
+        call()  # warm-up: not timed
+        if train:
+            module.zero_grad(set_to_none=True)
+        sync()
+        start = clock()
+        for _ in range(calls):
+            call()
+        if train:
+            module.zero_grad(set_to_none=True)
+        sync()
+        bare[phase] = bare.get(phase, 0.0) + clock() - start
+    return bare
+
+
+def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="cpu"):
+    """Train `epochs` epochs of `variant` with recording accounting, then replay bare; returns the JSON dict.
+    The first `warmup` epochs are run but not counted."""
+    from ddpo_group.config.grpo import get_config
+    from ddpo_group.training.trainer import Trainer
+
+    config = get_config(variant)
+    config.num_epochs = epochs
+    config.logdir = logdir or tempfile.mkdtemp(prefix="overhead_")
+    config.run_name = variant
+    config.overwrite = True
+    config.log_with = "none"
+    config.perf.enabled = True
+    for item in overrides:
+        key, value = item.split("=", 1)
+        node, *path = config, *key.split(".")
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = type(node[path[-1]])(json.loads(value)) if not isinstance(node[path[-1]], str) else value
+    trainer = Trainer(config)
+    accounting = trainer.perf
+    accounting.record_inputs = True
+    timer = time.thread_time if clock == "cpu" and trainer.accelerator.device.type == "cpu" else time.perf_counter
+    accounting.clock = timer
+    log_epoch = trainer.log_epoch
+
+    def log_and_forget_warmup(epoch, samples, metrics):
+        log_epoch(epoch, samples, metrics)
+        if epoch < warmup:  # its first calls of each shape ran under FlopCounterMode, and warm caches up
+            for totals in (accounting.run_seconds, accounting.run_model_seconds, accounting.run_calls):
+                totals.clear()
+
+    trainer.log_epoch = log_and_forget_warmup
+    start = time.perf_counter()
+    trainer.run()
+    wall = time.perf_counter() - start
+    accounting.detach()
+    accounting.model_seconds_by_phase()
+    accounting.reset()  # the rows since the last epoch (the final evaluation, checkpoint) into the totals
+    seconds, hooked = accounting.run_seconds, accounting.run_model_seconds
+    flops = {}
+    for (phase, name, signature, grad), calls in accounting.run_calls.items():
+        factor = 3 if phase == "training" and grad else 1
+        flops[phase] = flops.get(phase, 0) + factor * calls * accounting.signature_flops.get(signature, 0)
+    device = trainer.accelerator.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    bare = {}
+    for _ in range(repeats):  # the least of `repeats` replays: a shared machine's load only ever adds
+        for phase, seconds_bare in replay(accounting, lambda name: accounting.modules[name], sync, timer).items():
+            bare[phase] = min(bare.get(phase, float("inf")), seconds_bare)
+    peak = accounting.peak_tflops()
+    phases = {}
+    for phase in perf.PHASES:
+        if phase not in seconds:
+            continue
+        row = {"seconds": seconds[phase], "bare_seconds": bare.get(phase), "overhead": None, "mfu": None,
+               "hooked_seconds": hooked.get(phase), "tflops": flops.get(phase, 0) / 1e12,
+               "calls": sum(n for (p, *_), n in accounting.run_calls.items() if p == phase)}
+        if bare.get(phase):
+            row["overhead"] = seconds[phase] / bare[phase]
+        if flops.get(phase) and peak:
+            row["mfu"] = flops[phase] / seconds[phase] / (peak * 1e12)
+        phases[phase] = row
+    return {
+        "variant": variant, "epochs": epochs, "warmup_epochs": warmup, "replays": repeats,
+        "clock": "thread CPU seconds" if timer is time.thread_time else "wall seconds", "overrides": list(overrides), "phases": phases,
+        "peak_tflops": peak, "wall_seconds": wall, "threads": torch.get_num_threads(), "device": str(device),
+        "cpu": perf._cpu_model(), "torch": torch.__version__, "python": platform.python_version(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def table(result):
+    lines = [f"{result['variant']}: {result['epochs'] - result['warmup_epochs']} epochs counted, {result['clock']}, peak {result['peak_tflops']:.4g} TFLOPS, "
+             f"{result['threads']} threads, load {result['load_average']}",
+             f"{'phase':<14}{'seconds':>10}{'bare s':>10}{'overhead':>10}{'MFU':>8}{'calls':>8}"]
+    for phase, row in result["phases"].items():
+        bare = "-" if row["bare_seconds"] is None else f"{row['bare_seconds']:.3f}"
+        over = "-" if row["overhead"] is None else f"{row['overhead']:.2f}x"
+        mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+        lines.append(f"{phase:<14}{row['seconds']:>10.3f}{bare:>10}{over:>10}{mfu:>8}{row['calls']:>8}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="tiny", help="a variant of config/grpo.py (tiny, tiny_sd3, tiny_scenes)")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs to run before the bare replay")
+    parser.add_argument("--output", default="", help="JSON file to write (atomically); empty: print only")
+    parser.add_argument("--logdir", default="", help="where the run directory goes (default: a temporary one)")
+    parser.add_argument("--warmup-epochs", type=int, default=-1,
+                        help="epochs run first and not counted (default: 1 when --epochs > 1, else 0)")
+    parser.add_argument("--replays", type=int, default=2, help="bare replays; the least time of each phase counts")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="cpu (default on the CPU): the loop thread's CPU seconds, which other processes' load "
+                             "does not stretch (exact with OMP_NUM_THREADS=1); wall: the wall clock (a GPU always)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a config field, e.g. --set sample.num_batches_per_epoch=1 (repeatable)")
+    args = parser.parse_args(argv)
+    if args.epochs < 1:
+        parser.error(f"--epochs={args.epochs}: at least 1")
+    warmup = args.warmup_epochs if args.warmup_epochs >= 0 else int(args.epochs > 1)
+    if warmup >= args.epochs:
+        parser.error(f"--warmup-epochs={warmup} leaves none of --epochs={args.epochs} to count")
+    result = run(args.config, args.epochs, args.set, args.logdir or None, warmup, args.replays, args.clock)
+    print(table(result))
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.output)), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.output)
+    return result
+
+
+if __name__ == "__main__":
+    main()
