@@ -345,7 +345,8 @@ def test_noise_level_zero_reproduces_the_pipeline(tiny, name, guidance, eta):
         assert (theirs[:, 0] - theirs[:, -1]).abs().max() > 1e-2  # and the frames differ
     if row.inputs:
         other = policy.sample(prompts, 4, guidance, eta, **_noise(row), **_inputs(row, 10))
-        assert (other.images - ours.images).abs().max() > 1e-3  # the source conditions the edit
+        # the source conditions the edit, well above the agreement with the pipeline (Edit-Plus at w 4: 1.0e-3)
+        assert (other.images - ours.images).abs().max() > 10 * row.tolerance
 
 
 # ---- 2. re-scoring is exact
