@@ -26,11 +26,14 @@ Adding a family: one entry in ROWS, keyed by its registered name (`register_fami
 build(seed=0) -> its tiny pipeline; variant: the config variant that trains it; call: how its diffusers pipeline is
 called (one of the _call_* functions below, or a new one of the same signature); the other fields have defaults
 for a text-to-image flow-matching family (see Row): a video family sets sample_shape, an editing family inputs (its
-source images) and prompts, a DDIM family sde_types=("",). `test_every_registered_family_has_a_row` fails until
-the row is there. Each pipeline is built once for the module (the `tiny` fixture); clauses 4 and 5 train, the
-costly part: resume=False on the families whose resume another test covers (the SD 1.x "test" variant's: the
+source images) and prompts, a DDIM family sde_types=("",), a pipeline that takes one prompt a call
+one_prompt_per_call=True (each row's noise its own generator), one without load_lora_weights its load_lora.
+`test_every_registered_family_has_a_row` fails until the row is there, or, for a family that cannot fit the table's
+shape, an entry in FAMILY_CONTRACT_ELSEWHERE naming the test file that checks the contract and why. Each pipeline
+is built once for the module (the `tiny` fixture); clauses 4 and 5 train, the costly part: resume=False on the families whose resume another test covers (the SD 1.x "test" variant's: the
 trainer's tests) or whose saving and loading is a covered subclass's (sd3, flux, qwen_image: FlowMatchingPolicy's, as
-wan's; flux_kontext and qwen_image_edit subclass flux and qwen_image), to hold the suite's time.
+wan's, as flux2, flux2_klein, zimage, sana; flux_kontext, qwen_image_edit(_plus) and hunyuan_video15_i2v subclass
+flux, qwen_image and hunyuan_video15), to hold the suite's time.
 """
 
 import copy
