@@ -30,9 +30,9 @@ source images) and prompts, a DDIM family sde_types=("",), a pipeline that takes
 one_prompt_per_call=True (each row's noise its own generator), one without load_lora_weights its load_lora.
 `test_every_registered_family_has_a_row` fails until the row is there, or, for a family that cannot fit the table's
 shape, an entry in FAMILY_CONTRACT_ELSEWHERE naming the test file that checks the contract and why. Each pipeline
-is built once for the module (the `tiny` fixture); clauses 4 and 5 train, the costly part: resume=False on the families whose resume another test covers (the SD 1.x "test" variant's: the
-trainer's tests) or whose saving and loading is a covered subclass's (sd3, flux, qwen_image: FlowMatchingPolicy's, as
-wan's, as flux2, flux2_klein, zimage, sana; flux_kontext, qwen_image_edit(_plus) and hunyuan_video15_i2v subclass
+is built once for the module (the `tiny` fixture); clauses 4 and 5 train, the costly part: resume=False on the
+families whose resume another test covers (the SD 1.x "test" variant's: the trainer's tests) or whose saving and
+loading is a covered subclass's (sd3, flux, qwen_image: FlowMatchingPolicy's, as wan's, as flux2, flux2_klein, zimage, sana; flux_kontext, qwen_image_edit(_plus) and hunyuan_video15_i2v subclass
 flux, qwen_image and hunyuan_video15), to hold the suite's time.
 """
 
@@ -193,7 +193,8 @@ def _load_lora_weights(pipeline, lora_dir):
 
 def _load_transformer_lora(pipeline, lora_dir):
     # HunyuanVideo15Pipeline has no load_lora_weights in diffusers 0.42: its transformer loads the file
-    pipeline.transformer.load_lora_adapter(lora_dir, prefix="transformer", weight_name="pytorch_lora_weights.safetensors")
+    pipeline.transformer.load_lora_adapter(lora_dir, prefix="transformer",
+                                           weight_name="pytorch_lora_weights.safetensors")
 
 
 def _float_sources(seed, n=2):

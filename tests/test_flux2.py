@@ -189,6 +189,7 @@ def test_every_objective_trains_tiny_flux2_klein(tmp_path, overrides):
 
 def test_flux2_lora_covers_the_single_stream_blocks_fused_projection(tmp_path):
     policy = _policy(build_tiny_flux2_pipeline(seed=0))
-    policy.save_trainable(policy.prepare("cpu", torch.float32, use_lora=True, lora_rank=2), str(tmp_path), use_lora=True)
+    module = policy.prepare("cpu", torch.float32, use_lora=True, lora_rank=2)
+    policy.save_trainable(module, str(tmp_path), use_lora=True)
     state = load_file(os.path.join(tmp_path, "lora", "pytorch_lora_weights.safetensors"))
     assert any(".single_transformer_blocks." in k for k in state)  # the single-stream blocks' fused projection too
