@@ -2,8 +2,8 @@
 
 Checked against values computed here: the text conditioning is the encoder's three stacked hidden layers, the grid
 is FLUX.2's empirically shifted one written out, klein's CFG is two transformer calls combined, the decode undoes the
-VAE's batch norm; noise 0 gives the pipeline's own images, re-scoring is exact after cat / index, the first epoch's
-ratio is 1, every objective trains, LoRA exports in diffusers' format and a run resumes.
+VAE's batch norm; the first epoch's ratio is 1, every objective trains, LoRA covers the single-stream blocks. Noise 0
+(the pipeline's own images), exact re-scoring after cat / index, the LoRA round trip: tests/test_family_contract.py.
 """
 
 import math
@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ddpo_group.diffusion.base import Trajectories
 from ddpo_group.diffusion.flux2 import (
     Flux2KleinPolicy,
     Flux2Policy,
@@ -23,12 +22,11 @@ from ddpo_group.diffusion.flux2 import (
 )
 from ddpo_group.diffusion.policy import family_for_model, load_policy, policy_for
 from ddpo_group.trainer import Trainer, train
-from helpers import cheap, lora_round_trip, make_config, read_metrics
+from helpers import cheap, make_config, read_metrics
 
 PROMPTS = ["a red circle", "a big blue square on a white background"]
 LENGTH = 64
 BUILDERS = {"dev": build_tiny_flux2_pipeline, "klein": build_tiny_flux2_klein_pipeline}
-GUIDANCE = {"dev": 4.0, "klein": 4.0}
 
 
 @pytest.fixture(scope="module")
@@ -151,41 +149,11 @@ def test_decoding_undoes_the_batch_norm_and_the_patches(pipelines):
     torch.testing.assert_close(images, expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name, guidance", [("dev", 4.0), ("klein", 1.0), ("klein", 4.0)])
-def test_noise_level_zero_reproduces_the_pipeline(pipelines, name, guidance):
-    pipeline = pipelines[name]
-    ours = _policy(pipeline).sample(PROMPTS, 4, guidance, 0.0, generator=torch.Generator().manual_seed(3))
-    theirs = pipeline(prompt=PROMPTS, num_inference_steps=4, guidance_scale=guidance, max_sequence_length=LENGTH,
-                      generator=torch.Generator().manual_seed(3), output_type="pt").images
-    assert ours.images.shape == theirs.shape == (2, 3, 32, 32)
-    assert (ours.images - theirs).abs().max() < 1e-5
-    assert (theirs[0] - theirs[1]).abs().max() > 1e-2  # the prompts make different images
-    assert ours.mask.sum() == 0
-
-
 def test_a_distilled_klein_ignores_guidance_as_its_pipeline_does():
     pipeline = build_tiny_flux2_klein_pipeline(seed=0, is_distilled=True)
     policy = _policy(pipeline)
     plain, guided = (policy.sample(PROMPTS, 2, g, 0.0, generator=torch.Generator().manual_seed(3)) for g in (1.0, 4.0))
     assert torch.equal(plain.images, guided.images) and guided.negative_prompt_embeds is None
-
-
-@pytest.mark.parametrize("name", ["dev", "klein"])
-@pytest.mark.parametrize("sde_type", ["sde", "cps", "dance"])
-def test_rescoring_with_unchanged_weights_is_exact_after_cat_and_index(pipelines, name, sde_type):
-    policy = _policy(pipelines[name], sde_type=sde_type, flow_grid="dance" if sde_type == "dance" else "pipeline")
-    guidance = GUIDANCE[name]
-    first = policy.sample(["a cat", "a dog"], 3, guidance, 0.5, generator=torch.Generator().manual_seed(5))
-    second = policy.sample(PROMPTS, 3, guidance, 0.5, generator=torch.Generator().manual_seed(6))
-    assert first.log_probs.dtype == torch.float32 and torch.isfinite(first.log_probs).all()
-    both = Trajectories.cat([first, second])
-    picked = both.index([3, 0])
-    assert torch.equal(picked.prompt_embeds[1], first.prompt_embeds[0])
-    for start, part in ((0, first), (2, second)):  # each sampling batch's rows, in the sampling layout
-        rows = torch.arange(start, start + 2)
-        for k in range(3):
-            log_prob, _, _ = policy.step_log_prob(policy.trainable_module, both, rows, torch.full((2,), k), guidance, 0.5)
-            assert torch.equal(log_prob, part.log_probs[:, k])
 
 
 def test_a_saved_pipeline_loads_from_its_directory(pipelines, tmp_path):
@@ -219,25 +187,9 @@ def test_every_objective_trains_tiny_flux2_klein(tmp_path, overrides):
     assert row["train/skipped_steps"] == 0 and math.isfinite(row["loss"])
 
 
-def test_lora_of_a_flux2_klein_run_loads_into_a_fresh_pipeline(tmp_path):
-    def images(policy):
-        policy.configure(max_sequence_length=32)  # the variant's sample.max_sequence_length
-        return policy.sample(PROMPTS, 2, 4.5, 0.0, generator=torch.Generator().manual_seed(5)).images
-
-    lora_round_trip(tmp_path, "tiny_flux2_klein", build_tiny_flux2_klein_pipeline, images)
-
-
-def test_a_stopped_flux2_run_resumes_to_the_straight_runs_lora(tmp_path):
-    common = dict(use_lora=True, lora_rank=2, save_freq=1, log_images_every=0, train__learning_rate=3e-2,
-                  sample__num_steps=2, train__use_reference_model=False, train__use_kl_loss=False, train__beta=0.0)
-    straight = train(make_config(tmp_path, variant="tiny_flux2", run_name="straight", num_epochs=2, **common))
-    stopped = train(make_config(tmp_path, variant="tiny_flux2", run_name="parts", num_epochs=1, **common))
-    Trainer(make_config(tmp_path, variant="tiny_flux2", run_name="parts", resume_from=stopped, num_epochs=2, **common),
-            overrides=["num_epochs", "resume_from"]).run()
-
-    def lora(run):
-        return load_file(os.path.join(run, "checkpoints", "checkpoint_2", "lora", "pytorch_lora_weights.safetensors"))
-
-    end, again = lora(straight), lora(stopped)
-    assert set(end) == set(again) and all(torch.equal(end[k], again[k]) for k in end)
-    assert any(".single_transformer_blocks." in k for k in end)  # the single-stream blocks' fused projection too
+def test_flux2_lora_covers_the_single_stream_blocks_fused_projection(tmp_path):
+    policy = _policy(build_tiny_flux2_pipeline(seed=0))
+    module = policy.prepare("cpu", torch.float32, use_lora=True, lora_rank=2)
+    policy.save_trainable(module, str(tmp_path), use_lora=True)
+    state = load_file(os.path.join(tmp_path, "lora", "pytorch_lora_weights.safetensors"))
+    assert any(".single_transformer_blocks." in k for k in state)  # the single-stream blocks' fused projection too

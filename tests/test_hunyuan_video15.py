@@ -1,11 +1,12 @@
 """The HunyuanVideo 1.5 text-to-video family (ddpo_group.diffusion.hunyuan_video15) on its offline tiny pipeline.
 
 Checked: the family is found by name and pipeline, checks its frames and resolution; the Qwen text is the pipeline's
-cropped chat-template encoding, ByT5 reads only quoted texts; CFG is two transformer calls combined; noise 0 gives
-HunyuanVideo15Pipeline's videos (one prompt per call, its VAE takes one video); re-scoring is exact after cat /
-index; the first epoch is exactly on-policy; every objective trains; LoRA exports in diffusers' format and loads
-into a fresh transformer (the pipeline has no LoRA loader in diffusers 0.42) and through the family; a resumed run
-ends where a straight one does; a frame count the VAE cannot make is one line naming the field.
+cropped chat-template encoding, ByT5 reads only quoted texts; CFG is two transformer calls combined; every objective
+trains; a frame count the VAE cannot make is one line naming the field; the image-to-video condition and report.
+tests/test_family_contract.py (both families' rows) checks noise 0 = HunyuanVideo15Pipeline's videos (one prompt per
+call, its VAE takes one video), exact re-scoring after cat / index, the on-policy first epoch, LoRA in diffusers'
+format loaded into a fresh transformer (the pipeline has no LoRA loader in diffusers 0.42) and through the family,
+and (text-to-video, its own save / load) a resumed run ending where a straight one does.
 """
 
 import math
@@ -14,11 +15,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from diffusers import ClassifierFreeGuidance
 from PIL import Image
 
 from ddpo_group.config.check import ConfigError, check_config
-from ddpo_group.diffusion.base import Trajectories
 from ddpo_group.diffusion.hunyuan_video15 import HunyuanVideo15Policy, build_tiny_hunyuan_video15_pipeline
 from ddpo_group.diffusion.policy import family_for_model, policy_for
 from ddpo_group.training.trainer import Trainer, train
@@ -77,70 +76,6 @@ def test_the_family_its_frames_and_its_text(pipe):
     torch.testing.assert_close(v, uncond + 4.5 * (cond - uncond), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("guidance", [1.0, 6.0])
-def test_noise_level_zero_reproduces_the_hunyuan_video15_pipeline(pipe, guidance):
-    policy = _policy(pipe)
-    pipe.guider = ClassifierFreeGuidance(guidance_scale=guidance)
-    ours = policy.sample(PROMPTS, 3, guidance, 0.0,
-                         initial_generator=[torch.Generator().manual_seed(s) for s in (3, 4)]).images
-    for i, seed in enumerate((3, 4)):  # the pipeline's VAE decodes one video at a time
-        theirs = pipe(prompt=PROMPTS[i], height=32, width=32, num_frames=5, num_inference_steps=3,
-                      generator=torch.Generator().manual_seed(seed), output_type="pt").frames
-        assert theirs.shape == (1, 5, 3, 32, 32)
-        assert (ours[i] - theirs[0]).abs().max() < 1e-5
-    assert (ours[0] - ours[1]).abs().max() > 1e-2
-
-
-def test_rescoring_is_exact_also_after_cat_and_index(pipe):
-    policy = _policy(pipe)
-    first = policy.sample(PROMPTS, 3, 4.5, 0.7, generator=torch.Generator().manual_seed(5))
-    second = policy.sample(["a cat", "a dog"], 3, 4.5, 0.7, generator=torch.Generator().manual_seed(6))
-    both = Trajectories.cat([first, second])
-    picked = both.index([3, 0])
-    assert torch.equal(picked.extra_cond["prompt_embeds_2"][1], first.extra_cond["prompt_embeds_2"][0])
-    for start, part in ((0, first), (2, second)):
-        rows = torch.arange(start, start + 2)
-        for k in range(3):
-            log_prob, _, _ = policy.step_log_prob(pipe.transformer, both, rows, torch.full((2,), k), 4.5, 0.7)
-            assert torch.equal(log_prob, part.log_probs[:, k])
-
-
-def test_a_run_is_exactly_on_policy_lora_exports_and_resumes(tmp_path):
-    from safetensors.torch import load_file
-
-    def videos(policy):
-        policy.configure(max_sequence_length=32)
-        return policy.sample(PROMPTS, 2, 4.5, 0.0, generator=torch.Generator().manual_seed(5)).images
-
-    common = dict(use_lora=True, lora_rank=2, save_freq=1, log_images_every=0, train__learning_rate=3e-2,
-                  sample__batch_size=2, sample__num_batches_per_epoch=2, train__gradient_accumulation_steps=2,
-                  sample__num_steps=2)
-    trainer = Trainer(make_config(tmp_path, variant="tiny_hunyuan_video15", run_name="straight", **common))
-    straight = trainer.run()
-    rows = read_metrics(straight)
-    assert [row["approx_kl"] for row in rows] == [0.0, 0.0] and rows[0]["train/on_policy_max_abs_log_ratio"] == 0.0
-    # LoRA: diffusers' format; HunyuanVideo15Pipeline has no load_lora_weights, its transformer loads the file
-    checkpoint = os.path.join(straight, "checkpoints", "checkpoint_2")
-    state = load_file(os.path.join(checkpoint, "lora", "pytorch_lora_weights.safetensors"))
-    assert state and all(k.startswith("transformer.") and ".lora_" in k for k in state)
-    fresh = build_tiny_hunyuan_video15_pipeline(seed=0)
-    fresh.transformer.load_lora_adapter(os.path.join(checkpoint, "lora"), prefix="transformer",
-                                        weight_name="pytorch_lora_weights.safetensors")
-    trained, loaded = videos(trainer.policy), videos(policy_for(fresh))
-    assert (trained - videos(policy_for(build_tiny_hunyuan_video15_pipeline(seed=0)))).abs().max() > 1e-4
-    assert (loaded - trained).abs().max() < 1e-5
-    again = policy_for(build_tiny_hunyuan_video15_pipeline(seed=0))
-    again.load_trainable(again.prepare("cpu", torch.float32, use_lora=True, lora_rank=2), checkpoint, use_lora=True)
-    assert (videos(again) - trained).abs().max() < 1e-5
-    # a run stopped after epoch 1 and resumed ends where the straight one does
-    stopped = train(make_config(tmp_path, variant="tiny_hunyuan_video15", run_name="parts", num_epochs=1, **common))
-    Trainer(make_config(tmp_path, variant="tiny_hunyuan_video15", run_name="parts", resume_from=stopped, **common),
-            overrides=["num_epochs", "resume_from"]).run()
-    end, again = (load_file(os.path.join(run, "checkpoints", "checkpoint_2", "lora", "pytorch_lora_weights.safetensors"))
-                  for run in (straight, stopped))
-    assert set(end) == set(again) and all(torch.equal(end[k], again[k]) for k in end)
-
-
 @pytest.mark.parametrize("overrides", [dict(train__objective="nft", forward__num_timesteps=2),
                                        dict(algorithm__adv_estimator="gae"), dict(sample__sde_type="cps")])
 def test_other_objectives_train_hunyuan_video15(tmp_path, overrides):
@@ -196,35 +131,7 @@ def test_the_i2v_condition_is_the_images_siglip_tokens_and_first_latent_frame(i2
     assert not condition[:, :4, 1:].any() and condition[:, 4, 0].eq(1).all() and not condition[:, 4, 1:].any()
 
 
-@pytest.mark.parametrize("guidance", [1.0, 6.0])
-def test_noise_level_zero_reproduces_the_i2v_pipeline(i2v, guidance):
-    policy = _policy(i2v)
-    i2v.guider = ClassifierFreeGuidance(guidance_scale=guidance)
-    pixels, sources = _sources(2)
-    ours = policy.sample(PROMPTS, 3, guidance, 0.0, source_images=sources,
-                         initial_generator=[torch.Generator().manual_seed(s) for s in (3, 4)]).images
-    for i, seed in enumerate((3, 4)):  # one image per pipeline call
-        theirs = i2v(image=Image.fromarray(pixels[i]), prompt=PROMPTS[i], num_frames=5, num_inference_steps=3,
-                     generator=torch.Generator().manual_seed(seed), output_type="pt").frames
-        assert theirs.shape == (1, 5, 3, 32, 32)
-        assert (ours[i] - theirs[0]).abs().max() < 1e-5
-
-
-def test_i2v_rescoring_is_exact_also_after_cat_and_index(i2v):
-    policy = _policy(i2v)
-    first = policy.sample(PROMPTS, 3, 4.5, 0.7, generator=torch.Generator().manual_seed(5), source_images=_sources(3)[1])
-    second = policy.sample(["a cat", "a dog"], 3, 4.5, 0.7, generator=torch.Generator().manual_seed(6),
-                           source_images=_sources(4)[1])
-    both = Trajectories.cat([first, second])
-    assert torch.equal(both.index([3, 0]).extra_cond["image_latents"][1], first.extra_cond["image_latents"][0])
-    for start, part in ((0, first), (2, second)):
-        rows = torch.arange(start, start + 2)
-        for k in range(3):
-            log_prob, _, _ = policy.step_log_prob(i2v.transformer, both, rows, torch.full((2,), k), 4.5, 0.7)
-            assert torch.equal(log_prob, part.log_probs[:, k])
-
-
-def test_an_i2v_run_is_on_policy_shows_source_to_video_and_exports_lora(tmp_path):
+def test_an_i2v_run_shows_source_to_video_and_exports_lora(tmp_path):
     import json
 
     from safetensors.torch import load_file
@@ -232,12 +139,10 @@ def test_an_i2v_run_is_on_policy_shows_source_to_video_and_exports_lora(tmp_path
     from ddpo_group.data.edit_sources import edit_pairs_html
 
     trainer = Trainer(make_config(tmp_path, variant="tiny_hunyuan_video15_i2v", use_lora=True, lora_rank=2,
-                                  save_freq=1, log_images_every=1, train__learning_rate=3e-2, sample__batch_size=2,
+                                  save_freq=1, log_images_every=1, num_epochs=1, sample__batch_size=2,
                                   sample__num_batches_per_epoch=2, train__gradient_accumulation_steps=2,
                                   sample__num_steps=2))
     run_dir = trainer.run()
-    rows = read_metrics(run_dir)
-    assert [row["approx_kl"] for row in rows] == [0.0, 0.0] and rows[0]["train/on_policy_max_abs_log_ratio"] == 0.0
     document = json.loads(open(os.path.join(run_dir, "samples", "epoch_0000.json")).read())
     record = document["records"][0]
     assert document["video"] and record["image"].endswith(".webp") and record["source_image"].endswith(".png")
@@ -245,21 +150,9 @@ def test_an_i2v_run_is_on_policy_shows_source_to_video_and_exports_lora(tmp_path
     fragment = edit_pairs_html(run_dir)  # the report's source -> video pairs
     assert fragment.count("data:image/webp;base64,") == len(document["records"])
     assert fragment.count("data:image/png;base64,") == len(document["records"])
-    checkpoint = os.path.join(run_dir, "checkpoints", "checkpoint_2")
+    checkpoint = os.path.join(run_dir, "checkpoints", "checkpoint_1")
     state = load_file(os.path.join(checkpoint, "lora", "pytorch_lora_weights.safetensors"))
     assert state and all(k.startswith("transformer.") for k in state)
-    fresh = build_tiny_hunyuan_video15_i2v_pipeline(seed=0)
-    fresh.transformer.load_lora_adapter(os.path.join(checkpoint, "lora"), prefix="transformer",
-                                        weight_name="pytorch_lora_weights.safetensors")
-
-    def videos(policy):
-        policy.configure(max_sequence_length=32)
-        return policy.sample(PROMPTS, 2, 4.5, 0.0, generator=torch.Generator().manual_seed(5),
-                             source_images=_sources(5)[1]).images
-
-    trained, loaded = videos(trainer.policy), videos(policy_for(fresh))
-    assert (trained - videos(policy_for(build_tiny_hunyuan_video15_i2v_pipeline(seed=0)))).abs().max() > 1e-4
-    assert (loaded - trained).abs().max() < 1e-5
 
 
 def test_an_i2v_prompt_without_its_image_is_one_line_naming_the_field(tmp_path):

@@ -2,10 +2,11 @@
 transformer, a CLIP image encoder) and tiny-wan22-i2v (Wan 2.2 A14B I2V: two experts, no image encoder).
 
 Checked: the image condition is WanImageToVideoPipeline.prepare_latents' own (mask channels + the VAE's normalised
-latents of [image, 0, ...]) and the initial noise its draw; noise 0 gives the pipeline's videos; re-scoring is
-bit-exact also after cat / index; an I2V prompt without its image is one line naming the field; two epochs train
-exactly on policy with rewards that see each prompt's source; the report shows source -> video; LoRA exports in
-diffusers' format and a stopped run resumes to the straight run's weights; Wan 2.2 TI2V-5B's I2V is refused.
+latents of [image, 0, ...]) and the initial noise its draw; on the two-expert twin noise 0 gives the pipeline's
+videos and re-scoring is bit-exact also after cat / index (tiny-wan-i2v: the wan_i2v row of
+tests/test_family_contract.py, with the LoRA round trip and the resume); an I2V prompt without its image is one line
+naming the field; two epochs train exactly on policy with rewards that see each prompt's source; the report shows
+source -> video; Wan 2.2 TI2V-5B's I2V is refused.
 
 diffusers 0.42's WanImageToVideoPipeline calls ``ftfy.fix_text`` whether or not ftfy is installed: the comparisons
 with its ``__call__`` give it the identity (what ftfy does to these ASCII prompts).
@@ -28,7 +29,7 @@ from ddpo_group.diffusion.policy import family_for_model, load_policy, policy_fo
 from ddpo_group.diffusion.wan_i2v import WanI2VPolicy, build_tiny_wan22_i2v_pipeline, build_tiny_wan_i2v_pipeline
 from ddpo_group.data.edit_sources import read_source_image
 from ddpo_group.data.prompts import load_prompts
-from ddpo_group.training.trainer import Trainer, train
+from ddpo_group.training.trainer import train
 from helpers import cheap, make_config, read_metrics
 
 PROMPTS = ["a red circle", "a big blue square on a white background"]
@@ -90,6 +91,8 @@ def test_the_condition_and_the_noise_are_the_pipelines_own(pipeline):
 
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
 def test_noise_level_zero_reproduces_the_pipeline(pipeline, guidance, no_ftfy):
+    if pipeline.transformer_2 is None:
+        pytest.skip("tiny-wan-i2v: the wan_i2v row of tests/test_family_contract.py")
     policy = _policy(pipeline)
     pixels = _pixels(2)
     ours = policy.sample(PROMPTS[:1], 4, guidance, 0.0, generator=torch.Generator().manual_seed(3),
@@ -105,6 +108,8 @@ def test_noise_level_zero_reproduces_the_pipeline(pipeline, guidance, no_ftfy):
 
 
 def test_rescoring_is_exact_also_after_cat_and_index(pipeline):
+    if pipeline.transformer_2 is None:
+        pytest.skip("tiny-wan-i2v: the wan_i2v row of tests/test_family_contract.py")
     policy = _policy(pipeline)
     first = policy.sample(["a cat", "a dog"], 4, 4.0, 0.7, generator=torch.Generator().manual_seed(5),
                           source_images=_sources(_pixels(6, 2)))
@@ -160,35 +165,6 @@ def test_two_epochs_train_exactly_on_policy_rewards_see_the_sources_and_the_repo
 
     page = build_report(run_dir)
     assert "source &rarr; edited" in page and "data:image/webp;base64," in page
-
-
-def test_lora_of_an_i2v_run_loads_into_a_fresh_pipeline_and_a_stopped_run_resumes_to_the_same_weights(tmp_path):
-    from safetensors.torch import load_file
-
-    common = dict(use_lora=True, lora_rank=2, save_freq=1, log_images_every=0, train__learning_rate=3e-2)
-    trainer = Trainer(make_config(tmp_path, variant="tiny_wan_i2v", run_name="straight", **common))
-    straight = trainer.run()
-    fresh = build_tiny_wan_i2v_pipeline(seed=0)
-    fresh.load_lora_weights(os.path.join(straight, "checkpoints", "checkpoint_2", "lora"))
-    sources = _sources(_pixels(3, 2))
-
-    def videos(policy):
-        policy.configure(max_sequence_length=LENGTH, resolution=32)
-        return policy.sample(PROMPTS, 4, 4.5, 0.0, generator=torch.Generator().manual_seed(5),
-                             source_images=sources).images
-
-    trained = videos(trainer.policy)
-    assert (trained - videos(policy_for(build_tiny_wan_i2v_pipeline(seed=0)))).abs().max() > 1e-4
-    assert (videos(policy_for(fresh)) - trained).abs().max() < 1e-5
-    stopped = train(make_config(tmp_path, variant="tiny_wan_i2v", run_name="parts", num_epochs=1, **common))
-    Trainer(make_config(tmp_path, variant="tiny_wan_i2v", run_name="parts", resume_from=stopped, **common),
-            overrides=["num_epochs", "resume_from"]).run()
-
-    def lora(run):
-        return load_file(os.path.join(run, "checkpoints", "checkpoint_2", "lora", "pytorch_lora_weights.safetensors"))
-
-    end, again = lora(straight), lora(stopped)
-    assert set(end) == set(again) and all(torch.equal(end[k], again[k]) for k in end)
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(train__objective="nft", forward__num_timesteps=2, train__experts="both"),
