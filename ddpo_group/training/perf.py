@@ -20,17 +20,14 @@ call a model over those phases' model seconds: 1.0 means the loop adds nothing a
 
 MFU = FLOPs / seconds / peak. The peak (``peak_tflops``): perf.peak_tflops when set; on a GPU the published dense
 peak for its name and the run's dtype (PEAK_TFLOPS); on the CPU the measured float32 matmul throughput at the
-run's thread count (``cpu_matmul_tflops``, measured once per process and cached on disk).
+run's thread count (``cpu_matmul_tflops``, measured once per process, never written outside the run).
 
 perf.peak_tflops is checked by ``check_perf_config``, registered in the config walk's "run" section.
 """
 
 import contextlib
-import json
 import math
-import os
 import platform
-import tempfile
 import time
 
 import torch
@@ -95,28 +92,13 @@ def _cpu_model():
     return platform.processor() or platform.machine()
 
 
-def _cache_file():
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "ddpo_group", "cpu_matmul_tflops.json")
-
-
 def cpu_matmul_tflops(size=1024, seconds=0.5):
     """The CPU's float32 matmul throughput in TFLOPS at torch's current thread count: (size x size) @ (size x size)
     repeated for about `seconds` (2 size^3 FLOPs each), the best of five rounds. Measured once per process and
-    cached in <user cache>/ddpo_group/cpu_matmul_tflops.json keyed by CPU model and thread count (written
-    atomically). With one thread the clock is the thread's CPU time (a loaded machine does not lower it); with
-    several, the wall clock (a shared, loaded machine measures less than its peak)."""
+    thread count, kept in memory only: a run writes nothing outside its run directory. With one thread the clock
+    is the thread's CPU time (a loaded machine does not lower it); with several, the wall clock (a shared, loaded machine measures less than its peak)."""
     key = f"{_cpu_model()}|threads={torch.get_num_threads()}"
     if key in _CPU_PEAK:
-        return _CPU_PEAK[key]
-    path = _cache_file()
-    try:
-        with open(path) as f:
-            cached = json.load(f)
-    except (OSError, ValueError):
-        cached = {}
-    if isinstance(cached, dict) and isinstance(cached.get(key), (int, float)) and cached[key] > 0:
-        _CPU_PEAK[key] = float(cached[key])
         return _CPU_PEAK[key]
     a, b = torch.randn(size, size, generator=torch.Generator().manual_seed(0)), torch.randn(size, size)
     torch.mm(a, b)  # warm-up
@@ -130,15 +112,6 @@ def cpu_matmul_tflops(size=1024, seconds=0.5):
             n += 1
         best = max(best, 2 * size**3 * n / (clock() - start) / 1e12)
     _CPU_PEAK[key] = best
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        cached = dict(cached if isinstance(cached, dict) else {}, **{key: best})
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(cached, f, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # an unwritable cache: measured again by the next process
     return best
 
 
