@@ -1,6 +1,7 @@
 """Issue 46's newest families beside flow.py's and video_edit.py's: multi-image editing on Qwen-Image-Edit-2509 /
 2511 (ddpo_group/diffusion/qwen_image.py), SANA (sana.py), HunyuanVideo 1.5 text- and image-to-video
-(hunyuan_video15.py); docs/next_families.md. They build on flow.py's and video_edit.py's presets.
+(hunyuan_video15.py), LTX-2's tiny twin (ltx2.py); docs/next_families.md. They build on flow.py's and
+video_edit.py's presets.
 """
 
 from ddpo_group.config.variants.flow import _tiny_flow, sd35_nft
@@ -88,4 +89,16 @@ def tiny_hunyuan_video15_i2v():
     config.pretrained.model = "tiny-hunyuan-video15-i2v"
     config.prompt_fn = "shapes_edits.jsonl"
     config.sample.resolution = 32
+    return config
+
+
+def tiny_ltx2():
+    """A random-weight tiny LTX-2 pipeline making video with audio, 5 frames, seconds; tests and smoke runs.
+
+    Its tiny Gemma-3 text model, text connectors, video and audio VAEs and vocoder are built in memory: videos of 5
+    frames of 32x32 with 16 kHz stereo waveforms (rewards get them as metadata["audio"]); plain CFG on both streams
+    (docs/next_families.md). The reward is JPEG compressibility averaged over 3 evenly spaced frames."""
+    config = _tiny_flow("tiny-ltx2")
+    config.sample.num_frames = 5
+    config.reward_frames = 3
     return config
