@@ -56,6 +56,7 @@ from ddpo_group.diffusion.hunyuan_video15 import (
     build_tiny_hunyuan_video15_i2v_pipeline,
     build_tiny_hunyuan_video15_pipeline,
 )
+from ddpo_group.diffusion.ltx2 import build_tiny_ltx2_pipeline
 from ddpo_group.diffusion.policy import policy_for
 from ddpo_group.diffusion.qwen_image import (
     build_tiny_qwen_image_edit_pipeline,
@@ -98,6 +99,14 @@ def _call_flow(pipeline, prompts, steps, guidance, eta, generator):
 def _call_wan(pipeline, prompts, steps, guidance, eta, generator):
     return pipeline(prompt=prompts, height=32, width=32, num_frames=5, num_inference_steps=steps,
                     guidance_scale=guidance, generator=generator, output_type="pt", max_sequence_length=16).frames
+
+
+def _call_ltx2(pipeline, prompts, steps, guidance, eta, generator):
+    # plain CFG on both streams, the pipeline's spatio-temporal / modality guidance and rescale off (ltx2.py)
+    return pipeline(prompt=prompts, height=32, width=32, num_frames=5, num_inference_steps=steps, generator=generator,
+                    guidance_scale=guidance, audio_guidance_scale=None, stg_scale=0.0, audio_stg_scale=0.0,
+                    modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0,
+                    max_sequence_length=16, output_type="pt").frames
 
 
 def _call_qwen(pipeline, prompts, steps, guidance, eta, generator):
@@ -272,6 +281,8 @@ ROWS = {
     "wan_i2v": Row(build_tiny_wan_i2v_pipeline, "tiny_wan_i2v", (1.0, 4.0), _call_wan_i2v,
                    configure=dict(max_sequence_length=16), sde_types=("sde",), sample_shape=(5, 3, 32, 32),
                    inputs=_pixel_sources, one_prompt_per_call=True),
+    "ltx2": Row(build_tiny_ltx2_pipeline, "tiny_ltx2", (1.0, 4.0), _call_ltx2, configure=dict(max_sequence_length=16),
+                sample_shape=(5, 3, 32, 32)),
 }
 
 # registered families whose contract is checked in their own test file, and why they do not fit a row

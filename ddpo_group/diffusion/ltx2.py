@@ -231,8 +231,9 @@ class LTX2Policy(FlowMatchingPolicy):
             return torch.cat([cond[f"negative_{name}"], cond[name]]) if cfg else cond[name]
 
         fps = conditioning_frame_rate(self.frame_rate, 1.0)
-        video_coords = model.rope.prepare_video_coords(rows, f, h, w, latents.device, fps=fps)
-        audio_coords = model.audio_rope.prepare_audio_coords(rows, audio_frames, latents.device)
+        # the positions from the pipeline's transformer: `model` may be a wrapper (the reference policy); no weights
+        video_coords = pipe.transformer.rope.prepare_video_coords(rows, f, h, w, latents.device, fps=fps)
+        audio_coords = pipe.transformer.audio_rope.prepare_audio_coords(rows, audio_frames, latents.device)
         timestep = timesteps.reshape(-1).expand(b)
         timestep = (torch.cat([timestep, timestep]) if cfg else timestep).to(dtype)
         mask = both("prompt_mask")
