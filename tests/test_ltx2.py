@@ -85,3 +85,26 @@ def test_a_run_is_exactly_on_policy(tmp_path):
         train__gradient_accumulation_steps=2))))
     assert rows[0]["approx_kl"] == 0.0 and rows[0]["train/on_policy_max_abs_log_ratio"] == 0.0
     assert rows[0]["train/skipped_steps"] == 0
+
+
+def test_rewards_get_the_audio_in_their_metadata(tmp_path):
+    from ddpo_group.rewards.base import register_reward
+
+    seen = []
+
+    @register_reward("test_ltx2_loudness", video=True)
+    def loudness(images, prompts, metadata):
+        assert images.shape[1:] == (5, 3, 32, 32)  # a video reward: the whole clips
+        for meta in metadata:
+            audio = meta["audio"]
+            assert audio.dtype == torch.float32 and audio.device.type == "cpu" and audio.dim() == 2
+            assert audio.shape[0] == 2 and meta["audio_sample_rate"] == 16000
+            seen.append(audio)
+        return torch.stack([m["audio"].abs().mean() for m in metadata]), {}
+
+    row = read_metrics(train(make_config(tmp_path, variant="tiny_ltx2", reward_fn="test_ltx2_loudness", **cheap())))[0]
+    assert seen and row["reward_mean"] > 0
+    policy = policy_for(build_tiny_ltx2_pipeline(seed=0))
+    batch = policy.sample(PROMPTS, 2, 4.0, 0.7, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(batch.audio, policy.decode_audio(batch.latents[:, -1]))
+    assert torch.equal(Trajectories.cat([batch, batch]).index([3]).audio[0], batch.audio[1])

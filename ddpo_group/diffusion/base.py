@@ -39,6 +39,9 @@ class Trajectories:
     float32: the flow families' noise grid the trajectory was sampled on (None for DDIM), so that
     re-scoring uses the trajectory's own grid whatever the scheduler holds by then; extra_cond: a family's
     own per-row conditioning tensors (name -> (B, ...)), e.g. a text attention mask, None for the built-in ones.
+    audio (B, channels, samples) float32 in [-1, 1]: the waveforms sampled with the videos by a family that makes
+    sound (``audio_sample_rate`` on the policy: LTX-2), None for the others; rewards get them in their metadata
+    (rewards/base.py).
 
     Sampled with ``keep_steps=False`` (the forward-process objectives, docs/forward.md) a batch keeps
     only its clean latents: latents (B, 1, C, h, w) = x_T, log_probs and mask (B, 0); timesteps stay (B, T).
@@ -62,6 +65,7 @@ class Trajectories:
     sigmas: torch.Tensor | None = None
     extra_cond: dict | None = None
     x0_hat: torch.Tensor | None = None  # (B, T, C, h, w) each step's one-step prediction, kept when the anchor asks
+    audio: torch.Tensor | None = None  # (B, channels, samples) float32 waveforms of a family with audio (LTX-2)
 
     def __len__(self):
         return self.latents.shape[0]

@@ -259,6 +259,14 @@ class LTX2Policy(FlowMatchingPolicy):
             out.append((x - x0) / sigma)
         return pack_streams(*out)
 
+    @torch.no_grad()
+    def sample(self, *args, **kwargs):
+        """As the base's (``FlowMatchingPolicy.sample``), with the audio stream's waveforms (``decode_audio`` of the
+        clean latents) in ``Trajectories.audio``: rewards get them as metadata["audio"] (rewards/base.py)."""
+        batch = super().sample(*args, **kwargs)
+        batch.audio = self.decode_audio(batch.latents[:, -1])
+        return batch
+
     # -- decoding --------------------------------------------------------------------------------------------------
     def _decode(self, latents):
         pipe = self.pipeline

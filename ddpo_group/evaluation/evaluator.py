@@ -36,6 +36,7 @@ from ddpo_group.runs.grids import save_epoch_samples
 from ddpo_group.evaluation.hacking import PROXY_KEY, describe, gold_key, gold_names, gold_specs
 from ddpo_group.report.run import read_metrics
 from ddpo_group.rewards import AsyncRewardRunner, build_reward_fn
+from ddpo_group.rewards.base import with_audio
 from ddpo_group.rewards.checks import check_reward_modality
 from ddpo_group.rewards.registry import resolve_reward
 from ddpo_group.training.rollout import SamplesNotFiniteError
@@ -123,7 +124,8 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
         finite = torch.isfinite(images.flatten(1)).all(dim=1).tolist()
         if world == 1 and not all(finite):  # before the rewards: a reward may fail on NaN or score it as black
             raise not_finite_error(records, chunk, finite)
-        metadata = reward_metadata([records[i].metadata for i, _ in chunk], sources)
+        metadata = with_audio(reward_metadata([records[i].metadata for i, _ in chunk], sources), batch.audio,
+                              getattr(policy, "audio_sample_rate", None))
         stop = should_stop if world == 1 else None  # several processes must all reach the gather
         scored = _scored(reward_fn, images, prompts, metadata, reward_timeout, stop, **only)
         gold = (_scored(gold_fn, images, prompts, metadata, reward_timeout, stop, **only) if gold_fn is not None

@@ -47,6 +47,11 @@ lists, ``remote.py``). Several sources per prompt (Qwen-Image-Edit-2509 / 2511, 
 ``metadata[i]["source_images"]`` is the list of the K source tensors and ``metadata[i]["source_image_paths"]`` their
 files, ``source_image`` / ``source_image_path`` the first. Text-to-image prompts carry none of these.
 
+Video with audio (LTX-2, family ``ltx2``; docs/next_families.md): ``metadata[i]["audio"]`` is the sample's
+soundtrack, a float32 CPU tensor (channels, samples) in about [-1, 1] (the reward's own copy), and
+``metadata[i]["audio_sample_rate"]`` its rate in Hz (int; 24000 for LTX-2's vocoder). Models without sound give
+neither key (``with_audio``).
+
 Built-in, optional and shapes-world rewards register here when their modules are imported;
 ``registry.py`` imports them all and resolves a spec string to a reward.
 """
@@ -60,6 +65,16 @@ import torch
 from PIL import Image
 
 REWARD_REGISTRY: dict[str, Callable] = {}
+
+
+def with_audio(metadata, audio, sample_rate) -> list:
+    """The rewards' metadata of a family that makes sound: copies of the B `metadata` dicts with "audio" (the row of
+    `audio` (B, channels, samples), a float32 CPU copy) and "audio_sample_rate"; `metadata` itself when audio is
+    None (a model without sound)."""
+    if audio is None:
+        return list(metadata)
+    audio = audio.detach().float().cpu()
+    return [{**meta, "audio": audio[i].clone(), "audio_sample_rate": int(sample_rate)} for i, meta in enumerate(metadata)]
 
 
 class RewardError(RuntimeError):

@@ -26,7 +26,7 @@ from ddpo_group.training import perf
 from ddpo_group.training.critic_designs import keeps_x0_hat
 from ddpo_group.diffusion.base import window_noise_levels
 from ddpo_group.data.edit_sources import reward_metadata, source_images
-from ddpo_group.rewards.base import RewardError
+from ddpo_group.rewards.base import RewardError, with_audio
 from ddpo_group.rewards.combine import info_metrics
 
 
@@ -245,7 +245,8 @@ def sample_epoch(policy, prompts, reward_runner, config, accelerator, epoch, met
         only = {"only": "per_image"} if group_wise else {}
         futures.append(reward_runner.submit(
             trajectories.images.float(), [r.prompt for r in records],
-            reward_metadata([r.metadata for r in records], sources), **only
+            with_audio(reward_metadata([r.metadata for r in records], sources), trajectories.audio,
+                       getattr(policy, "audio_sample_rate", None)), **only
         ))
         if collector is not None:
             collector.add(batch_index, trajectories.images)
