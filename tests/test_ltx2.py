@@ -108,3 +108,23 @@ def test_rewards_get_the_audio_in_their_metadata(tmp_path):
     batch = policy.sample(PROMPTS, 2, 4.0, 0.7, generator=torch.Generator().manual_seed(0))
     assert torch.equal(batch.audio, policy.decode_audio(batch.latents[:, -1]))
     assert torch.equal(Trajectories.cat([batch, batch]).index([3]).audio[0], batch.audio[1])
+
+
+def test_the_samples_keep_a_wav_beside_each_video_and_the_report_plays_them(tmp_path):
+    import json
+    import os
+    import wave
+
+    from ddpo_group.report.page import build_report
+    from ddpo_group.runs.grids import audio_samples_html
+
+    run_dir = train(make_config(tmp_path, variant="tiny_ltx2", **cheap(log_images_every=1)))
+    with open(os.path.join(run_dir, "samples", "epoch_0000.json"), encoding="utf-8") as f:
+        document = json.load(f)
+    record = document["records"][0]
+    assert document["video"] and record["image"].endswith(".webp") and record["audio"] == "epoch_0000/000.wav"
+    with wave.open(os.path.join(run_dir, "samples", record["audio"]), "rb") as f:
+        assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (2, 2, 16000) and f.getnframes() > 0
+    page = build_report(run_dir)
+    assert "<h2>Sample audio (epoch 0)</h2>" in page and page.count('<audio controls src="data:audio/wav;base64,') >= 1
+    assert audio_samples_html(tmp_path / "elsewhere") == ""

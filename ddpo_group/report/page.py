@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ddpo_group.data.edit_sources import edit_pairs_html
-from ddpo_group.runs.grids import video_samples_html
+from ddpo_group.runs.grids import audio_samples_html, video_samples_html
 from ddpo_group.evaluation.hacking import hacking_section
 from ddpo_group.evaluation.protocol_report import protocol_tables_html, tag_evaluations_html
 from ddpo_group.report.compare import paired_evaluation, prompt_means_table
@@ -333,11 +333,13 @@ def run_labels(runs: Sequence[RunData]) -> list[str]:
 def _task_sections(runs) -> str:
     """What the task and modality modules render from a run directory, each "" when it does not apply: the
     evaluation protocols' tables (GenEval, OCR: evaluation/protocol_report.py), the animated grids of a video run
-    (grids.video_samples_html) and the source -> edited pairs of an editing run (edit_sources.edit_pairs_html)."""
+    (grids.video_samples_html), the sample soundtracks of a run with sound (grids.audio_samples_html) and the
+    source -> edited pairs of an editing run (edit_sources.edit_pairs_html)."""
     parts = []
     for run in runs:
         fragments = [protocol_tables_html(str(run.path)), tag_evaluations_html(str(run.path)), video_samples_html(run.path),
-                     video_samples_html(run.path, prefix="eval"), edit_pairs_html(str(run.path))]
+                     video_samples_html(run.path, prefix="eval"), audio_samples_html(run.path),
+                     edit_pairs_html(str(run.path))]
         fragments = [fragment for fragment in fragments if fragment]
         if fragments and len(runs) > 1:
             fragments.insert(0, f"<h2>{esc(run.name)}</h2>")

@@ -12,7 +12,9 @@ under `run_dir/samples/`:
 Videos (N, F, 3, H, W) are moving pictures: every sample is samples/epoch_XXXX/NNN.webp and the grid
 epoch_XXXX.webp, animated WebP (Pillow, lossless, looping, `fps` frames a second), each grid frame the
 grid of that frame of every video; the JSON says "video": true and each record its "frames".
-`video_samples_html` is the report's fragment for them.
+`video_samples_html` is the report's fragment for them. A video with sound (LTX-2) also keeps its soundtrack
+beside it, samples/epoch_XXXX/NNN.wav (16-bit PCM, the standard library's `wave`), its record's "audio";
+`audio_samples_html` is the report's fragment that plays them.
 
 Every file is written to a temporary file in the same folder and moved into place with
 `os.replace`, so a crash never leaves a half-written PNG or JSON behind. The JSON is written
@@ -238,6 +240,22 @@ def save_animation(frames: Sequence[Image.Image], path: str | os.PathLike, fps: 
     ))
 
 
+def save_wav(waveform: Any, sample_rate: int, path: str | os.PathLike) -> None:
+    """Save a (channels, samples) float waveform in [-1, 1] (clipped) as a 16-bit PCM WAV atomically (``wave``)."""
+    import wave
+
+    pcm = (np.clip(np.asarray(waveform, dtype=np.float64), -1.0, 1.0) * 32767).round().astype("<i2")
+
+    def write(tmp: str) -> None:
+        with wave.open(tmp, "wb") as f:
+            f.setnchannels(pcm.shape[0])
+            f.setsampwidth(2)
+            f.setframerate(int(sample_rate))
+            f.writeframes(np.ascontiguousarray(pcm.T).tobytes())  # interleaved frames
+
+    atomic_write(Path(path), write)
+
+
 def save_json(obj: Any, path: str | os.PathLike) -> None:
     """Save a JSON document atomically."""
 
@@ -281,6 +299,8 @@ def save_epoch_samples(
     record_fields: Sequence[dict] | None = None,
     fps: float = 16.0,
     sources: Any = None,
+    audio: Any = None,
+    audio_sample_rate: int | None = None,
 ) -> Path | None:
     """Write the epoch's grid, single images and JSON records; return the grid path (None with max_rows=0).
 
@@ -296,6 +316,8 @@ def save_epoch_samples(
     sources: (N, 3, H, W) in [0, 1], the source image each sample edits (an editing run), or None. With sources
     each grid row starts with its prompt's source (caption "source"), then its edits: source -> edited side by
     side; each sample's source is saved as samples/epoch_XXXX/NNN_source.png, its record's "source_image".
+    audio: (N, channels, samples) float waveforms in [-1, 1] (a video model with sound) at `audio_sample_rate` Hz,
+    or None: each is saved as samples/epoch_XXXX/NNN.wav, its record's "audio".
     """
     if epoch < 0:
         raise ValueError(f"epoch must be >= 0, got {epoch}")
@@ -339,6 +361,10 @@ def save_epoch_samples(
     if source_array is not None and tuple(source_array.shape) not in (tuple(array.shape), still):
         raise ValueError(f"sources must have the images' shape {tuple(array.shape)}, got {tuple(source_array.shape)}")
     animate_source = source_array is not None and source_array.ndim < array.ndim  # the grid shows it in every frame
+    audio_array = None if audio is None else _to_numpy(audio)
+    if audio_array is not None and (audio_array.ndim != 3 or audio_array.shape[0] != num or not audio_sample_rate):
+        raise ValueError(f"audio must be (N, channels, samples) with N = {num} and an audio_sample_rate, got "
+                         f"{tuple(audio_array.shape)} at {audio_sample_rate}")
     records = []
     for index in range(num):
         if video:
@@ -360,6 +386,10 @@ def save_epoch_samples(
                 **(record_fields[index] if record_fields is not None else {}),
             }
         )
+        if audio_array is not None:
+            audio_rel = f"{stem}/{index:0{digits}d}.wav"
+            save_wav(audio_array[index], int(audio_sample_rate), samples_dir / audio_rel)
+            records[-1]["audio"] = audio_rel
         if source_array is not None:
             source_rel = f"{stem}/{index:0{digits}d}_source.png"
             save_png(Image.fromarray(to_uint8_hwc(source_stills[index]), mode="RGB"), samples_dir / source_rel)
@@ -443,5 +473,44 @@ def video_samples_html(run_dir: str | os.PathLike, prefix: str = "epoch", max_gr
         data = base64.b64encode((samples_dir / document["grid"]).read_bytes()).decode("ascii")
         caption = html.escape(f"epoch {document['epoch']} ({document['grid']}, animated WebP)")
         parts.append(f'<figure><img src="data:image/webp;base64,{data}" alt="{caption}"><figcaption>{caption}'
+                     "</figcaption></figure>")
+    return "\n".join(parts)
+
+
+def audio_samples_html(run_dir: str | os.PathLike, prefix: str = "epoch", max_samples: int = 8) -> str:
+    """The report's fragment for a run with sound: the last samples/{prefix}_XXXX.json whose records name WAV files
+    ("audio"), its first `max_samples` of them as <audio> players (WAV data URIs) captioned with the prompt and
+    reward; "" when the run has none. A file outside the run directory (links resolved) is never read."""
+    import base64
+    import html
+
+    from ddpo_group.report.run import inside_run
+
+    samples_dir = Path(run_dir) / "samples"
+    chosen = None
+    for path in sorted(samples_dir.glob(f"{prefix}_*.json")):
+        if not inside_run(path, run_dir) or not path.is_file():
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                document = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(document, dict) and any(isinstance(r, dict) and r.get("audio")
+                                              for r in document.get("records") or []):
+            chosen = document
+    if chosen is None:
+        return ""
+    parts = [f"<h2>{'Evaluation' if prefix == 'eval' else 'Sample'} audio (epoch {html.escape(str(chosen['epoch']))})"
+             "</h2>"]
+    for record in [r for r in chosen["records"] if isinstance(r, dict) and r.get("audio")][:max_samples]:
+        file = samples_dir / str(record["audio"])
+        caption = html.escape(f"{record.get('prompt', '')} (r={record.get('reward')}, {record['audio']})")
+        if not inside_run(file, run_dir) or not file.is_file():
+            parts.append(f'<p class="missing">not played: {html.escape(str(record["audio"]))} is missing or outside '
+                         "the run directory</p>")
+            continue
+        data = base64.b64encode(file.read_bytes()).decode("ascii")
+        parts.append(f'<figure><audio controls src="data:audio/wav;base64,{data}"></audio><figcaption>{caption}'
                      "</figcaption></figure>")
     return "\n".join(parts)

@@ -139,9 +139,10 @@ class MetricsLog:
                 elif hasattr(tracker, "log_images"):
                     tracker.log_images({key: [pixels]}, step=metrics["epoch"])
 
-    def epoch_row(self, epoch, samples, metrics, global_step, prompts):
+    def epoch_row(self, epoch, samples, metrics, global_step, prompts, audio_sample_rate=None):
         """The epoch's row: reward statistics of the gathered batch, memory, a sample grid every
-        config.log_images_every epochs (samples/*.png with rewards and mean advantages), then `write`."""
+        config.log_images_every epochs (samples/*.png with rewards and mean advantages; a family with sound: each
+        sample's WAV at `audio_sample_rate`), then `write`."""
         config, acc = self.config, self.accelerator
         gathered = samples.gathered
         rewards = gathered.rewards
@@ -161,6 +162,7 @@ class MetricsLog:
             torch.cuda.reset_peak_memory_stats()
         log_images = config.log_images_every and epoch % config.log_images_every == 0
         images = acc.gather(samples.images.float().contiguous()) if log_images else None
+        audio = acc.gather(samples.audio.float().contiguous()) if log_images and samples.audio is not None else None
         if acc.is_main_process and log_images:
             mask = gathered.mask
             adv = (gathered.advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
@@ -169,6 +171,7 @@ class MetricsLog:
                 self.run_dir.path, epoch, images.cpu(), [record.prompt for record in records],
                 rewards.cpu().numpy(), adv.cpu().numpy(), config.sample.group_size,
                 sources=source_images(records),  # an editing run's grid: source -> edited (None otherwise)
+                audio=None if audio is None else audio.cpu(), audio_sample_rate=audio_sample_rate,
             )
             metrics["samples/grid"] = os.path.relpath(grid, self.run_dir.path)
         self.write(metrics)

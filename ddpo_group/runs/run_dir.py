@@ -663,7 +663,7 @@ def _refuse_an_earlier_run(run_dir, overwrite):
 # MetricsLog.dump_debug), with the temporaries of their atomic writes; anything else there is the user's.
 _SAMPLE_FILE_RE = re.compile(r"^(epoch|eval)_\d{4,}\.(png|webp|json)$")
 _SAMPLE_DIR_RE = re.compile(r"^(epoch|eval)_\d{4,}$")
-_SAMPLE_IMAGE_RE = re.compile(r"^\d{3,}(_source)?\.(png|webp)$")
+_SAMPLE_IMAGE_RE = re.compile(r"^\d{3,}((_source)?\.(png|webp)|\.wav)$")  # a video's soundtrack: NNN.wav
 _ATOMIC_TMP_RE = re.compile(r"^\..+\.\d+\.[0-9a-f]{32}\.tmp$")  # grids.atomic_write
 _CHECKPOINT_DIR_RE = re.compile(r"^(\.tmp_)?checkpoint_\d+$")
 _DEBUG_FILE_RE = re.compile(r"^epoch_\d{4,}_rank\d+\.json(\.tmp\d+)?$")

@@ -262,7 +262,8 @@ class Trainer:
     def log_epoch(self, epoch, samples, metrics):
         if self.perf is not None:  # the phases since the previous row (a checkpoint after it counts in the next)
             metrics.update(self.perf.epoch_metrics())
-        self.metrics_log.epoch_row(epoch, samples, metrics, self.global_step, self.prompts)
+        self.metrics_log.epoch_row(epoch, samples, metrics, self.global_step, self.prompts,
+                                   audio_sample_rate=getattr(self.policy, "audio_sample_rate", None))
 
     def _optimizer_step(self, bad):
         """Clip, step, zero; a step whose loss or gradient is not finite is skipped and counted.
