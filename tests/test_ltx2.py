@@ -128,3 +128,14 @@ def test_the_samples_keep_a_wav_beside_each_video_and_the_report_plays_them(tmp_
     page = build_report(run_dir)
     assert "<h2>Sample audio (epoch 0)</h2>" in page and page.count('<audio controls src="data:audio/wav;base64,') >= 1
     assert audio_samples_html(tmp_path / "elsewhere") == ""
+
+
+def test_the_ltx2_preset_is_flow_factorys_recipe():
+    from ddpo_group.config.grpo import get_config
+
+    config = get_config("ltx2")
+    assert config.pretrained.model == "Lightricks/LTX-2" and (config.lora_rank, config.lora_alpha) == (64, 128)
+    assert (config.sample.num_frames, config.sample.num_steps, config.sample.sde_type, config.sample.eta) == (
+        121, 24, "cps", 0.8)
+    assert (config.sample.sde_window_start, config.sample.sde_window_size, config.sample.guidance_scale) == (0, 10, 1.0)
+    assert config.reward_fn == "pickscore" and config.train.clip_range == 1e-4 and config.train.learning_rate == 3e-4

@@ -67,6 +67,7 @@ their map. A variant is read against the ones it derives from (tiny_* from tiny,
     tiny_sana       a random-weight tiny SANA pipeline (Gemma-2 text, DC-AE, linear-attention DiT), seconds
     tiny_hunyuan_video15  a random-weight tiny HunyuanVideo 1.5 text-to-video pipeline, 5 frames, seconds
     tiny_hunyuan_video15_i2v  a random-weight tiny HunyuanVideo 1.5 image-to-video animating the shipped sources
+    ltx2            GRPO LoRA on LTX-2 (video with audio) with Flow-Factory's t2av recipe (PickScore), one GPU
     tiny_ltx2       a random-weight tiny LTX-2 making video with audio (rewards get the audio), 5 frames, seconds
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
@@ -102,6 +103,7 @@ from ddpo_group.config.variants.next_misc import (  # noqa: F401
     sana_nft,
     tiny_hunyuan_video15,
     tiny_hunyuan_video15_i2v,
+    ltx2,
     tiny_ltx2,
     tiny_qwen_image_edit_plus,
     tiny_sana,
@@ -218,6 +220,7 @@ VARIANTS = {
     "tiny_sana": tiny_sana,
     "tiny_hunyuan_video15": tiny_hunyuan_video15,
     "tiny_hunyuan_video15_i2v": tiny_hunyuan_video15_i2v,
+    "ltx2": ltx2,
     "tiny_ltx2": tiny_ltx2,
 }
 

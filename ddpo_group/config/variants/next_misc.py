@@ -4,7 +4,7 @@
 video_edit.py's presets.
 """
 
-from ddpo_group.config.variants.flow import _tiny_flow, sd35_nft
+from ddpo_group.config.variants.flow import _fixed_window, _flow_factory_lora, _tiny_flow, sd35, sd35_nft
 from ddpo_group.config.variants.video_edit import qwen_image_edit, tiny_qwen_image_edit
 
 
@@ -102,3 +102,27 @@ def tiny_ltx2():
     config.sample.num_frames = 5
     config.reward_frames = 3
     return config
+
+
+def ltx2():
+    """GRPO LoRA on LTX-2 (19B, video with audio) with Flow-Factory's text-to-audio-video recipe, one GPU.
+
+    Lightricks/LTX-2 (LTX2Pipeline); X-GenGroup/Flow-Factory examples/grpo/lora/ltx2/t2av_pickscore.yaml (its
+    t2av.yaml has the same settings with CLAP audio-text and ImageBind audio-video rewards, which this project does
+    not have): LoRA r64 / alpha 128 on the one transformer, 121 frames at 24 fps, 24 steps, CPS steps of noise level
+    0.8 among steps 0-9, training guidance 1.0 with the spatio-temporal / modality guidance and rescale off (what
+    the policy samples: ltx2.py), 16 videos per prompt, clip range 1e-4, no KL, lr 3e-4, weight decay 1e-4,
+    PickScore on the frames. Differences: Flow-Factory draws 3 of the steps 0-9 per trajectory; here all ten are
+    stochastic (a fixed window, as the FLUX.2 presets); its 512 x 768 frames are 512 x 512 here (a square
+    sample.resolution); no EMA. Not yet run (no GPU, no hub)."""
+    config = _flow_factory_lora(sd35())
+    config.pretrained.model = "Lightricks/LTX-2"
+    config.sample.num_frames = 121  # num_frames 121 (1 + 8 k)
+    config.sample.num_steps = 24  # num_inference_steps 24
+    config.sample.sde_type = "cps"  # dynamics_type CPS
+    config.sample.eta = 0.8  # noise_level 0.8
+    config.sample.guidance_scale = 1.0  # train guidance_scale 1.0 (its evaluation: 4.0)
+    config.sample.resolution = 512
+    config.sample.max_sequence_length = 1024  # LTX2Pipeline's default
+    config.reward_fn = "pickscore"  # t2av_pickscore.yaml's reward
+    return _fixed_window(config, 0, 9)  # sde_steps [0 .. 9]
