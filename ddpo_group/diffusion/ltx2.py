@@ -23,7 +23,8 @@ What follows diffusers' ``pipelines/ltx2/pipeline_ltx2.py`` (0.42):
   back to a velocity). The pipeline's other guidance terms are off: the policy equals
   ``pipe(..., guidance_scale=w, audio_guidance_scale=None (= w), stg_scale=0.0, audio_stg_scale=0.0,
   modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)``
-  (``LTX2Policy.pipeline_kwargs``; each audio setting left at its default would switch its term back on), i.e. no spatio-temporal guidance (its default 1.0 would add a call with blocks skipped),
+  (``LTX2Policy.pipeline_kwargs``; each audio setting left at its default would switch its term back on), i.e. no
+  spatio-temporal guidance (its default 1.0 would add a call with blocks skipped),
   no modality-isolation guidance (default 3.0: a call with the audio <-> video cross-attention cut), no x0 rescale
   (default 0.7), and the audio stream's CFG scale is the video's (default 7.0 against 3.0). Those defaults make up to
   four transformer calls a step; plain CFG keeps the policy's one batched call and a log-density of one velocity;
@@ -112,7 +113,7 @@ class LTX2Policy(FlowMatchingPolicy):
         return int(self.pipeline.vocoder.config.output_sampling_rate)
 
     def configure_frames(self, num_frames):
-        """config.sample.num_frames F (0: the model's default): F - 1 must be a multiple of the VAE's temporal factor."""
+        """config.sample.num_frames F (0: the model's default): F - 1 a multiple of the VAE's temporal factor."""
         if not num_frames:
             return
         temporal = self.pipeline.vae_temporal_compression_ratio
@@ -211,8 +212,9 @@ class LTX2Policy(FlowMatchingPolicy):
     def _timesteps(self, num_steps, device):
         config = self.pipeline.scheduler.config
         (video_tokens, _), _ = self._stream_shapes()
-        mu = calculate_shift(video_tokens, config.get("base_image_seq_len", 1024), config.get("max_image_seq_len", 4096),
-                             config.get("base_shift", 0.95), config.get("max_shift", 2.05))
+        mu = calculate_shift(video_tokens, config.get("base_image_seq_len", 1024),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.95),
+                             config.get("max_shift", 2.05))
         retrieve_timesteps(self.pipeline.scheduler, num_steps, device,
                            sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
 

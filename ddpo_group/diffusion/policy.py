@@ -18,7 +18,7 @@ from ddpo_group.diffusion import flux, qwen_image, sd, sd3, wan  # noqa: F401  t
 from ddpo_group.diffusion import flux2  # noqa: F401  FLUX.2 [dev] and [klein]
 from ddpo_group.diffusion import zimage  # noqa: F401  Z-Image and Z-Image-Turbo
 from ddpo_group.diffusion import wan_i2v, wan_moe  # noqa: F401  Wan image-to-video, Wan 2.2 A14B's two experts
-from ddpo_group.diffusion import hunyuan_video15, ltx2, sana  # noqa: F401  issue 46 (Qwen-Image-Edit-2509: in qwen_image)
+from ddpo_group.diffusion import hunyuan_video15, ltx2, sana  # noqa: F401  issue 46 (Qwen-Image-Edit-2509: qwen_image)
 from ddpo_group.diffusion.base import FAMILIES, DiffusionPolicy, register_family  # noqa: F401  (re-exported)
 from ddpo_group.config.registry import ConfigError, register_config_check
 

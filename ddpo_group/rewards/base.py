@@ -74,7 +74,8 @@ def with_audio(metadata, audio, sample_rate) -> list:
     if audio is None:
         return list(metadata)
     audio = audio.detach().float().cpu()
-    return [{**meta, "audio": audio[i].clone(), "audio_sample_rate": int(sample_rate)} for i, meta in enumerate(metadata)]
+    return [{**meta, "audio": audio[i].clone(), "audio_sample_rate": int(sample_rate)}
+            for i, meta in enumerate(metadata)]
 
 
 class RewardError(RuntimeError):
