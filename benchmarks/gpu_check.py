@@ -35,6 +35,13 @@ the loading route of "random-sd15"):
     hunyuan-video15  "random-hunyuan-video15-480p": HunyuanVideo 1.5 480p (transformer 8.33B, the published 3-D VAE);
               Flow-GRPO's sampling (`sd35`'s), 33 frames at 480 px. Its pipeline takes one prompt a call: pipeline(...)
               runs once per prompt (each with its own seed, as the policy's initial noise), the videos concatenated
+    qwen-image-edit-plus  "random-qwen-image-edit-plus": Qwen-Image-Edit-2509 (transformer 20.43B: 60 blocks of
+              24 x 128; the 16-channel VAE), a 1-layer Qwen2.5-VL of the real width 3584 with a 1-block vision tower
+              of width 1280; the `qwen_image_edit_plus` preset's sampling (true CFG 4, eta 1.0), two random sources
+              per prompt, 384 px, one prompt a call. Not yet run (no GPU where it was written)
+    ltx2      "random-ltx2": LTX-2 (transformer 18.88B: 48 blocks, video 32 x 128, audio 32 x 64; video VAE 1.22B,
+              audio VAE, vocoder), a 1-layer Gemma-3 of the real width 3840; the `ltx2` preset's sampling (cps, eta
+              0.8, no CFG), 121 frames at 512 px; pipeline(...) with LTX2Policy.pipeline_kwargs. Not yet run
     tiny, tiny-sd3, tiny-flux, tiny-wan, tiny-sdxl, tiny-flux2, tiny-zimage, tiny-sana, tiny-qwen-image-edit-plus,
     tiny-hunyuan-video15, tiny-ltx2   the tiny offline models: the same code path in seconds on a CPU (the
               Qwen-Image-Edit-2509 row edits two random sources per prompt, one prompt a call; LTX-2's pipeline(...)
@@ -163,6 +170,10 @@ ARCHS = {
     # Qwen-Image-Edit-2509 with two random sources per prompt (source_images=2), the qwen_image_edit_plus preset's
     # sampling (sde, eta 1.0, true CFG 4); the tiny row's pipeline(...) encodes its sources for the VAE at the sampled
     # side (the policy's), not QwenImageEditPlusPipeline's 1024 x 1024 px
+    # random-qwen-image-edit-plus: the published 20.43B transformer and VAE (meta-device count), at the preset's 384 px
+    "qwen-image-edit-plus": dict(model="random-qwen-image-edit-plus", flow="qwen_image_edit_plus", resolution=384,
+                                 sample_steps=10, source_images=2, pipeline="qwen_image_edit_plus",
+                                 one_prompt_per_call=True),
     "tiny-qwen-image-edit-plus": dict(model="tiny-qwen-image-edit-plus", flow="qwen_image_edit_plus", resolution=32,
                                       sample_steps=10, max_sequence_length=64, source_images=2,
                                       pipeline="qwen_image_edit_plus", one_prompt_per_call=True),
@@ -176,6 +187,10 @@ ARCHS = {
                                  one_prompt_per_call=True),
     # LTX-2's tiny twin with the ltx2 preset's sampling (cps, eta 0.8, no CFG); pipeline(...) with the settings the
     # policy equals (LTX2Policy.pipeline_kwargs: plain CFG, spatio-temporal / modality guidance and rescale off)
+    # random-ltx2: the published 18.88B transformer, video / audio VAEs and vocoder (meta-device count); the ltx2
+    # preset's sampling (cps, eta 0.8, no CFG) at its 512 px, 121 frames
+    "ltx2": dict(model="random-ltx2", flow="ltx2", resolution=512, sample_steps=10, max_sequence_length=1024,
+                 num_frames=121, video=True, pipeline="ltx2"),
     "tiny-ltx2": dict(model="tiny-ltx2", flow="ltx2", resolution=0, sample_steps=10, max_sequence_length=16,
                       num_frames=5, video=True, pipeline="ltx2"),
 }

@@ -142,3 +142,19 @@ def test_the_hunyuan_video15_arch_is_the_published_480p_model_called_once_per_pr
     assert spec["model"] == "random-hunyuan-video15-480p" and spec["resolution"] == 480 and spec["one_prompt_per_call"]
     assert gpu_check.flow_sample_settings(spec)["num_frames"] == 33
     assert gpu_check.PIPELINE_CALLS[spec["pipeline"]] is gpu_check.call_hunyuan_video15
+
+
+def test_the_qwen_edit_plus_and_ltx2_archs_are_the_published_transformers():
+    import torch
+
+    from ddpo_group.diffusion.ltx2 import build_random_ltx2_pipeline
+    from ddpo_group.diffusion.qwen_image import build_random_qwen_image_edit_plus_pipeline
+
+    gpu_check = _gpu_check_module()
+    for arch, build, billions in (("qwen-image-edit-plus", build_random_qwen_image_edit_plus_pipeline, 20.43),
+                                  ("ltx2", build_random_ltx2_pipeline, 18.88)):
+        assert gpu_check.ARCHS[arch]["model"] == f"random-{arch}"
+        with torch.device("meta"):  # the parameter count without the memory
+            pipeline = build(torch_dtype=torch.bfloat16)
+        count = sum(p.numel() for p in pipeline.transformer.parameters()) / 1e9
+        assert round(count, 2) == billions, (arch, count)
