@@ -32,8 +32,20 @@ the loading route of "random-sd15"):
               512 px; pipeline(...) gets guidance_scale w - 1 (ZImagePipeline's g of pos + g (pos - neg))
     sana      "random-sana-1600m": SANA 1600M (transformer 1.60B: 20 blocks of 70 x 32 linear attention; the DC-AE f32c32
               0.31B), a 1-layer Gemma-2 of the real width 2304; Flow-GRPO's sampling (`sd35`'s) at 1024 px
-    tiny, tiny-sd3, tiny-flux, tiny-wan, tiny-sdxl, tiny-flux2, tiny-zimage, tiny-sana   the tiny offline models: the
-              same code path in seconds on a CPU
+    hunyuan-video15  "random-hunyuan-video15-480p": HunyuanVideo 1.5 480p (transformer 8.33B, the published 3-D VAE);
+              Flow-GRPO's sampling (`sd35`'s), 33 frames at 480 px. Its pipeline takes one prompt a call: pipeline(...)
+              runs once per prompt (each with its own seed, as the policy's initial noise), the videos concatenated
+    qwen-image-edit-plus  "random-qwen-image-edit-plus": Qwen-Image-Edit-2509 (transformer 20.43B: 60 blocks of
+              24 x 128; the 16-channel VAE), a 1-layer Qwen2.5-VL of the real width 3584 with a 1-block vision tower
+              of width 1280; the `qwen_image_edit_plus` preset's sampling (true CFG 4, eta 1.0), two random sources
+              per prompt, 384 px, one prompt a call. Not yet run (no GPU where it was written)
+    ltx2      "random-ltx2": LTX-2 (transformer 18.88B: 48 blocks, video 32 x 128, audio 32 x 64; video VAE 1.22B,
+              audio VAE, vocoder), a 1-layer Gemma-3 of the real width 3840; the `ltx2` preset's sampling (cps, eta
+              0.8, no CFG), 121 frames at 512 px; pipeline(...) with LTX2Policy.pipeline_kwargs. Not yet run
+    tiny, tiny-sd3, tiny-flux, tiny-wan, tiny-sdxl, tiny-flux2, tiny-zimage, tiny-sana, tiny-qwen-image-edit-plus,
+    tiny-hunyuan-video15, tiny-ltx2   the tiny offline models: the same code path in seconds on a CPU (the
+              Qwen-Image-Edit-2509 row edits two random sources per prompt, one prompt a call; LTX-2's pipeline(...)
+              gets LTX2Policy.pipeline_kwargs, the settings the policy equals)
 
 Rewards on random weights mean nothing, so precision, exactness, speed and memory are checked. For each
 architecture and dtype:
@@ -153,6 +165,34 @@ ARCHS = {
                  pipeline_kwargs={"use_resolution_binning": False}),
     "tiny-sana": dict(model="tiny-sana", flow="sd35", resolution=0, sample_steps=10, max_sequence_length=16,
                       pipeline_kwargs={"use_resolution_binning": False}),
+    # issue 46's one-prompt-per-call pipelines (pipeline="..." names the call in PIPELINE_CALLS; one_prompt_per_call:
+    # pipeline(...) once per prompt, each with its own generator, concatenated) and LTX-2 (ltx2.py's pipeline_kwargs).
+    # Qwen-Image-Edit-2509 with two random sources per prompt (source_images=2), the qwen_image_edit_plus preset's
+    # sampling (sde, eta 1.0, true CFG 4); the tiny row's pipeline(...) encodes its sources for the VAE at the sampled
+    # side (the policy's), not QwenImageEditPlusPipeline's 1024 x 1024 px
+    # random-qwen-image-edit-plus: the published 20.43B transformer and VAE (meta-device count), at the preset's 384 px
+    "qwen-image-edit-plus": dict(model="random-qwen-image-edit-plus", flow="qwen_image_edit_plus", resolution=384,
+                                 sample_steps=10, source_images=2, pipeline="qwen_image_edit_plus",
+                                 one_prompt_per_call=True),
+    "tiny-qwen-image-edit-plus": dict(model="tiny-qwen-image-edit-plus", flow="qwen_image_edit_plus", resolution=32,
+                                      sample_steps=10, max_sequence_length=64, source_images=2,
+                                      pipeline="qwen_image_edit_plus", one_prompt_per_call=True),
+    # HunyuanVideo 1.5 480p (random-hunyuan-video15-480p: the published 8.33B transformer and 3-D VAE) with
+    # Flow-GRPO's sampling (the sd35 preset's: no HunyuanVideo 1.5 RL recipe is published), 33 frames at 480 px; its
+    # pipeline takes one prompt a call and its CFG scale is its guider's
+    "hunyuan-video15": dict(model="random-hunyuan-video15-480p", flow="sd35", resolution=480, sample_steps=10,
+                            num_frames=33, video=True, pipeline="hunyuan_video15", one_prompt_per_call=True),
+    "tiny-hunyuan-video15": dict(model="tiny-hunyuan-video15", flow="sd35", resolution=0, sample_steps=10,
+                                 max_sequence_length=32, num_frames=5, video=True, pipeline="hunyuan_video15",
+                                 one_prompt_per_call=True),
+    # LTX-2's tiny twin with the ltx2 preset's sampling (cps, eta 0.8, no CFG); pipeline(...) with the settings the
+    # policy equals (LTX2Policy.pipeline_kwargs: plain CFG, spatio-temporal / modality guidance and rescale off)
+    # random-ltx2: the published 18.88B transformer, video / audio VAEs and vocoder (meta-device count); the ltx2
+    # preset's sampling (cps, eta 0.8, no CFG) at its 512 px, 121 frames
+    "ltx2": dict(model="random-ltx2", flow="ltx2", resolution=512, sample_steps=10, max_sequence_length=1024,
+                 num_frames=121, video=True, pipeline="ltx2"),
+    "tiny-ltx2": dict(model="tiny-ltx2", flow="ltx2", resolution=0, sample_steps=10, max_sequence_length=16,
+                      num_frames=5, video=True, pipeline="ltx2"),
 }
 FLOW_SAMPLE_FIELDS = ("sde_type", "eta", "guidance_scale", "max_sequence_length", "cps_log_prob", "flow_grid",
                       "flow_grid_shift", "num_frames")
@@ -229,6 +269,8 @@ def check_sampling(spec, device, dtype, batch, repeats=1):
                     max_sequence_length=policy.max_sequence_length)
 
         extra, text = {}, {"prompt": list(prompts)}
+        if spec.get("source_images"):  # K random sources per prompt (an editing family's)
+            extra["source_images"] = source_images(batch, spec["source_images"], side).to(device)
         if spec.get("image_to_video"):  # one first frame for every prompt (the pipeline takes one image)
             pixels = first_frame(side)
             extra["source_images"] = (pixels.permute(2, 0, 1).float() / 255).expand(batch, -1, -1, -1).to(device)
@@ -239,17 +281,38 @@ def check_sampling(spec, device, dtype, batch, repeats=1):
             cond = policy._encode(prompts, "", guidance, device)
             text = {"prompt_embeds": cond["prompt_embeds"], "negative_prompt_embeds": cond.get("negative_prompt_embeds")}
 
-        def ours(level=eta):
-            return policy.sample(prompts, steps, guidance, level, generator=torch.Generator().manual_seed(0), **extra)
+        if spec.get("one_prompt_per_call"):  # each prompt's initial noise its own generator, as pipeline(...)'s
+            def ours(level=eta):
+                initial = [torch.Generator().manual_seed(i) for i in range(batch)]
+                return policy.sample(prompts, steps, guidance, level, generator=torch.Generator().manual_seed(0),
+                                     initial_generator=initial, **extra)
+        else:
+            def ours(level=eta):
+                return policy.sample(prompts, steps, guidance, level, generator=torch.Generator().manual_seed(0),
+                                     **extra)
 
         if spec.get("video"):  # WanPipeline: frames, and the videos in .frames
             call["num_frames"] = policy.num_frames
         call.update(spec.get("pipeline_kwargs", {}))
 
-        def theirs():
-            # by name (Flux2Pipeline's first argument is its reference image), a copy (ZImagePipeline edits the list)
-            output = pipeline(**text, generator=torch.Generator().manual_seed(0), **call)
-            return output.frames if spec.get("video") else output.images
+        if spec.get("pipeline"):
+            family_call = PIPELINE_CALLS[spec["pipeline"]]
+
+            def one_call(rows, seed):
+                sources = extra["source_images"][rows] if "source_images" in extra else None
+                return family_call(policy, [prompts[i] for i in rows], dict(call, guidance_scale=pipeline_guidance),
+                                   torch.Generator().manual_seed(seed), sources)
+
+            def theirs():
+                if spec.get("one_prompt_per_call"):  # once per prompt (seed i), concatenated
+                    return torch.cat([one_call([i], i) for i in range(batch)])
+                return one_call(list(range(batch)), 0)
+        else:
+            def theirs():
+                # by name (Flux2Pipeline's first argument is its reference image), a copy (ZImagePipeline edits
+                # the list)
+                output = pipeline(**text, generator=torch.Generator().manual_seed(0), **call)
+                return output.frames if spec.get("video") else output.images
 
         ode = ours(0.0).images.float()
         entry["ode_vs_pipeline_max_abs_image_diff"] = float((ode - theirs().float().to(ode.device)).abs().max())
@@ -281,6 +344,77 @@ def check_sampling(spec, device, dtype, batch, repeats=1):
         "log_probs_dtype": str(trajectories.log_probs.dtype),
     })
     return policy, trajectories, entry, guidance
+
+
+def call_qwen_image_edit_plus(policy, prompts, call, generator, sources):
+    """QwenImageEditPlusPipeline on one prompt and its K sources (true CFG with the negative prompt " "); the sources
+    are encoded for the VAE at the sampled side, as the policy encodes them (the text encoder's condition images
+    keep the pipeline's own size)."""
+    from unittest import mock
+
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus_module
+    from PIL import Image
+
+    side, guidance = call["height"], call["guidance_scale"]
+    resize = plus_module.calculate_dimensions
+    pixels = (sources[0].float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+    def dimensions(area, ratio):
+        return resize(area, ratio) if area == plus_module.CONDITION_IMAGE_SIZE else (side, side)
+
+    with mock.patch.object(plus_module, "calculate_dimensions", dimensions):
+        return policy.pipeline(image=[Image.fromarray(p) for p in pixels], prompt=prompts[0], true_cfg_scale=guidance,
+                               negative_prompt=" " if guidance > 1 else None, height=side, width=side,
+                               num_inference_steps=call["num_inference_steps"], generator=generator,
+                               output_type="pt").images
+
+
+def call_hunyuan_video15(policy, prompts, call, generator, sources):
+    """HunyuanVideo15Pipeline on one prompt: its CFG scale is its guider's (set for the call, then restored)."""
+    from diffusers import ClassifierFreeGuidance
+
+    pipeline = policy.pipeline
+    guider = pipeline.guider
+    pipeline.guider = ClassifierFreeGuidance(guidance_scale=call["guidance_scale"])
+    try:
+        return pipeline(prompt=prompts[0], height=call["height"], width=call["width"], num_frames=call["num_frames"],
+                        num_inference_steps=call["num_inference_steps"], generator=generator, output_type="pt").frames
+    finally:
+        pipeline.guider = guider
+
+
+def call_ltx2(policy, prompts, call, generator, sources):
+    """LTX2Pipeline on the batch with the settings the policy equals (LTX2Policy.pipeline_kwargs)."""
+    return policy.pipeline(prompt=list(prompts), num_inference_steps=call["num_inference_steps"], generator=generator,
+                           output_type="pt", **policy.pipeline_kwargs(call["guidance_scale"])).frames
+
+
+# spec["pipeline"]: call(policy, prompts, call settings, generator, sources or None) -> images / videos in [0, 1]
+PIPELINE_CALLS = {"qwen_image_edit_plus": call_qwen_image_edit_plus, "hunyuan_video15": call_hunyuan_video15,
+                  "ltx2": call_ltx2}
+
+
+def source_images(batch, k, side):
+    """(batch, k, 3, side, side) random 8-bit pixels / 255 (seed 0): an editing arch's sources (the same for every
+    prompt row, as the runs' prompt file holds them)."""
+    pixels = (torch.rand(k, 3, side, side, generator=torch.Generator().manual_seed(0)) * 255).round() / 255
+    return pixels.expand(batch, -1, -1, -1, -1).contiguous()
+
+
+def edit_prompts(logdir, k, side):
+    """A prompt file in `logdir` whose records carry the `source_images(1, k, side)` PNGs as their source_images."""
+    from PIL import Image
+
+    os.makedirs(logdir, exist_ok=True)
+    names = []
+    for j, image in enumerate(source_images(1, k, side)[0]):
+        names.append(f"source_{j}.png")
+        pixels = (image * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        Image.fromarray(pixels).save(os.path.join(logdir, names[-1]))
+    path = os.path.join(logdir, f"edit_{k}_sources.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"prompt": prompt, "source_images": names}) + "\n" for prompt in PROMPTS)
+    return path
 
 
 def first_frame(side):
@@ -368,6 +502,8 @@ def run_config(arch, spec, algorithm, args, dtype_name, logdir, run_name):
     config.prompt_fn = "simple_animals"
     if spec.get("image_to_video"):
         config.prompt_fn = image_to_video_prompts(logdir, spec["resolution"])
+    if spec.get("source_images"):
+        config.prompt_fn = edit_prompts(logdir, spec["source_images"], spec["resolution"])
     config.num_epochs = args.epochs
     config.save_freq = 0
     config.eval_freq = 0

@@ -118,3 +118,43 @@ def test_the_gpu_targets_are_read_from_the_results():
     assert rows[("sd35", recompute)]["value"] == 50.3 / 29.2 and rows[("sd35", recompute)]["met"] is False
     assert len(rows) == 7
     assert gpu_check.targets(dict(results, machine={"device": "cpu"})) == []
+
+
+def test_the_one_prompt_per_call_and_ltx2_archs_pass_on_the_cpu(tmp_path):
+    # Qwen-Image-Edit-2509 (two sources per prompt) and HunyuanVideo 1.5: pipeline(...) once per prompt; LTX-2: with
+    # the settings LTX2Policy.pipeline_kwargs gives
+    archs = ("tiny-qwen-image-edit-plus", "tiny-hunyuan-video15", "tiny-ltx2")
+    result, results = run_check(tmp_path, "--arch", ",".join(archs), "--variants", "grpo")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for arch in archs:
+        entry = results["archs"][arch]["dtypes"]["bf16"]
+        assert entry["sampling_mask_all_ones"] is True and entry["pipeline_s"] > 0
+        assert 0 <= entry["ode_vs_pipeline_max_abs_image_diff"] < 0.1  # bf16 vs the pipeline's bf16 latents
+        row = entry["variants"]["grpo"]
+        assert row["approx_kl_by_epoch"] == [0.0, 0.0] and row["clipfrac_by_epoch"] == [0.0, 0.0]
+        assert row["on_policy_max_abs_log_ratio"] == 0.0 and row["skipped_steps"] == 0
+    assert results["archs"]["tiny-hunyuan-video15"]["dtypes"]["bf16"]["num_frames"] == 5
+
+
+def test_the_hunyuan_video15_arch_is_the_published_480p_model_called_once_per_prompt():
+    gpu_check = _gpu_check_module()
+    spec = gpu_check.arch_settings("hunyuan-video15", gpu_check.parse_args(["--arch", "hunyuan-video15"]))
+    assert spec["model"] == "random-hunyuan-video15-480p" and spec["resolution"] == 480 and spec["one_prompt_per_call"]
+    assert gpu_check.flow_sample_settings(spec)["num_frames"] == 33
+    assert gpu_check.PIPELINE_CALLS[spec["pipeline"]] is gpu_check.call_hunyuan_video15
+
+
+def test_the_qwen_edit_plus_and_ltx2_archs_are_the_published_transformers():
+    import torch
+
+    from ddpo_group.diffusion.ltx2 import build_random_ltx2_pipeline
+    from ddpo_group.diffusion.qwen_image import build_random_qwen_image_edit_plus_pipeline
+
+    gpu_check = _gpu_check_module()
+    for arch, build, billions in (("qwen-image-edit-plus", build_random_qwen_image_edit_plus_pipeline, 20.43),
+                                  ("ltx2", build_random_ltx2_pipeline, 18.88)):
+        assert gpu_check.ARCHS[arch]["model"] == f"random-{arch}"
+        with torch.device("meta"):  # the parameter count without the memory
+            pipeline = build(torch_dtype=torch.bfloat16)
+        count = sum(p.numel() for p in pipeline.transformer.parameters()) / 1e9
+        assert round(count, 2) == billions, (arch, count)

@@ -53,7 +53,7 @@ from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.tiny import IMAGE_SIZE, seeded
+from ddpo_group.diffusion.tiny import IMAGE_SIZE, created_in, seeded
 from ddpo_group.diffusion.tiny_chat import MAX_POSITIONS, build_tiny_chat_tokenizer
 
 DEFAULT_NUM_FRAMES = 121  # LTX2Pipeline.__call__'s fixed default for checkpoints without a duration head
@@ -80,7 +80,7 @@ class LTX2Policy(FlowMatchingPolicy):
 
     pipeline_class = LTX2Pipeline
     pipeline_class_names = ("LTX2Pipeline",)
-    offline_models = ("tiny-ltx2",)
+    offline_models = ("tiny-ltx2", "random-ltx2")
     default_max_sequence_length = 1024  # __call__'s max_sequence_length
     patch_multiple = 1
     video = True
@@ -126,7 +126,8 @@ class LTX2Policy(FlowMatchingPolicy):
 
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):
-        pipeline = load_pretrained(LTX2Pipeline, model, revision, torch_dtype, {"tiny-ltx2": build_tiny_ltx2_pipeline})
+        pipeline = load_pretrained(LTX2Pipeline, model, revision, torch_dtype, {
+            "tiny-ltx2": build_tiny_ltx2_pipeline, "random-ltx2": build_random_ltx2_pipeline})
         if not isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler):
             raise ValueError(f"model {model!r}: an LTX2Pipeline with a {type(pipeline.scheduler).__name__}; "
                              "the family samples with FlowMatchEulerDiscreteScheduler (the published one)")
@@ -379,3 +380,39 @@ def build_tiny_ltx2_pipeline(seed=0):
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 
+
+def build_random_ltx2_pipeline(seed=0, torch_dtype=torch.float32, num_layers=48):
+    """LTX-2's architecture with random weights: the transformer, video VAE, audio VAE and vocoder of diffusers'
+    LTX2VideoTransformer3DModel / AutoencoderKLLTX2Video / AutoencoderKLLTX2Audio / LTX2Vocoder default configs
+    (48 blocks of 32 x 128 video and 32 x 64 audio attention, caption width 3840; 18.88B parameters), created in
+    `torch_dtype`; Gemma-3 12B's text model at its real width 3840 (16 heads x 256, 8 KV heads) but 1 layer with a
+    256-wide MLP, so LTX2TextConnectors (their default config otherwise) read its 2 hidden states, not 49; the tiny
+    byte-level tokenizer and the tiny pipeline's scheduler. `num_layers` fewer transformer blocks: a reduced model,
+    for a CPU check of the code path only. For benchmarks/gpu_check.py: its numbers are LTX-2's cost, its videos
+    mean nothing."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = build_tiny_chat_tokenizer("", ())
+    with seeded(seed), created_in(torch_dtype):
+        text_encoder = Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=len(tokenizer), hidden_size=3840, intermediate_size=256, num_hidden_layers=1,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=256, max_position_embeddings=MAX_POSITIONS,
+            pad_token_id=0, sliding_window=1024,
+        ))
+        transformer = LTX2VideoTransformer3DModel(num_layers=num_layers)
+        connectors = LTX2TextConnectors(text_proj_in_factor=2)
+        # LTX-2's 32 x 32 x 8 compression (the transformer's vae_scale_factors (8, 32, 32)), which the class does not
+        # derive from its default blocks
+        vae = AutoencoderKLLTX2Video(spatial_compression_ratio=32, temporal_compression_ratio=8)
+        audio_vae = AutoencoderKLLTX2Audio()
+        vocoder = LTX2Vocoder()
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                                                base_image_seq_len=1024, max_image_seq_len=4096)
+    pipeline = LTX2Pipeline(
+        scheduler=scheduler, vae=vae.eval(), audio_vae=audio_vae.eval(), text_encoder=text_encoder.eval(),
+        tokenizer=tokenizer, connectors=connectors.eval(), transformer=transformer.eval(), vocoder=vocoder.eval(),
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline

@@ -49,7 +49,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import retrieve_timesteps
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, bytes_to_unicode
+from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, bytes_to_unicode, created_in, seeded
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json, as written out in public trainers (e.g. ostris/ai-toolkit,
 # extensions_built_in/diffusion_models/qwen_image/qwen_image.py); not read from the hub here (no access).
@@ -491,13 +491,14 @@ class QwenImageEditPlusPolicy(QwenImageEditPolicy):
 
     pipeline_class = QwenImageEditPlusPipeline
     pipeline_class_names = ("QwenImageEditPlusPipeline",)
-    offline_models = ("tiny-qwen-image-edit-plus",)
+    offline_models = ("tiny-qwen-image-edit-plus", "random-qwen-image-edit-plus")
     max_source_images = 3  # Qwen-Image-Edit-2509's model card: 1 to 3 input images
 
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):
         return load_pretrained(QwenImageEditPlusPipeline, model, revision, torch_dtype,
-                               {"tiny-qwen-image-edit-plus": build_tiny_qwen_image_edit_plus_pipeline})
+                               {"tiny-qwen-image-edit-plus": build_tiny_qwen_image_edit_plus_pipeline,
+                                "random-qwen-image-edit-plus": build_random_qwen_image_edit_plus_pipeline})
 
     def _check_source_images(self, source_images, batch_size):
         """(B, K, 3, resolution, resolution) float32, 1 <= K <= max_source_images, or a ValueError naming the field."""
@@ -601,5 +602,48 @@ def build_tiny_qwen_image_edit_plus_pipeline(seed=0):
     if pipeline.prompt_template_encode != EDIT_PLUS_TEMPLATE:
         raise RuntimeError("QwenImageEditPlusPipeline's prompt template changed: update EDIT_PLUS_TEMPLATE")
     pipeline.default_sample_size = IMAGE_SIZE // pipeline.vae_scale_factor
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def build_random_qwen_image_edit_plus_pipeline(seed=0, torch_dtype=torch.float32, num_layers=60):
+    """Qwen-Image-Edit-2509's architecture with random weights: the transformer and VAE of diffusers'
+    QwenImageTransformer2DModel / AutoencoderKLQwenImage default configs (Qwen-Image's: 60 dual-stream blocks of 24
+    heads x 128, text width 3584, rope axes 16 + 56 + 56; 20.43B parameters; the 16-channel VAE), created in
+    `torch_dtype`; the Qwen2.5-VL text encoder at its real widths but 1 text layer (7B's width 3584, 28 heads, 4 KV
+    heads, a 256-wide MLP) and a 1-block vision tower of Qwen2.5-VL 7B's width 1280 (16 heads, out 3584), with the
+    tiny edit processor's tokenizer and a Qwen2-VL image processor of the real patching (14 px patches merged 2 x 2,
+    up to 28 x 28 x 1280 pixels). `num_layers` fewer transformer blocks: a reduced model, for a CPU check of the
+    code path only. Default image 1024 x 1024. For benchmarks/gpu_check.py: its numbers are Qwen-Image-Edit-2509's
+    cost, its images mean nothing."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = build_tiny_qwen_edit_processor()
+    processor.image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 1280, patch_size=14,
+                                                         merge_size=2, temporal_patch_size=2)
+    tokenizer = processor.tokenizer
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=3584, intermediate_size=256, num_hidden_layers=1,
+            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096, bos_token_id=0,
+            eos_token_id=2, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+        ),
+        vision_config=dict(depth=1, hidden_size=1280, intermediate_size=256, num_heads=16, out_hidden_size=3584,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0]),
+        **ids,
+    )
+    with seeded(seed), created_in(torch_dtype):
+        transformer = QwenImageTransformer2DModel(num_layers=num_layers)
+        vae = AutoencoderKLQwenImage()
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    pipeline = QwenImageEditPlusPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae.eval(),
+        text_encoder=text_encoder.eval(), tokenizer=tokenizer, processor=processor, transformer=transformer.eval(),
+    )
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
