@@ -106,6 +106,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
     pipeline_class = None
     default_max_sequence_length = 256
     supports_flow_grpo_kl = True
+    lora_target_modules = LORA_TARGET_MODULES  # the attention projections LoRA wraps (a family names its own)
     anchor_refusal = None  # x0_hat = x_t - sigma v from the step's own velocity (sample(..., keep_x0_hat=True))
 
     def __init__(self, pipeline):
@@ -155,7 +156,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
         transformer = pipe.transformer
         if use_lora:
             transformer.to(device, dtype=dtype)
-            for param in add_lora(transformer, lora_rank, alpha=lora_alpha, target_modules=LORA_TARGET_MODULES):
+            for param in add_lora(transformer, lora_rank, alpha=lora_alpha, target_modules=self.lora_target_modules):
                 param.data = param.data.float()
         else:
             transformer.requires_grad_(True)

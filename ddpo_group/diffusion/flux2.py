@@ -53,6 +53,7 @@ class _Flux2Base(FlowMatchingPolicy):
     """What FLUX.2 [dev] and [klein] share: patchified latents as tokens, FLUX.2's empirical shift, the decode."""
 
     shard_blocks = ("transformer_blocks", "single_transformer_blocks")  # double-stream, then single-stream blocks
+    lora_target_modules = LORA_TARGET_MODULES
     default_max_sequence_length = MAX_SEQUENCE_LENGTH  # the pipelines' default
     patch_multiple = 2
 
@@ -61,25 +62,6 @@ class _Flux2Base(FlowMatchingPolicy):
             raise ValueError(f"config.sample.max_sequence_length={max_sequence_length}: FLUX.2 takes at most "
                              f"{MAX_SEQUENCE_LENGTH} text tokens")
         super().configure(sde_type=sde_type, max_sequence_length=max_sequence_length, resolution=resolution, **flow_options)
-
-    def prepare(self, device, dtype, use_lora, lora_rank=4, lora_alpha=None):
-        """Text encoder and VAE frozen in `dtype`; LoRA on the transformer's attention projections (adapters float32),
-        or the whole transformer trained in float32. Returns the transformer."""
-        from ddpo_group.diffusion.lora import add_lora
-
-        pipe = self.pipeline
-        for frozen in (pipe.vae, pipe.text_encoder):
-            frozen.requires_grad_(False)
-            frozen.to(device, dtype=dtype)
-        transformer = pipe.transformer
-        if use_lora:
-            transformer.to(device, dtype=dtype)
-            for param in add_lora(transformer, lora_rank, alpha=lora_alpha, target_modules=LORA_TARGET_MODULES):
-                param.data = param.data.float()
-        else:
-            transformer.requires_grad_(True)
-            transformer.to(device, dtype=torch.float32)
-        return transformer
 
     @property
     def latent_channels(self):

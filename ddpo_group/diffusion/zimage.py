@@ -29,7 +29,6 @@ from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sig
 
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.lora import add_lora
 from ddpo_group.diffusion.tiny import IMAGE_SIZE, created_in, seeded, tiny_component_configs
 from ddpo_group.diffusion.tiny_chat import build_tiny_qwen3_tokenizer, tiny_qwen3_config
 
@@ -46,6 +45,7 @@ class ZImagePolicy(FlowMatchingPolicy):
     pipeline's ``pos + g (pos - neg)`` (module docstring: ``sample.guidance_scale`` = g + 1)."""
 
     shard_blocks = ("noise_refiner", "context_refiner", "layers")
+    lora_target_modules = LORA_TARGET_MODULES
     pipeline_class = ZImagePipeline
     pipeline_class_names = ("ZImagePipeline",)
     offline_models = ("tiny-zimage", "random-zimage")
@@ -68,23 +68,6 @@ class ZImagePolicy(FlowMatchingPolicy):
             raise ValueError(f"config.sample.max_sequence_length={max_sequence_length}: this Z-Image transformer's "
                              f"positions allow at most {limit} text tokens")
         super().configure(sde_type=sde_type, max_sequence_length=max_sequence_length, resolution=resolution, **flow_options)
-
-    def prepare(self, device, dtype, use_lora, lora_rank=4, lora_alpha=None):
-        """Text encoder and VAE frozen in `dtype`; LoRA on the attention projections (adapters float32), or the whole
-        transformer trained in float32. Returns the transformer."""
-        pipe = self.pipeline
-        for frozen in (pipe.vae, pipe.text_encoder):
-            frozen.requires_grad_(False)
-            frozen.to(device, dtype=dtype)
-        transformer = pipe.transformer
-        if use_lora:
-            transformer.to(device, dtype=dtype)
-            for param in add_lora(transformer, lora_rank, alpha=lora_alpha, target_modules=LORA_TARGET_MODULES):
-                param.data = param.data.float()
-        else:
-            transformer.requires_grad_(True)
-            transformer.to(device, dtype=torch.float32)
-        return transformer
 
     @property
     def latent_channels(self):
