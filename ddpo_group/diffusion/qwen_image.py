@@ -148,13 +148,17 @@ class QwenImagePolicy(FlowMatchingPolicy):
         pipe = self.pipeline
         dtype = model_dtype(model)
         b, c, h, w = latents.shape
-        packed = pipe._pack_latents(latents, b, c, h, w).to(dtype)
+        tokens = [pipe._pack_latents(latents, b, c, h, w).to(dtype)]
         shapes = [(1, h // 2, w // 2)]
-        source = cond.get("image_latents")  # Qwen-Image-Edit: the source's tokens follow the target's
-        if source is not None:
-            sh, sw = source.shape[2:]
-            packed = torch.cat([packed, pipe._pack_latents(source, b, c, sh, sw).to(dtype)], dim=1)
-            shapes.append((1, sh // 2, sw // 2))
+        # Qwen-Image-Edit: the source's tokens follow the target's ((b, C, h', w')); Edit-Plus: several sources,
+        # (b, K, C, h', w'), their tokens in order
+        sources = cond.get("image_latents")
+        if sources is not None:
+            for source in (sources.unbind(1) if sources.dim() == 5 else (sources,)):
+                sh, sw = source.shape[2:]
+                tokens.append(pipe._pack_latents(source, b, c, sh, sw).to(dtype))
+                shapes.append((1, sh // 2, sw // 2))
+        packed = torch.cat(tokens, dim=1)
         img_shapes = [shapes] * b
         timestep = timesteps.to(dtype) / 1000
 
@@ -546,37 +550,6 @@ class QwenImageEditPlusPolicy(QwenImageEditPolicy):
         latents = (latents - mean) / std
         cond["image_latents"] = latents.reshape(b, k, *latents.shape[1:])
         return cond
-
-    def _velocity(self, model, latents, timesteps, cond, guidance_scale):
-        pipe = self.pipeline
-        dtype = model_dtype(model)
-        b, c, h, w = latents.shape
-        tokens = [pipe._pack_latents(latents, b, c, h, w).to(dtype)]
-        shapes = [(1, h // 2, w // 2)]
-        sources = cond["image_latents"]  # (b, K, C, h', w'): the sources' tokens follow the target's, in order
-        for k in range(sources.shape[1]):
-            sh, sw = sources.shape[3:]
-            tokens.append(pipe._pack_latents(sources[:, k], b, c, sh, sw).to(dtype))
-            shapes.append((1, sh // 2, sw // 2))
-        packed = torch.cat(tokens, dim=1)
-        img_shapes = [shapes] * b
-        timestep = timesteps.to(dtype) / 1000
-
-        def call(embeds, mask):
-            return model(
-                hidden_states=packed, timestep=timestep, guidance=None, encoder_hidden_states_mask=mask,
-                encoder_hidden_states=embeds.to(dtype), img_shapes=img_shapes, return_dict=False,
-            )[0][:, : (h // 2) * (w // 2)].float()
-
-        velocity = call(cond["prompt_embeds"], cond["prompt_embeds_mask"])
-        if guidance_scale > 1.0 and cond.get("negative_prompt_embeds") is not None:
-            negative = call(cond["negative_prompt_embeds"], cond["negative_prompt_embeds_mask"])
-            combined = negative + guidance_scale * (velocity - negative)
-            velocity = combined * (
-                torch.norm(velocity, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True)
-            )
-        scale = pipe.vae_scale_factor
-        return pipe._unpack_latents(velocity, h * scale, w * scale, scale).squeeze(2)
 
 
 def build_tiny_qwen_image_edit_plus_pipeline(seed=0):
