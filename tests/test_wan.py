@@ -318,3 +318,15 @@ def test_wan_2_2_ti2v_per_token_timesteps_reproduce_the_pipeline(pipeline):
     for k in range(3):
         log_prob, _, _ = policy.step_log_prob(ti2v.transformer, noisy, torch.arange(2), torch.full((2,), k), 4.0, 0.7)
         assert torch.equal(log_prob, noisy.log_probs[:, k])
+
+
+def test_a_video_familys_frame_count_is_one_plus_a_multiple_of_its_temporal_factor():
+    # diffusion/base.py's video_frames serves Wan, LTX-2 and HunyuanVideo 1.5 (their configure_frames)
+    from ddpo_group.diffusion.base import video_frames
+
+    assert video_frames(9, 4, "Wan") == 9 and video_frames(1, 4, "Wan") == 1 and video_frames(17, 8, "LTX-2") == 17
+    with pytest.raises(ValueError) as err:
+        video_frames(10, 4, "Wan")
+    assert str(err.value) == "config.sample.num_frames=10: this Wan model takes 1 + 4 k frames (e.g. 9)"
+    with pytest.raises(ValueError, match=r"this LTX-2 model takes 1 \+ 8 k frames \(e.g. 9\)"):
+        video_frames(0, 8, "LTX-2")

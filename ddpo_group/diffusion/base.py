@@ -382,6 +382,17 @@ class DiffusionPolicy:
         raise NotImplementedError
 
 
+def video_frames(num_frames, temporal, model):
+    """config.sample.num_frames F of a video family whose VAE compresses time by `temporal`: F - 1 must be a multiple
+    of it (one line naming the field and the nearest valid count otherwise). Returns F as an int."""
+    if num_frames < 1 or (num_frames - 1) % temporal:
+        raise ValueError(
+            f"config.sample.num_frames={num_frames}: this {model} model takes 1 + {temporal} k frames "
+            f"(e.g. {1 + temporal * max(1, (num_frames - 1) // temporal)})"
+        )
+    return int(num_frames)
+
+
 def register_family(name):
     """Class decorator: register a DiffusionPolicy subclass under `name` (its `family`)."""
 

@@ -39,7 +39,7 @@ from diffusers import (
 )
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retrieve_timesteps
 
-from ddpo_group.diffusion.base import model_dtype, register_family
+from ddpo_group.diffusion.base import model_dtype, register_family, video_frames
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
 from ddpo_group.diffusion.tiny import IMAGE_SIZE, created_in, seeded
 from ddpo_group.diffusion.tiny_chat import build_tiny_chat_tokenizer
@@ -86,13 +86,7 @@ class HunyuanVideo15Policy(FlowMatchingPolicy):
         """config.sample.num_frames F (0: the model's default): F - 1 must be a multiple of the VAE's temporal factor."""
         if not num_frames:
             return
-        temporal = self.pipeline.vae_scale_factor_temporal
-        if num_frames < 1 or (num_frames - 1) % temporal:
-            raise ValueError(
-                f"config.sample.num_frames={num_frames}: this HunyuanVideo 1.5 model takes 1 + {temporal} k frames "
-                f"(e.g. {1 + temporal * max(1, (num_frames - 1) // temporal)})"
-            )
-        self.num_frames = int(num_frames)
+        self.num_frames = video_frames(num_frames, self.pipeline.vae_scale_factor_temporal, "HunyuanVideo 1.5")
 
     def _initial_latents(self, batch_size, device, generator):
         return self.pipeline.prepare_latents(

@@ -51,7 +51,7 @@ from diffusers import (
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
 
-from ddpo_group.diffusion.base import model_dtype, register_family
+from ddpo_group.diffusion.base import model_dtype, register_family, video_frames
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
 from ddpo_group.diffusion.tiny import IMAGE_SIZE, created_in, seeded
 from ddpo_group.diffusion.tiny_chat import MAX_POSITIONS, build_tiny_chat_tokenizer
@@ -116,13 +116,7 @@ class LTX2Policy(FlowMatchingPolicy):
         """config.sample.num_frames F (0: the model's default): F - 1 a multiple of the VAE's temporal factor."""
         if not num_frames:
             return
-        temporal = self.pipeline.vae_temporal_compression_ratio
-        if num_frames < 1 or (num_frames - 1) % temporal:
-            raise ValueError(
-                f"config.sample.num_frames={num_frames}: this LTX-2 model takes 1 + {temporal} k frames "
-                f"(e.g. {1 + temporal * max(1, (num_frames - 1) // temporal)})"
-            )
-        self.num_frames = int(num_frames)
+        self.num_frames = video_frames(num_frames, self.pipeline.vae_temporal_compression_ratio, "LTX-2")
 
     @classmethod
     def load(cls, model, revision=None, torch_dtype=torch.float32):

@@ -30,7 +30,7 @@ A14B's two experts (``transformer_2``) and image-to-video are the families of ``
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
-from ddpo_group.diffusion.base import model_dtype, register_family
+from ddpo_group.diffusion.base import model_dtype, register_family, video_frames
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
 from ddpo_group.diffusion.tiny import IMAGE_SIZE, TOKENIZER_WORDS, build_tiny_t5_tokenizer, created_in, seeded
 
@@ -144,13 +144,7 @@ class WanPolicy(FlowMatchingPolicy):
         """config.sample.num_frames F (0: the model's default): F - 1 must be a multiple of the VAE's temporal factor."""
         if not num_frames:
             return
-        temporal = self.pipeline.vae_scale_factor_temporal
-        if num_frames < 1 or (num_frames - 1) % temporal:
-            raise ValueError(
-                f"config.sample.num_frames={num_frames}: this Wan model takes 1 + {temporal} k frames (e.g. "
-                f"{1 + temporal * max(1, (num_frames - 1) // temporal)})"
-            )
-        self.num_frames = int(num_frames)
+        self.num_frames = video_frames(num_frames, self.pipeline.vae_scale_factor_temporal, "Wan")
 
     @property
     def latent_channels(self):
