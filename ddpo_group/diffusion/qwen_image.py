@@ -428,12 +428,9 @@ EDIT_TEMPLATE = (
 )
 
 
-def build_tiny_qwen_image_edit_pipeline(seed=0):
-    """A QwenImageEditPipeline with random weights drawn from ``seed`` (CPU, float32), built offline: the tiny
-    Qwen-Image transformer and VAE (``build_tiny_qwen_image_pipeline``'s architecture), a Qwen2.5-VL text encoder of
-    the same 2 x 32 text layers whose 1-block vision tower now reads the source (its image / vision token ids are
-    the tokenizer's), the processor ``build_tiny_qwen_edit_processor``. Default image 32 x 32. The global torch RNG
-    state is left unchanged."""
+def _tiny_qwen_edit_pipeline(pipeline_class, template, seed):
+    """The tiny Qwen-Image-Edit parts of ``seed`` (transformer, VAE, a Qwen2.5-VL text encoder with a 1-block vision
+    tower, the tiny processor) in `pipeline_class`, whose prompt template must be `template`."""
     from transformers import Qwen2_5_VLConfig
 
     processor = build_tiny_qwen_edit_processor()
@@ -444,15 +441,24 @@ def build_tiny_qwen_image_edit_pipeline(seed=0):
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
     config = Qwen2_5_VLConfig(text_config=base["text_config"], vision_config=base["vision_config"], **ids)
     transformer, vae, text_encoder = _tiny_qwen_parts(seed, config)
-    pipeline = QwenImageEditPipeline(
+    pipeline = pipeline_class(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae.eval(),
         text_encoder=text_encoder.eval(), tokenizer=tokenizer, processor=processor, transformer=transformer.eval(),
     )
-    if pipeline.prompt_template_encode != EDIT_TEMPLATE:
-        raise RuntimeError("QwenImageEditPipeline's prompt template changed: update EDIT_TEMPLATE")
+    if pipeline.prompt_template_encode != template:
+        raise RuntimeError(f"{pipeline_class.__name__}'s prompt template changed: update the module's template")
     pipeline.default_sample_size = IMAGE_SIZE // pipeline.vae_scale_factor
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
+
+
+def build_tiny_qwen_image_edit_pipeline(seed=0):
+    """A QwenImageEditPipeline with random weights drawn from ``seed`` (CPU, float32), built offline: the tiny
+    Qwen-Image transformer and VAE (``build_tiny_qwen_image_pipeline``'s architecture), a Qwen2.5-VL text encoder of
+    the same 2 x 32 text layers whose 1-block vision tower now reads the source (its image / vision token ids are
+    the tokenizer's), the processor ``build_tiny_qwen_edit_processor``. Default image 32 x 32. The global torch RNG
+    state is left unchanged."""
+    return _tiny_qwen_edit_pipeline(QwenImageEditPipeline, EDIT_TEMPLATE, seed)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -558,25 +564,7 @@ def build_tiny_qwen_image_edit_plus_pipeline(seed=0):
     Qwen2.5-VL text encoder of 2 x 32 text layers whose 1-block vision tower reads each source at 56 x 56 pixels,
     4 merged tokens, the processor ``build_tiny_qwen_edit_processor``). Default image 32 x 32. The global torch RNG
     state is left unchanged; same seed -> same weights (those of the tiny Qwen-Image-Edit of that seed)."""
-    from transformers import Qwen2_5_VLConfig
-
-    processor = build_tiny_qwen_edit_processor()
-    tokenizer = processor.tokenizer
-    base = tiny_qwen_text_encoder_config(len(tokenizer)).to_dict()
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    config = Qwen2_5_VLConfig(text_config=base["text_config"], vision_config=base["vision_config"], **ids)
-    transformer, vae, text_encoder = _tiny_qwen_parts(seed, config)
-    pipeline = QwenImageEditPlusPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG), vae=vae.eval(),
-        text_encoder=text_encoder.eval(), tokenizer=tokenizer, processor=processor, transformer=transformer.eval(),
-    )
-    if pipeline.prompt_template_encode != EDIT_PLUS_TEMPLATE:
-        raise RuntimeError("QwenImageEditPlusPipeline's prompt template changed: update EDIT_PLUS_TEMPLATE")
-    pipeline.default_sample_size = IMAGE_SIZE // pipeline.vae_scale_factor
-    pipeline.set_progress_bar_config(disable=True)
-    return pipeline
+    return _tiny_qwen_edit_pipeline(QwenImageEditPlusPipeline, EDIT_PLUS_TEMPLATE, seed)
 
 
 def build_random_qwen_image_edit_plus_pipeline(seed=0, torch_dtype=torch.float32, num_layers=60):
