@@ -56,6 +56,15 @@ def test_an_unknown_subcommand_is_one_line_naming_the_choices(capsys):
     assert "did you mean 'train'?" in lines[0] and all(name in lines[0] for name in SUBCOMMANDS)
 
 
+def test_a_pretrain_flag_error_is_one_line_not_the_usage_block(capsys):
+    # it printed argparse's 20-line usage block before
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pretrain", "--bogus"])
+    assert exit_info.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert line == "ddpo-group pretrain: error: unrecognized arguments: --bogus (ddpo-group pretrain --help lists the flags)"
+
+
 def test_a_subcommands_flag_error_is_one_line_naming_the_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["inspect", "--top-k", "many", "runs/x"])

@@ -84,7 +84,9 @@ def number(kind, low=None, high=None, low_open=False, high_open=False):
 
 
 def parse_args(argv=None, prog=None):
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ddpo_group.cli.common import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", choices=("shapes", "scenes"), default="shapes",
                         help="shapes: one shape per 32-px image (tiny-shapes); scenes: 1-4 shapes per 64-px image with "
                              "GenEval captions (tiny-scenes, tiny-scenes-sd3)")
