@@ -42,6 +42,17 @@ def get_config():
     config.mixed_precision = "no"
     # Allow TF32 matmuls on Ampere+ GPUs (ignored on CPU).
     config.allow_tf32 = True
+    # torch.compile the denoiser (the trainable UNet / transformer, with its LoRA adapters) for sampling, the old-log-prob
+    # pass, the reference forward and training (ddpo_group/training/speed.py): compiled in place, so checkpoints and
+    # LoRA exports keep their keys; the on-policy ratio stays exactly 1. Compiling costs minutes once per run (a graph
+    # per grad mode and input shape); whether it pays: docs/performance.md. Not with train.sharding="fsdp2".
+    config.compile = False
+    # The attention kernel of the denoiser: "" (the library's default: torch's SDPA picks one) or a diffusers attention
+    # backend ("native", "_native_flash", "_native_efficient", "_native_math", "_native_cudnn", "flash" (flash-attn),
+    # "_flash_3" (FlashAttention 3), "sage", ...; diffusers' AttentionBackendName). It applies to the families whose
+    # transformer dispatches through diffusers (FLUX, FLUX.2, Qwen-Image, Wan, Z-Image, LTX-2, HunyuanVideo 1.5), not
+    # to SD 1.x / SDXL UNets or SD3, which call SDPA directly; GPU-only kernels are refused on a CPU machine.
+    config.attention_backend = ""
     # Resume from a run directory (its latest complete checkpoint) or a checkpoint_N directory. The run's
     # stored config.json is used; overrides of how long it runs or what it logs (num_epochs, save_freq, ...)
     # are applied and recorded in resumes.jsonl, others are refused unless resume_allow_changes.

@@ -24,6 +24,7 @@ from ddpo_group.diffusion.base import configure_from_sample
 from ddpo_group.diffusion.policy import family_for_model, load_policy
 from ddpo_group.training.reference import ReferencePolicy
 from ddpo_group.training.rollout import check_group_noise
+from ddpo_group.training.speed import compile_denoiser, set_attention_backend
 
 
 @dataclasses.dataclass
@@ -117,6 +118,9 @@ def build_models(config, accelerator):
                 "set train.gradient_checkpointing=False"
             )
         module.enable_gradient_checkpointing()  # only under autograd: sampling and no_grad passes are unchanged
+    set_attention_backend(module, config.get("attention_backend", ""), config.pretrained.model)
+    if config.get("compile", False):  # in place, before DDP and the reference: every caller runs the compiled forward
+        compile_denoiser(module)
     copies = _shard(config, policy, module, acc.device) if sharded else {}
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = _optimizer_class(t)(
