@@ -81,6 +81,16 @@ def replay(accounting, module_for, sync, clock=time.perf_counter):
     return bare
 
 
+def _compile_totals():
+    """torch.compile's cost in this process so far: {"seconds": dynamo's wall seconds compiling frames (tracing and
+    the backend: inductor's code generation), "graphs": the graphs compiled}. Paid once per run, mostly in the warm-up
+    epoch, which is not counted; a graph compiled in a counted epoch (a new input shape) is in its phase's seconds."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(sum(times) for name, times in compilation_time_metrics.items() if name.endswith("compile_inner"))
+    return {"seconds": seconds, "graphs": int(counters["stats"].get("unique_graphs", 0))}
+
+
 def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="cpu"):
     """Train `epochs` epochs of `variant` with recording accounting, then replay bare; returns the JSON dict.
     The first `warmup` epochs are run but not counted."""
@@ -107,8 +117,11 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="
     accounting.clock = timer
     log_epoch = trainer.log_epoch
 
+    epoch_ends = [timer()]  # the loop thread's clock at each epoch's end: epoch_seconds (the warm-up's holds compiling)
+
     def log_and_forget_warmup(epoch, samples, metrics):
         log_epoch(epoch, samples, metrics)
+        epoch_ends.append(timer())
         if epoch < warmup:  # its first calls of each shape ran under FlopCounterMode, and warm caches up
             for totals in (accounting.run_seconds, accounting.run_model_seconds, accounting.run_calls):
                 totals.clear()
@@ -117,6 +130,7 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="
     start = time.perf_counter()
     trainer.run()
     wall = time.perf_counter() - start
+    compiled = _compile_totals()  # before the replay: its warm-up calls reuse the run's graphs
     accounting.detach()
     accounting.model_seconds_by_phase()
     accounting.reset()  # the rows since the last epoch (the final evaluation, checkpoint) into the totals
@@ -147,15 +161,18 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="
     return {
         "variant": variant, "epochs": epochs, "warmup_epochs": warmup, "replays": repeats,
         "clock": "thread CPU seconds" if timer is time.thread_time else "wall seconds", "overrides": list(overrides), "phases": phases,
-        "peak_tflops": peak, "wall_seconds": wall, "threads": torch.get_num_threads(), "device": str(device),
+        "peak_tflops": peak, "wall_seconds": wall, "compile": {"enabled": bool(config.get("compile", False)), **compiled},
+        "epoch_seconds": [b - a for a, b in zip(epoch_ends, epoch_ends[1:])], "threads": torch.get_num_threads(), "device": str(device),
         "cpu": perf._cpu_model(), "torch": torch.__version__, "python": platform.python_version(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 
 def table(result):
+    compiled = result.get("compile") or {}
     lines = [f"{result['variant']}: {result['epochs'] - result['warmup_epochs']} epochs counted, {result['clock']}, peak {result['peak_tflops']:.4g} TFLOPS, "
-             f"{result['threads']} threads, load {result['load_average']}",
+             f"{result['threads']} threads, load {result['load_average']}"
+             + (f", compile {compiled['seconds']:.1f} s wall ({compiled['graphs']} graphs)" if compiled.get("enabled") else ""),
              f"{'phase':<14}{'seconds':>10}{'bare s':>10}{'overhead':>10}{'MFU':>8}{'calls':>8}"]
     for phase, row in result["phases"].items():
         bare = "-" if row["bare_seconds"] is None else f"{row['bare_seconds']:.3f}"
@@ -179,7 +196,8 @@ def main(argv=None):
                         help="cpu (default on the CPU): the loop thread's CPU seconds, which other processes' load "
                              "does not stretch (exact with OMP_NUM_THREADS=1); wall: the wall clock (a GPU always)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a config field, e.g. --set sample.num_batches_per_epoch=1 (repeatable)")
+                        help="override a config field, e.g. --set sample.num_batches_per_epoch=1 or --set compile=true "
+                             "(a JSON value; repeatable)")
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error(f"--epochs={args.epochs}: at least 1")

@@ -37,6 +37,8 @@ WHERE = {
     "check_critic_design": ("critic", "ddpo_group.training.critic_designs"),
     "check_lora_rank": ("model", "ddpo_group.training.models"),
     "check_sharding": ("model", "ddpo_group.training.sharding"),
+    "check_compile": ("model", "ddpo_group.training.speed"),
+    "check_attention_backend": ("model", "ddpo_group.training.speed"),
     "check_run_dir_fields": ("run", "ddpo_group.runs.run_dir"),
     "check_logging": ("run", "ddpo_group.runs.metrics_log"),
     "check_perf_config": ("run", "ddpo_group.training.perf"),
