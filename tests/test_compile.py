@@ -36,11 +36,13 @@ def counted_backend(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_a_compiled_epoch_is_exactly_on_policy_and_its_checkpoint_loads(tmp_path, counted_backend):
+@pytest.mark.parametrize("use_lora", [True, False])
+def test_a_compiled_epoch_is_exactly_on_policy_and_its_checkpoint_loads(tmp_path, counted_backend, use_lora):
     # 4 trajectories, micro-batches of 2, one optimizer step each: the second micro-batch's pi_old comes from the
     # recompute pass; a learning rate of 0 keeps the weights, so every ratio of the epoch is exactly 1 when the
-    # compiled old-log-prob pass and the compiled training forward agree to the bit
-    config = make_config(tmp_path, run_name="c", num_epochs=1, log_images_every=0, compile=True, use_lora=True,
+    # compiled old-log-prob pass and the compiled training forward agree to the bit. The KL's reference runs through
+    # the compiled forward too: LoRA's with the adapters disabled, a full fine-tune's with its weights swapped in.
+    config = make_config(tmp_path, run_name="c", num_epochs=1, log_images_every=0, compile=True, use_lora=use_lora,
                          train__gradient_accumulation_steps=1, train__clip_range=1e-4)
     trainer = Trainer(config)
     for group in trainer.optimizer.param_groups:
@@ -62,17 +64,18 @@ def test_a_compiled_epoch_is_exactly_on_policy_and_its_checkpoint_loads(tmp_path
     # the checkpoint holds the module's own keys (no torch.compile "_orig_mod." prefix) and loads into a fresh policy
     assert not any("_orig_mod" in key for key in module.state_dict())
     directory = tmp_path / "export"
-    trainer.policy.save_trainable(module, str(directory), use_lora=True)
-    saved = load_file(os.path.join(directory, "lora", "pytorch_lora_weights.safetensors"))
+    trainer.policy.save_trainable(module, str(directory), use_lora=use_lora)
+    saved = load_file(os.path.join(directory, "lora", "pytorch_lora_weights.safetensors") if use_lora
+                      else os.path.join(directory, "unet", "diffusion_pytorch_model.safetensors"))
     assert saved and not any("_orig_mod" in key for key in saved)
-    fresh = Trainer(make_config(tmp_path, run_name="fresh", num_epochs=1, log_images_every=0, use_lora=True))
+    fresh = Trainer(make_config(tmp_path, run_name="fresh", num_epochs=1, log_images_every=0, use_lora=use_lora))
     with torch.no_grad():
         for param in fresh.trainable_params:
-            param.add_(1.0)  # differs from the trained adapters until loaded
-    fresh.policy.load_trainable(fresh.trainable_module, str(directory), use_lora=True)
-    trained = {k: v for k, v in module.state_dict().items() if "lora" in k}
-    loaded = {k: v for k, v in fresh.trainable_module.state_dict().items() if "lora" in k}
-    assert trained.keys() == loaded.keys() and all(torch.equal(trained[k], loaded[k]) for k in trained)
+            param.add_(1.0)  # differs from the trained weights until loaded
+    fresh.policy.load_trainable(fresh.trainable_module, str(directory), use_lora=use_lora)
+    trained = {k: v for k, v in module.state_dict().items() if "lora" in k or not use_lora}
+    loaded = {k: v for k, v in fresh.trainable_module.state_dict().items() if "lora" in k or not use_lora}
+    assert trained and trained.keys() == loaded.keys() and all(torch.equal(trained[k], loaded[k]) for k in trained)
 
 
 def test_compile_refuses_fsdp2(tmp_path):
