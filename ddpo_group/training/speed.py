@@ -14,7 +14,9 @@ are the model's, not the compiled kernels'.
 processors that dispatch through diffusers' `attention_dispatch` (the transformers of FLUX, FLUX.2, Qwen-Image,
 Wan, Z-Image, LTX-2, HunyuanVideo 1.5); SD 1.x / SDXL UNets (AttnProcessor2_0) and SD3's transformer
 (JointAttnProcessor2_0) call torch's SDPA directly and have no backend to set: there a value other than "" is
-refused with a one-line error.
+refused with a one-line error. The field is named after diffusers' own call and takes its names unchanged, so that
+diffusers' documentation of each backend is the field's; "" leaves the library's default untouched (diffusers'
+DIFFUSERS_ATTN_BACKEND environment variable, else torch's SDPA choosing its kernel), as a run without the field had.
 """
 
 import torch
