@@ -163,6 +163,14 @@ def get_config():
     sample.flow_grid_shift = 3.0
     # Text tokens of a T5 text encoder (SD3, FLUX); 0: the family's default (SD3 256, FLUX 512).
     sample.max_sequence_length = 0
+    # Text-embedding cache (ddpo_group/diffusion/text_cache.py): the text conditioning of at most this many prompts is
+    # kept (LRU, on the model's device), and a sampling batch whose prompts it all holds is not re-encoded. Exact: the
+    # rows equal the uncached encoding's bit for bit (a batch with any new prompt is encoded whole, as without the
+    # cache; the key holds the batch size). Bypassed where it would not be exact: a trained text encoder, Qwen-Image
+    # (pads to the batch's longest prompt), the editing families whose text encoder reads the image. Counted in
+    # prompts: a GRPO run's prompt set is what repeats. 0: off. Memory per prompt: its rows of every field, e.g.
+    # SD3 with T5 (333 x 4096) ~2.7 MB in bf16, FLUX.1 (512 x 4096) ~4 MB; the tiny models a few KB.
+    sample.text_embedding_cache = 256
 
     ###### Training ######
     config.train = train = ml_collections.ConfigDict()

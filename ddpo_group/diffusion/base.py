@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ddpo_group.diffusion.text_cache import TextEmbeddingCache, encoder_state
+
 
 def _per_row(field):
     """False for a field that describes the whole batch (not indexed, not concatenated)."""
@@ -220,6 +222,7 @@ def configure_from_sample(policy, sample):
     policy.configure_frames with sample.num_frames (0 where it has none: the model's own)."""
     policy.configure(**{field: sample[field] for field in CONFIGURE_FIELDS if field in sample})
     policy.configure_frames(sample["num_frames"] if "num_frames" in sample else 0)
+    policy.configure_text_cache(sample["text_embedding_cache"] if "text_embedding_cache" in sample else 0)
 
 
 class DiffusionPolicy:
@@ -293,11 +296,31 @@ class DiffusionPolicy:
     # the trainable module's attributes whose modules (each element of a ModuleList) are FSDP2 units
     # (train.sharding="fsdp2", ddpo_group/training/sharding.py); empty: no block structure known, sharding refused
     shard_blocks = ()
+    # whether a text encoding's row depends only on its prompt and the batch size (fixed-length padding), so that the
+    # text-embedding cache (text_cache.py, config.sample.text_embedding_cache) may serve it; False: never cached
+    text_rows_independent = True
+    text_cache = TextEmbeddingCache(0)  # off until configure_text_cache
 
     def __init__(self, pipeline):
         if not self.supports(pipeline):
             raise TypeError(f"{type(self).__name__} does not support {type(pipeline).__name__}")
         self.pipeline = pipeline
+        self.text_cache = TextEmbeddingCache(0)
+
+    def configure_text_cache(self, max_prompts):
+        """config.sample.text_embedding_cache: keep the conditioning rows of at most `max_prompts` prompts (0: off)."""
+        if int(max_prompts) != self.text_cache.max_prompts:
+            self.text_cache = TextEmbeddingCache(max_prompts)
+
+    def _cached_text(self, encode_fn, prompts, *context):
+        """encode_fn(prompts) (the family's conditioning dict) through the text-embedding cache (text_cache.py):
+        `context` is what the encoding depends on besides the prompts; bypassed where caching would not be exact."""
+        if self.text_cache.max_prompts <= 0 or not self.text_rows_independent:
+            return encode_fn(prompts)
+        identity, trained = encoder_state(self.pipeline)
+        if trained:
+            return encode_fn(prompts)
+        return self.text_cache.encode(encode_fn, list(prompts), (type(self).__name__, *context, identity))
 
     @classmethod
     def supports(cls, pipeline) -> bool:

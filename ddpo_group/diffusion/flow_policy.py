@@ -221,7 +221,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
             sources = self._check_source_images(source_images, batch_size).to(device)
             cond = self._encode_edit(prompts, negative_prompt, guidance_scale, device, sources)
         else:
-            cond = self._encode(prompts, negative_prompt, guidance_scale, device)
+            cond = self._encode_text(prompts, negative_prompt, guidance_scale, device)
         latents = self._initial_latents(batch_size, device, generator if initial_generator is None else initial_generator)
         timesteps, sigmas = self._set_timesteps(num_steps, device)
         check_sigma_grid(sigmas.unsqueeze(0))  # once: the steps below then do not read their sigmas back from the device
@@ -264,7 +264,13 @@ class FlowMatchingPolicy(DiffusionPolicy):
     def _encode_edit(self, prompts, negative_prompt, guidance_scale, device, source_images):
         """An editing family's conditioning: the text's (``_encode``) and its source images' (``_encode_source``:
         name -> (B, ...), kept in extra_cond); a family whose text encoder reads the image too overrides this."""
-        return {**self._encode(prompts, negative_prompt, guidance_scale, device), **self._encode_source(source_images)}
+        return {**self._encode_text(prompts, negative_prompt, guidance_scale, device), **self._encode_source(source_images)}
+
+    def _encode_text(self, prompts, negative_prompt, guidance_scale, device):
+        """``_encode`` through the text-embedding cache (config.sample.text_embedding_cache, text_cache.py)."""
+        return self._cached_text(lambda rows: self._encode(rows, negative_prompt, guidance_scale, device), prompts,
+                                 negative_prompt, float(guidance_scale), self.max_sequence_length, self.resolution,
+                                 str(device))
 
     def _encode_source(self, source_images):
         raise NotImplementedError

@@ -87,6 +87,9 @@ class QwenImagePolicy(FlowMatchingPolicy):
     pipeline_class_names = ("QwenImagePipeline",)
     offline_models = ("tiny-qwen-image",)
     default_max_sequence_length = 512  # QwenImagePipeline.__call__'s default
+    # the pipeline's encode_prompt pads to the batch's longest prompt, so a row's numbers may depend on its
+    # neighbours: the text-embedding cache (text_cache.py) never serves this family
+    text_rows_independent = False
     patch_multiple = 2
 
     @classmethod

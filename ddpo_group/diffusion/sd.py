@@ -405,6 +405,11 @@ class StableDiffusionPolicy(DiffusionPolicy):
         """The conditioning dict of `prompts` (``sample_ddim``'s ``encode``)."""
         return _encode_prompts(self.pipeline, prompts, negative_prompt, do_cfg, device, height)
 
+    def _encode_text(self, prompts, negative_prompt, do_cfg, device, height):
+        """``_encode`` through the text-embedding cache (config.sample.text_embedding_cache, text_cache.py)."""
+        return self._cached_text(lambda rows: self._encode(rows, negative_prompt, do_cfg, device, height), prompts,
+                                 negative_prompt, bool(do_cfg), height, str(device))
+
     @staticmethod
     def _rows_added_conds(batch, rows, cfg):
         """(added_cond, negative_added_cond) of trajectories `rows` (SDXL's; (None, None) for SD 1.x / 2.x)."""
@@ -434,7 +439,7 @@ class StableDiffusionPolicy(DiffusionPolicy):
         return sample_ddim(
             self.pipeline, prompts, num_inference_steps=num_steps, guidance_scale=guidance_scale, eta=eta,
             generator=generator, prompt_ids=prompt_ids, negative_prompt=negative_prompt, unet=model,
-            show_progress=show_progress, height=self.resolution, keep_steps=keep_steps, encode=self._encode,
+            show_progress=show_progress, height=self.resolution, keep_steps=keep_steps, encode=self._encode_text,
             keep_x0_hat=keep_x0_hat, initial_generator=initial_generator,
         )
 

@@ -151,7 +151,7 @@ def check_sampling(config, machine):
             f"config.sample.eta={sample.eta} is the noise level a of sample.sde_type='cps' (std = sigma' sin(a pi / 2)); "
             "it must lie in (0, 1]"
         )
-    for field in ("sde_window_size", "sde_window_start", "max_sequence_length", "resolution"):
+    for field in ("sde_window_size", "sde_window_start", "max_sequence_length", "resolution", "text_embedding_cache"):
         check_positive(sample[field], f"sample.{field}", allow_zero=True)
     check_positive(sample.sde_window_shift_every, "sample.sde_window_shift_every")
     if sample.sde_window_size > sample.num_steps:
