@@ -109,27 +109,12 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
     # weights in each call): a shorter slice is padded with its last pair again, whose result is dropped.
     padded = mine + [mine[-1] if mine else pairs[0]] * (longest - len(mine))
     results, waiting = [], {}  # waiting: prompt index -> [(result row, image)] of a group not yet complete
-    for start in range(0, len(padded), batch_size):
-        if should_stop is not None and world == 1 and start > 0 and should_stop():
-            return None  # several processes finish the evaluation: each must reach the gather below
-        chunk = padded[start : start + batch_size]
-        prompts = [records[i].prompt for i, _ in chunk]
-        generators = [sample_generator(seed, i, j) for i, j in chunk]
-        context = accelerator.autocast() if accelerator is not None else torch.autocast("cpu", enabled=False)
-        sources = source_images([records[i] for i, _ in chunk], getattr(policy, "resolution", 0) or 0)
-        extra = {"source_images": sources} if getattr(policy, "conditions_on_images", False) else {}
-        with context:
-            batch = policy.sample(prompts, num_steps, guidance_scale, eta, generator=generators, model=model, **extra)
-        images = batch.images.float().cpu()
-        finite = torch.isfinite(images.flatten(1)).all(dim=1).tolist()
-        if world == 1 and not all(finite):  # before the rewards: a reward may fail on NaN or score it as black
-            raise not_finite_error(records, chunk, finite)
-        metadata = with_audio(reward_metadata([records[i].metadata for i, _ in chunk], sources), batch.audio,
-                              getattr(policy, "audio_sample_rate", None))
-        stop = should_stop if world == 1 else None  # several processes must all reach the gather
-        scored = _scored(reward_fn, images, prompts, metadata, reward_timeout, stop, **only)
-        gold = (_scored(gold_fn, images, prompts, metadata, reward_timeout, stop, **only) if gold_fn is not None
-                else ({}, {}))
+    stop = should_stop if world == 1 else None  # several processes must all reach the gather
+
+    def collect(start, chunk, images, finite, futures):
+        """Wait for one batch's rewards (and gold rewards) and add its result rows; None when told to stop."""
+        scored = _wait(runners[0], futures[0], reward_timeout, stop)
+        gold = _wait(runners[1], futures[1], reward_timeout, stop) if futures[1] is not None else ({}, {})
         if scored is None or gold is None:
             return None
         total, components, info = scored
@@ -148,6 +133,40 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
                 waiting.setdefault(i, []).append((row, images[n]))
         for i in [i for i, members in waiting.items() if len(members) == images_per_prompt]:
             _score_group(records[i], waiting.pop(i), reward_fn, gold_fn)
+        return True
+
+    # The rewards of a batch run in a worker thread while the next batch samples (as in training's rollout); the
+    # batches' rows are still added in order, so the result is the one-batch-at-a-time evaluation's.
+    runners = [AsyncRewardRunner(fn, 1) if fn is not None else None for fn in (reward_fn, gold_fn)]
+    pending = None  # the batch whose rewards are running: collect's arguments
+    try:
+        for start in range(0, len(padded), batch_size):
+            if should_stop is not None and world == 1 and start > 0 and should_stop():
+                return None  # several processes finish the evaluation: each must reach the gather below
+            chunk = padded[start : start + batch_size]
+            prompts = [records[i].prompt for i, _ in chunk]
+            generators = [sample_generator(seed, i, j) for i, j in chunk]
+            context = accelerator.autocast() if accelerator is not None else torch.autocast("cpu", enabled=False)
+            sources = source_images([records[i] for i, _ in chunk], getattr(policy, "resolution", 0) or 0)
+            extra = {"source_images": sources} if getattr(policy, "conditions_on_images", False) else {}
+            with context:
+                batch = policy.sample(prompts, num_steps, guidance_scale, eta, generator=generators, model=model, **extra)
+            images = batch.images.float().cpu()
+            finite = torch.isfinite(images.flatten(1)).all(dim=1).tolist()
+            if world == 1 and not all(finite):  # before the rewards: a reward may fail on NaN or score it as black
+                raise not_finite_error(records, chunk, finite)
+            metadata = with_audio(reward_metadata([records[i].metadata for i, _ in chunk], sources), batch.audio,
+                                  getattr(policy, "audio_sample_rate", None))
+            futures = [None if runner is None else runner.submit(images, prompts, metadata, **only) for runner in runners]
+            if pending is not None and collect(*pending) is None:
+                return None
+            pending = (start, chunk, images, finite, futures)
+        if pending is not None and collect(*pending) is None:
+            return None
+    finally:
+        for runner in runners:
+            if runner is not None:
+                runner.shutdown(wait=False)  # a reward that never returns is left in its daemon thread
     if accelerator is not None and world > 1:
         from accelerate.utils import gather_object
 
@@ -202,19 +221,12 @@ def _score_group(record, members, reward_fn, gold_fn):
                     row[2] += fn.weights[name] * float(value)
 
 
-def _scored(reward_fn, images, prompts, metadata, timeout, should_stop, **kwargs):
-    """reward_fn(images, prompts, metadata, **kwargs) in a worker thread, waited for at most `timeout` s
-    (RewardError past it) and until `should_stop()` says True (then None); called directly when neither applies."""
-    if not timeout and should_stop is None:
-        return reward_fn(images, prompts, metadata, **kwargs)
-    runner = AsyncRewardRunner(reward_fn, 1)
-    try:
-        future = runner.submit(images, prompts, metadata, **kwargs)
-        if should_stop is None:
-            return runner.result(future, timeout)
-        return runner.result_or_stop(future, timeout, should_stop)
-    finally:
-        runner.shutdown(wait=False)  # a reward that never returns is left in its daemon thread
+def _wait(runner, future, timeout, should_stop):
+    """A submitted batch's reward, waited for at most `timeout` s (RewardError past it; None or 0: no limit) and
+    until `should_stop()` says True (then None)."""
+    if should_stop is None:
+        return runner.result(future, timeout)
+    return runner.result_or_stop(future, timeout, should_stop)
 
 
 def _tag_of(record) -> dict:
