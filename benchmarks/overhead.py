@@ -146,6 +146,7 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="
         for phase, seconds_bare in replay(accounting, lambda name: accounting.modules[name], sync, timer).items():
             bare[phase] = min(bare.get(phase, float("inf")), seconds_bare)
     peak = accounting.peak_tflops()
+    cache = trainer.policy.text_cache  # sample.text_embedding_cache: the sampling batches it served, those encoded
     phases = {}
     for phase in perf.PHASES:
         if phase not in seconds:
@@ -161,6 +162,7 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="
     return {
         "variant": variant, "epochs": epochs, "warmup_epochs": warmup, "replays": repeats,
         "clock": "thread CPU seconds" if timer is time.thread_time else "wall seconds", "overrides": list(overrides), "phases": phases,
+        "text_cache": {"batches_served": cache.hits, "batches_encoded": cache.misses, "prompts": len(cache.rows)},
         "peak_tflops": peak, "wall_seconds": wall, "compile": {"enabled": bool(config.get("compile", False)), **compiled},
         "epoch_seconds": [b - a for a, b in zip(epoch_ends, epoch_ends[1:])], "threads": torch.get_num_threads(), "device": str(device),
         "cpu": perf._cpu_model(), "torch": torch.__version__, "python": platform.python_version(),
@@ -171,7 +173,8 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="
 def table(result):
     compiled = result.get("compile") or {}
     lines = [f"{result['variant']}: {result['epochs'] - result['warmup_epochs']} epochs counted, {result['clock']}, peak {result['peak_tflops']:.4g} TFLOPS, "
-             f"{result['threads']} threads, load {result['load_average']}"
+             f"{result['threads']} threads, load {result['load_average']}, text cache: "
+             f"{result['text_cache']['batches_served']} batches served, {result['text_cache']['batches_encoded']} encoded"
              + (f", compile {compiled['seconds']:.1f} s wall ({compiled['graphs']} graphs)" if compiled.get("enabled") else ""),
              f"{'phase':<14}{'seconds':>10}{'bare s':>10}{'overhead':>10}{'MFU':>8}{'calls':>8}"]
     for phase, row in result["phases"].items():
