@@ -113,6 +113,9 @@ def test_key_holds_the_guidance_and_negative_prompt(sd3):
     negative = sd3._encode_text(PROMPTS[:2], "blurry", 4.5, CPU)
     assert_same(negative, sd3._encode(PROMPTS[:2], "blurry", 4.5, CPU))
     assert sd3.text_cache.misses == 3 and sd3.text_cache.hits == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed precision: other numbers, its own key
+        assert_same(flow_encode(sd3, PROMPTS[:2]), sd3._encode(PROMPTS[:2], "", 4.5, CPU))
+    assert sd3.text_cache.misses == 4 and sd3.text_cache.hits == 0
     sd3.configure_text_cache(0)
 
 

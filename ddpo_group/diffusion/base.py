@@ -248,6 +248,11 @@ class DiffusionPolicy:
     trainable_module                      the module being trained (unwrapped); settable
     shard_blocks                          class attribute: the trainable module's block attributes, each
                                           block one FSDP2 unit (train.sharding="fsdp2")
+    text_rows_independent                 class attribute, True (the default) when a prompt's text conditioning
+                                          depends only on the prompt and the batch size (fixed-length padding),
+                                          so that the text-embedding cache may serve it (text_cache.py;
+                                          config.sample.text_embedding_cache); a family calls its `_encode`
+                                          through `_cached_text` (the flow base's and SD's `_encode_text` do)
     critic_sizes() -> dict                latent_channels and prompt_dim of a critic V(x_t, t, c)
     sample(prompts, ..., keep_steps=True) -> Trajectories
                                           trajectories with float32 latents and log-probs, no graph
@@ -320,7 +325,9 @@ class DiffusionPolicy:
         identity, trained = encoder_state(self.pipeline)
         if trained:
             return encode_fn(prompts)
-        return self.text_cache.encode(encode_fn, list(prompts), (type(self).__name__, *context, identity))
+        autocast = tuple((kind, torch.is_autocast_enabled(kind), str(torch.get_autocast_dtype(kind)))
+                         for kind in ("cpu", "cuda"))  # mixed precision changes the encoder's numbers
+        return self.text_cache.encode(encode_fn, list(prompts), (type(self).__name__, *context, identity, autocast))
 
     @classmethod
     def supports(cls, pipeline) -> bool:

@@ -17,11 +17,12 @@ length then depends on the neighbours) sets ``text_rows_independent = False`` an
 Never cached (the encoder is called as without the cache): a text encoder with a trainable parameter (its weights
 change), an editing family whose text encoder reads the source image (``_encode_edit`` overridden; the base's
 ``_encode_edit`` caches the text part only), a family with ``text_rows_independent = False``. The key also holds
-the negative prompt, the guidance scale, max_sequence_length, the resolution, the device, and each text encoder's
-identity and dtype (a new or moved encoder misses). LRU over at most `max_prompts` keys; identical rows of the same
+the negative prompt, the guidance scale, max_sequence_length, the resolution, the device, each text encoder's
+identity and dtype (a new or moved encoder misses) and the autocast state (mixed precision encodes otherwise). LRU over at most `max_prompts` keys; identical rows of the same
 field (the negative prompt's, repeated per row) are stored once.
 """
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -59,34 +60,38 @@ class TextEmbeddingCache:
         self.rows = OrderedDict()
         self.shared = {}  # (field, context, B) -> the last stored row of the field: identical rows kept once
         self.hits = self.misses = 0
+        self.lock = threading.Lock()  # a sampling thread and an evaluation may encode at once (the encoder call is outside)
 
     def clear(self):
-        self.rows.clear()
-        self.shared.clear()
+        with self.lock:
+            self.rows.clear()
+            self.shared.clear()
 
     def encode(self, encode_fn, prompts, context):
         if self.max_prompts <= 0:
             return encode_fn(prompts)
         batch = len(prompts)
         keys = [(prompt, batch, context) for prompt in prompts]
-        if all(key in self.rows for key in keys):
-            self.hits += 1
-            for key in keys:
-                self.rows.move_to_end(key)
-            return self._stack([self.rows[key] for key in keys])
-        self.misses += 1
+        with self.lock:
+            if all(key in self.rows for key in keys):
+                self.hits += 1
+                for key in keys:
+                    self.rows.move_to_end(key)
+                return self._stack([self.rows[key] for key in keys])
+            self.misses += 1
         cond = encode_fn(prompts)
         for name, value in cond.items():
             if value is not None and not (isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch):
                 raise ValueError(f"the text conditioning's {name!r} is not one row per prompt, so it cannot be cached: "
                                  "set sample.text_embedding_cache=0")
-        for i, key in enumerate(keys):
-            if key not in self.rows:
-                self.rows[key] = {name: None if value is None else self._keep(name, context, batch, value[i])
-                                  for name, value in cond.items()}
-            self.rows.move_to_end(key)
-        while len(self.rows) > self.max_prompts:
-            self.rows.popitem(last=False)
+        with self.lock:
+            for i, key in enumerate(keys):
+                if key not in self.rows:
+                    self.rows[key] = {name: None if value is None else self._keep(name, context, batch, value[i])
+                                      for name, value in cond.items()}
+                self.rows.move_to_end(key)
+            while len(self.rows) > self.max_prompts:
+                self.rows.popitem(last=False)
         return cond
 
     def _keep(self, name, context, batch, row):
