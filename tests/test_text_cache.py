@@ -6,10 +6,10 @@ import torch
 
 from ddpo_group.diffusion.flux import FluxKontextPolicy
 from ddpo_group.diffusion.qwen_image import QwenImagePolicy
-from ddpo_group.diffusion.sd import StableDiffusionPolicy
+from ddpo_group.diffusion.sd import StableDiffusionPolicy, StableDiffusionXLPolicy
 from ddpo_group.diffusion.sd3 import StableDiffusion3Policy
 from ddpo_group.diffusion.text_cache import TextEmbeddingCache
-from ddpo_group.diffusion.tiny import build_tiny_pipeline
+from ddpo_group.diffusion.tiny import build_tiny_pipeline, build_tiny_sdxl_pipeline
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red circle", "two blue squares", "a green triangle", "a cat"]
@@ -34,6 +34,15 @@ def sd():
     return frozen(StableDiffusionPolicy(build_tiny_pipeline()))
 
 
+@pytest.fixture(scope="module")
+def sdxl():
+    return frozen(StableDiffusionXLPolicy(StableDiffusionXLPolicy.load("tiny-sdxl")))
+
+
+def height(policy):
+    return policy.resolution or policy.pipeline.unet.config.sample_size * policy.pipeline.vae_scale_factor
+
+
 def assert_same(cached, uncached):
     assert cached.keys() == uncached.keys()
     for name, value in uncached.items():
@@ -48,17 +57,17 @@ def flow_encode(policy, prompts, guidance=4.5):
 
 
 def sd_encode(policy, prompts):
-    return policy._encode_text(prompts, "", True, CPU, policy.resolution)
+    return policy._encode_text(prompts, "", True, CPU, height(policy))
 
 
-@pytest.mark.parametrize("family", ["sd3", "sd"])
+@pytest.mark.parametrize("family", ["sd3", "sd", "sdxl"])
 def test_served_rows_equal_the_uncached_encoding_bit_for_bit(family, request):
     policy = request.getfixturevalue(family)
     policy.configure_text_cache(64)
     policy.text_cache.clear()
     encode = flow_encode if family == "sd3" else sd_encode
     uncached = (lambda p: policy._encode(p, "", 4.5, CPU)) if family == "sd3" else (
-        lambda p: policy._encode(p, "", True, CPU, policy.resolution))
+        lambda p: policy._encode(p, "", True, CPU, height(policy)))
     first = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
     second = [PROMPTS[2], PROMPTS[2], PROMPTS[3], PROMPTS[3]]
     assert_same(encode(policy, first), uncached(first))  # misses: encoded whole, as without the cache
