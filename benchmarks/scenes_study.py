@@ -5,6 +5,12 @@ on the held-out set (docs/scenes.md).
     python benchmarks/scenes_study.py --jobs 2                                  # every method, two runs at once
     python benchmarks/scenes_study.py --collect                                 # the table and JSON from what ran
 
+Probes, each in a results directory of its own (docs/scenes.md says what they showed):
+
+    python benchmarks/scenes_study.py --methods group_ppo --seeds 42 --epochs 200 --results benchmarks/results/scenes_study_long
+    python benchmarks/scenes_study.py --methods flow_grpo --seeds 42 --epochs 80 --set train.learning_rate=1e-3 \
+        --results benchmarks/results/scenes_study_lr1e-3
+
 Each run is a variant of config/grpo.py (tiny_scenes on the flow model tiny-scenes-sd3, tiny_scenes_sd on the
 UNet tiny-scenes) with one method's fields changed, trained in a process of its own on one thread
 (OMP_NUM_THREADS=1) into RESULTS/runs/<method>/seed_<seed>/. A run whose directory holds finished.json is done
@@ -133,8 +139,9 @@ METHODS = {
 }
 
 
-def method_config(method, seed, run_dir, epochs=None):
-    """The config of one run: the method's base variant, its fields, the seed and the run directory."""
+def method_config(method, seed, run_dir, epochs=None, overrides=()):
+    """The config of one run: the method's base variant, its fields, the seed and the run directory;
+    overrides: "FIELD=VALUE" strings (a JSON value), applied after the method's fields (a probe's changes)."""
     from ddpo_group.config import grpo
 
     variant, apply, _ = METHODS[method]
@@ -142,6 +149,13 @@ def method_config(method, seed, run_dir, epochs=None):
     config.seed = seed
     if epochs:
         config.num_epochs = epochs
+    for item in overrides:
+        key, value = item.split("=", 1)
+        node, *path = config, *key.split(".")
+        for part in path[:-1]:
+            node = node[part]
+        old = node[path[-1]]
+        node[path[-1]] = value if isinstance(old, str) else type(old)(json.loads(value))
     config.logdir, config.run_name = os.path.dirname(run_dir), os.path.basename(run_dir)
     config.overwrite = True
     config.save_freq = 0
@@ -149,14 +163,14 @@ def method_config(method, seed, run_dir, epochs=None):
     return config
 
 
-def run_one(method, seed, run_dir, epochs):
+def run_one(method, seed, run_dir, epochs, overrides=()):
     """Train one run in this process (called in a subprocess of its own by `main`)."""
     import torch
 
     torch.set_num_threads(1)
     from ddpo_group.training.trainer import Trainer
 
-    Trainer(method_config(method, seed, run_dir, epochs)).run()
+    Trainer(method_config(method, seed, run_dir, epochs, overrides)).run()
 
 
 def read_rows(run_dir):
@@ -300,11 +314,14 @@ def main(argv=None):
     parser.add_argument("--results", default=DEFAULT_RESULTS)
     parser.add_argument("--collect", action="store_true", help="only build the table and JSON from finished runs")
     parser.add_argument("--target", type=float, default=None, help="overall target (default: best flow_grpo final)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a config field of every run (a JSON value; repeatable), for a probe in its own "
+                             "--results, e.g. --set train.learning_rate=1e-3")
     parser.add_argument("--run-one", nargs=4, metavar=("METHOD", "SEED", "RUN_DIR", "EPOCHS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_one:
         method, seed, run_dir, epochs = args.run_one
-        return run_one(method, int(seed), run_dir, int(epochs))
+        return run_one(method, int(seed), run_dir, int(epochs), args.set)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] or list(METHODS)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -322,8 +339,9 @@ def main(argv=None):
                 os.makedirs(os.path.dirname(run_dir), exist_ok=True)
                 log = open(run_dir + ".log", "w")
                 print(f"start {method} seed {seed}", flush=True)
-                process = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--run-one", method, str(seed),
-                                            run_dir, str(args.epochs)], env=env, stdout=log, stderr=subprocess.STDOUT)
+                command = [sys.executable, os.path.abspath(__file__), "--run-one", method, str(seed), run_dir,
+                           str(args.epochs)] + [f"--set={item}" for item in args.set]
+                process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
                 running.append((method, seed, process, log, time.time()))
             time.sleep(5)
             for item in list(running):

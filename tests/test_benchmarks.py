@@ -320,3 +320,25 @@ def test_the_scenes_study_measures_only_the_flow_models_runs_against_the_flow_ta
     assert rows["flow_grpo"]["reached_target"] == "1/1" and rows["flow_grpo"]["ratio_to_flow_grpo"] == 1.0
     assert rows["grpo_kl"]["model"] == "tiny-scenes"
     assert rows["grpo_kl"]["reached_target"].startswith("n/a") and rows["grpo_kl"]["seconds_to_target"] is None
+
+
+def test_a_scenes_study_probe_overrides_a_field_after_the_methods_fields():
+    """--set FIELD=VALUE (a probe: a larger learning rate, longer runs) lands in every run's config after the method's
+    own fields, typed as the field is; the committed lr probe's config.json holds what the command gives."""
+    import importlib.util
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("scenes_study", os.path.join(root, "benchmarks", "scenes_study.py"))
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    plain = study.method_config("flow_grpo", 42, "/nonexistent/runs/flow_grpo/seed_42")
+    probe = study.method_config("flow_grpo", 42, "/nonexistent/runs/flow_grpo/seed_42", 80,
+                                ["train.learning_rate=1e-3", "train.beta=0"])
+    assert plain.train.learning_rate == 2e-4 and plain.num_epochs == 40
+    assert probe.train.learning_rate == 1e-3 and probe.num_epochs == 80
+    assert probe.train.beta == 0.0 and isinstance(probe.train.beta, float)
+    committed = os.path.join(root, "benchmarks", "results", "scenes_study_lr1e-3", "runs", "flow_grpo", "seed_42")
+    with open(os.path.join(committed, "config.json")) as f:
+        stored = json.load(f)
+    assert stored["train"]["learning_rate"] == 1e-3 and stored["num_epochs"] == 80
