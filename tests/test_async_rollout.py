@@ -140,3 +140,21 @@ def test_another_threads_model_calls_are_not_accounted():
         worker.join()
     assert accounting.calls == {("training", "denoiser"): 1}
     assert set(accounting.seconds) == {"training"}
+
+
+def test_the_benchmark_reads_reward_over_time_from_hand_written_runs():
+    from helpers import load_script
+
+    bench = load_script("benchmarks/async_rollout.py")
+    evals = [{"epoch": 0, "seconds": 0.0, "reward": 0.5}, {"epoch": 2, "seconds": 10.0, "reward": 0.7}]
+    # 0.5 for 10 s, then 0.7 for 10 s, over a 20 s horizon
+    assert bench.mean_reward_over(evals, 20.0) == pytest.approx(0.6)
+    records = [
+        {"seed": 0, "mode": "sync", "seconds": 20.0, "evals": evals[:1] + [dict(evals[1], seconds=20.0)]},
+        {"seed": 0, "mode": "async", "seconds": 10.0, "evals": evals},
+    ]
+    summary = bench.summarise(records)
+    assert summary["sync"]["mean_reward_over_time"][0] == pytest.approx(0.5)
+    assert summary["async"]["mean_reward_over_time"][0] == pytest.approx(0.6)
+    assert summary["async"]["gain_per_second"][0] == pytest.approx(0.02)
+    assert "| async |" in bench.table(summary, [dict(r, load_before=(1, 1, 1), load_after=(2, 2, 2)) for r in records])
