@@ -22,11 +22,11 @@ from helpers import make_config, read_metrics
 pytestmark = pytest.mark.slow
 
 RATIO = "train/on_policy_max_abs_log_ratio"
-NUMBERS = ("reward_mean", "reward_std", "loss", "kl", "approx_kl", "clipfrac", RATIO)
+NUMBERS = ("reward_mean", "reward_std", "loss", "kl", "approx_kl", "clipfrac", RATIO, "eval/reward_mean")
 
 
 def _run(tmp_path, name, frozen=False, **overrides):
-    """A 3-epoch run of the test variant (frozen: the learning rate set to 0 once built); its metrics rows."""
+    """A 3-epoch run of the test variant (frozen: the learning rate set to 0 once built); its training rows."""
     settings = dict(num_epochs=3, save_freq=0, log_images_every=0, eval_freq=0)
     settings.update(overrides)
     trainer = Trainer(make_config(tmp_path, run_name=name, **settings))
@@ -41,8 +41,11 @@ def _run(tmp_path, name, frozen=False, **overrides):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async")
     return {
-        "async": _run(tmp, "async", train__async_rollout=True),
-        "async_again": _run(tmp, "async_again", train__async_rollout=True),
+        # evaluations every epoch: the loop evaluates while the next rollout samples
+        "async": _run(tmp, "async", train__async_rollout=True, eval_freq=1,
+                        eval_prompt_fn="shapes_one_hard.txt", eval_images_per_prompt=4, eval_grid_prompts=0),
+        "async_again": _run(tmp, "async_again", train__async_rollout=True, eval_freq=1,
+                        eval_prompt_fn="shapes_one_hard.txt", eval_images_per_prompt=4, eval_grid_prompts=0),
         "async_frozen": _run(tmp, "async_frozen", frozen=True, train__async_rollout=True),
         "sync_frozen": _run(tmp, "sync_frozen", frozen=True),
         "sync": _run(tmp, "sync"),
@@ -72,6 +75,24 @@ def test_samples_come_from_the_snapshot_of_the_previous_epoch(runs):
 def test_async_runs_are_reproducible(runs):
     for first, second in zip(runs["async"], runs["async_again"]):
         assert {k: first.get(k) for k in NUMBERS} == {k: second.get(k) for k in NUMBERS}
+
+
+def test_evaluations_run_beside_the_rollout(runs):
+    assert all("eval/reward_mean" in row for row in runs["async"])
+
+
+def test_lora_copies_only_the_adapters(tmp_path):
+    config = make_config(tmp_path, num_epochs=2, save_freq=0, log_images_every=0, eval_freq=0, use_lora=True,
+                         lora_rank=2, train__async_rollout=True)
+    trainer = Trainer(config)
+    snapshot = trainer.async_rollout.copies[0]
+    mine = dict(trainer.trainable_module.named_parameters())
+    theirs = dict(snapshot.module.named_parameters())
+    assert snapshot.names and all("lora" in name for name in snapshot.names)
+    for name, param in theirs.items():
+        assert (param is mine[name]) == (name not in snapshot.names), name
+    rows = read_metrics(trainer.run())
+    assert rows[0][RATIO] == 0.0 and rows[1][RATIO] > 0
 
 
 def test_rows_keep_the_sampling_metrics(runs):
