@@ -7,6 +7,7 @@ weights' in every epoch: the reference against which the async run's samples and
 
 import os
 import shutil
+import signal
 import threading
 
 import pytest
@@ -25,11 +26,11 @@ RATIO = "train/on_policy_max_abs_log_ratio"
 NUMBERS = ("reward_mean", "reward_std", "loss", "kl", "approx_kl", "clipfrac", RATIO, "eval/reward_mean")
 
 
-def _run(tmp_path, name, frozen=False, **overrides):
-    """A 3-epoch run of the test variant (frozen: the learning rate set to 0 once built); its training rows."""
+def _run(tmp_path, name, frozen=False, variant="test", **overrides):
+    """A 3-epoch run of `variant` (frozen: the learning rate set to 0 once built); its training rows."""
     settings = dict(num_epochs=3, save_freq=0, log_images_every=0, eval_freq=0)
     settings.update(overrides)
-    trainer = Trainer(make_config(tmp_path, run_name=name, **settings))
+    trainer = Trainer(make_config(tmp_path, variant=variant, run_name=name, **settings))
     if frozen:
         for group in trainer.optimizer.param_groups:
             group["lr"] = 0.0
@@ -117,6 +118,32 @@ def test_resume_redraws_the_pending_rollout_exactly(tmp_path):
     assert [row["epoch"] for row in resumed] == [row["epoch"] for row in expected]
     for a, b in zip(expected, resumed):
         assert {k: a.get(k) for k in NUMBERS} == {k: b.get(k) for k in NUMBERS}, a["epoch"]
+
+    # stopped by a signal right after epoch 2's samples were taken (epoch 3's rollout already started): the
+    # checkpoint keeps the weights that drew epoch 2, and the resumed run redoes epoch 2 as the whole run did
+    # (no periodic checkpoint: the stop writes checkpoint_2)
+    settings["save_freq"] = 0
+    stopped = Trainer(make_config(tmp_path, run_name="stopped", **settings))
+    take = stopped.sample_epoch
+
+    def sample_then_stop(epoch, metrics):
+        samples = take(epoch, metrics)
+        if epoch == 2:
+            stopped.control.request_stop(signal.SIGTERM)
+        return samples
+
+    stopped.sample_epoch = sample_then_stop
+    stopped_dir = stopped.run()
+    assert [row["epoch"] for row in read_metrics(stopped_dir)] == [0, 1]
+    Trainer(make_config(tmp_path, run_name="stopped", **settings, resume_from=stopped_dir)).run()
+    for a, b in zip(expected, read_metrics(stopped_dir)):
+        assert {k: a.get(k) for k in NUMBERS} == {k: b.get(k) for k in NUMBERS}, a["epoch"]
+
+
+def test_a_flow_family_runs_async(tmp_path):
+    rows = _run(tmp_path, "flow", variant="tiny_sd3", num_epochs=2, train__async_rollout=True, sample__batch_size=4,
+                sample__num_batches_per_epoch=1, sample__group_size=2, train__batch_size=2)
+    assert rows[0][RATIO] == 0.0 and rows[1][RATIO] > 0
 
 
 @pytest.mark.parametrize("overrides, words", [
