@@ -13,7 +13,8 @@ the one-epoch lag otherwise, which PPO's clip bounds as it bounds the inner epoc
 
 Two frozen copies of the trainable module exist (the sampler's and the behaviour policy's); each epoch the free one
 takes the current weights. The sampling thread uses a view of the policy with its own scheduler (the evaluation and
-the training's step math read the policy's), and a CUDA stream of its own on a GPU.
+the training's step math read the policy's). On a GPU both threads queue their kernels on the default stream: what
+overlaps there is the host's work and the rewards (a stream of the sampler's own is not done).
 
 Reproducible: the rollout's noise comes from generators seeded by (seed, epoch, batch, process) as in the synchronous
 loop, so the same command gives the same numbers. Threads: ``torch.set_num_threads`` holds per thread; the run's
@@ -102,10 +103,7 @@ class AsyncRollout:
         self.pending = None  # (epoch, FrozenCopy sampling it, future of (samples, metrics, seconds))
         self.resumed = None  # the snapshot read from a checkpoint: it draws the first epoch
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="async_rollout")
-        total = torch.get_num_threads()
-        self.threads = {"sampler": max(1, total // 2), "loop": max(1, total - total // 2), "before": total}
-        torch.set_num_threads(self.threads["loop"])
-        self.stream = torch.cuda.Stream() if torch.device(trainer.accelerator.device).type == "cuda" else None
+        self.threads = None  # {"sampler", "loop", "before"}: set when the first rollout starts, restored at the end
 
     def behaviour_model(self):
         """The module that sampled the epoch in training (its pi_old), or None before the first epoch."""
@@ -124,10 +122,7 @@ class AsyncRollout:
     def _background(self, snapshot, epoch):
         torch.set_num_threads(self.threads["sampler"])
         metrics, start = {}, time.perf_counter()
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            samples = self._draw(snapshot, epoch, metrics)
-            if self.stream is not None:
-                self.stream.synchronize()
+        samples = self._draw(snapshot, epoch, metrics)
         return samples, metrics, time.perf_counter() - start
 
     def sample_epoch(self, epoch, metrics):
@@ -152,6 +147,10 @@ class AsyncRollout:
         self.behaviour, self.drawn = snapshot, epoch
         if epoch + 1 < tr.config.num_epochs:
             following = self._free_copy().take(tr.trainable_module, epoch)
+            if self.threads is None:  # the run's N torch threads split between the loop and the sampler
+                total = torch.get_num_threads()
+                self.threads = {"sampler": max(1, total // 2), "loop": max(1, total - total // 2), "before": total}
+                torch.set_num_threads(self.threads["loop"])
             self.pending = (epoch + 1, following, self.pool.submit(self._background, following, epoch + 1))
         return samples
 
@@ -173,7 +172,9 @@ class AsyncRollout:
                 self.pending[2].result()
             self.pending = None
         self.pool.shutdown(wait=True)
-        torch.set_num_threads(self.threads["before"])
+        if self.threads is not None:
+            torch.set_num_threads(self.threads["before"])
+            self.threads = None
 
 
 class _SnapshotHolder:
