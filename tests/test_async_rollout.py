@@ -92,8 +92,10 @@ def test_lora_copies_only_the_adapters(tmp_path):
     assert snapshot.names and all("lora" in name for name in snapshot.names)
     for name, param in theirs.items():
         assert (param is mine[name]) == (name not in snapshot.names), name
+    threads = torch.get_num_threads()
     rows = read_metrics(trainer.run())
     assert rows[0][RATIO] == 0.0 and rows[1][RATIO] > 0
+    assert torch.get_num_threads() == threads  # the split between the loop and the sampler ends with the run
 
 
 def test_rows_keep_the_sampling_metrics(runs):
