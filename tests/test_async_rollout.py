@@ -47,6 +47,10 @@ def runs(tmp_path_factory):
                         eval_prompt_fn="shapes_one_hard.txt", eval_images_per_prompt=4, eval_grid_prompts=0),
         "async_again": _run(tmp, "async_again", train__async_rollout=True, eval_freq=1,
                         eval_prompt_fn="shapes_one_hard.txt", eval_images_per_prompt=4, eval_grid_prompts=0),
+        # the rollout in a process of its own (rank 1 of a gloo group with the trainer)
+        "async_process": _run(tmp, "async_process", train__async_rollout=True, train__async_rollout_processes=1,
+                              eval_freq=1, eval_prompt_fn="shapes_one_hard.txt", eval_images_per_prompt=4,
+                              eval_grid_prompts=0),
         "async_frozen": _run(tmp, "async_frozen", frozen=True, train__async_rollout=True),
         "sync_frozen": _run(tmp, "sync_frozen", frozen=True),
         "sync": _run(tmp, "sync"),
@@ -76,6 +80,20 @@ def test_samples_come_from_the_snapshot_of_the_previous_epoch(runs):
 def test_async_runs_are_reproducible(runs):
     for first, second in zip(runs["async"], runs["async_again"]):
         assert {k: first.get(k) for k in NUMBERS} == {k: second.get(k) for k in NUMBERS}
+
+
+def test_a_rollout_process_draws_what_the_thread_draws(runs):
+    # weights sent to the rollout process each epoch, samples sent back: the same numbers, bit for bit
+    for thread, process in zip(runs["async"], runs["async_process"]):
+        assert {k: thread.get(k) for k in NUMBERS} == {k: process.get(k) for k in NUMBERS}
+    assert all(row["async/rollout_seconds"] > 0 for row in runs["async_process"][1:])
+
+
+def test_rollout_processes_need_async_rollout_and_are_one_at_most(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.async_rollout_processes=1 .* train\.async_rollout=True"):
+        check_config(make_config(tmp_path, train__async_rollout_processes=1))
+    with pytest.raises(ConfigError, match=r"train\.async_rollout_processes=2: 0 .* or 1"):
+        check_config(make_config(tmp_path, train__async_rollout=True, train__async_rollout_processes=2))
 
 
 def test_evaluations_run_beside_the_rollout(runs):

@@ -25,6 +25,9 @@ next epoch); a resumed run re-draws that epoch's rollout from it, with the same 
 the uninterrupted run. A checkpoint without it (written without async_rollout) resumes by sampling its first epoch
 with the checkpoint's own weights.
 
+train.async_rollout_processes=1: the pending rollouts are drawn by a rollout process instead (rollout_process.py:
+the snapshot's trainable state sent to it each epoch, the samples back); the thread then only waits for them.
+
 Accounting (perf.py): the background thread is not accounted in the loop's phases; perf/sampling_seconds and
 time/sample of the loop are the seconds the loop waited for the rollout, async/rollout_seconds the background
 rollout's own wall seconds (overlapping training), async/wait_seconds the wait; time/sample and time/reward are
@@ -103,6 +106,7 @@ class AsyncRollout:
         self.pending = None  # (epoch, FrozenCopy sampling it, future of (samples, metrics, seconds))
         self.resumed = None  # the snapshot read from a checkpoint: it draws the first epoch
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="async_rollout")
+        self.process = None  # train.async_rollout_processes=1: the RolloutProcess drawing the pending rollouts
         self.threads = None  # {"sampler", "loop", "before"}: set when the first rollout starts, restored at the end
 
     def behaviour_model(self):
@@ -122,7 +126,10 @@ class AsyncRollout:
     def _background(self, snapshot, epoch):
         torch.set_num_threads(self.threads["sampler"])
         metrics, start = {}, time.perf_counter()
-        samples = self._draw(snapshot, epoch, metrics)
+        if self.process is not None:  # drawn by the rollout process; this thread waits for it
+            samples, metrics = self.process.draw(snapshot.params, epoch)
+        else:
+            samples = self._draw(snapshot, epoch, metrics)
         return samples, metrics, time.perf_counter() - start
 
     def sample_epoch(self, epoch, metrics):
@@ -151,6 +158,10 @@ class AsyncRollout:
                 total = torch.get_num_threads()
                 self.threads = {"sampler": max(1, total // 2), "loop": max(1, total - total // 2), "before": total}
                 torch.set_num_threads(self.threads["loop"])
+                if tr.config.train.get("async_rollout_processes", 0):
+                    from ddpo_group.training.rollout_process import RolloutProcess
+
+                    self.process = RolloutProcess(tr.config, tr.accelerator.device, self.threads["sampler"])
             self.pending = (epoch + 1, following, self.pool.submit(self._background, following, epoch + 1))
         return samples
 
@@ -172,6 +183,9 @@ class AsyncRollout:
                 self.pending[2].result()
             self.pending = None
         self.pool.shutdown(wait=True)
+        if self.process is not None:
+            self.process.close()
+            self.process = None
         if self.threads is not None:
             torch.set_num_threads(self.threads["before"])
             self.threads = None
@@ -197,16 +211,25 @@ class _SnapshotHolder:
 
 @register_config_check("training")
 def check_async_rollout(config, machine):
-    """train.async_rollout: one process, the stepwise objective, no critic or Group-PPO design, no sharding."""
+    """train.async_rollout: one trainer process, the stepwise objective, no critic or Group-PPO design, no sharding;
+    train.async_rollout_processes 0 (a thread) or 1 (a rollout process)."""
     from ddpo_group.algos.advantages import get_adv_estimator
 
     train = config.train
+    processes = train.get("async_rollout_processes", 0)
+    if processes not in (0, 1):
+        raise ConfigError(f"config.train.async_rollout_processes={processes!r}: 0 (the rollout in a thread) or 1 "
+                          "(in a process of its own); more rollout processes are not built")
     if not train.get("async_rollout", False):
+        if processes:
+            raise ConfigError("config.train.async_rollout_processes=1 draws train.async_rollout's rollout: set "
+                              "train.async_rollout=True too, or async_rollout_processes=0")
         return
     fix = "or set train.async_rollout=False"
     if machine is not None and machine.num_processes and machine.num_processes > 1:
-        raise ConfigError(f"config.train.async_rollout=True overlaps rollout and training in one process ({machine.num_processes} "
-                          f"launched; rollout and trainer processes are not built yet): launch one process {fix}")
+        raise ConfigError(f"config.train.async_rollout=True runs one trainer process ({machine.num_processes} launched; "
+                          f"several trainer processes are not built): launch one process (the rollout in a process "
+                          f"of its own: train.async_rollout_processes=1) {fix}")
     if train.objective != "stepwise":
         raise ConfigError(f"config.train.async_rollout=True needs train.objective='stepwise' (train.objective="
                           f"{train.objective!r} samples with its own lagged model already) {fix}")
