@@ -3,8 +3,9 @@
     python benchmarks/async_rollout.py --config tiny --epochs 12 --seeds 0,1,2 --threads 2 \\
         --output benchmarks/results/async_rollout/result.json
 
-For each seed, the variant trained `--epochs` epochs twice from the same seed, synchronous and with
-train.async_rollout=True, one after the other in this process, with the same torch thread count (`--threads`: the
+For each seed, the variant trained `--epochs` epochs from the same seed in each of `--modes`: sync (the synchronous
+loop), async (train.async_rollout=True: the rollout in a thread), async_process (its rollout in a process of its
+own), one after the other in this process, with the same torch thread count (`--threads`: the
 synchronous loop uses them all, the async run splits them between its sampler and its loop), evaluated every
 `--eval-freq` epochs and at the end (fixed noise, `--eval-images` images per prompt). Throw-away run directories
 under --logdir.
@@ -35,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config"))
 
-MODES = ("sync", "async")
+MODES = ("sync", "async", "async_process")  # async_process: train.async_rollout_processes=1
 
 
 def load_variant(name):
@@ -57,7 +58,8 @@ def run_once(args, seed, mode, logdir):
     config.log_images_every = 0
     config.logdir = logdir
     config.run_name = f"{mode}_seed{seed}"
-    config.train.async_rollout = mode == "async"
+    config.train.async_rollout = mode != "sync"
+    config.train.async_rollout_processes = int(mode == "async_process")
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     trainer = Trainer(config)
