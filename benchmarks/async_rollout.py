@@ -101,6 +101,10 @@ def run_once(args, seed, mode, logdir):
         "reward_mean": [rows[e]["reward_mean"] for e in sorted(rows)],
         "epoch_seconds": [seconds[e] - seconds.get(e - 1, 0.0) for e in sorted(seconds)],
         "wait_seconds": [rows[e].get("async/wait_seconds") for e in sorted(rows)],
+        # what overlaps: the rollout's own seconds (sampling + rewards) and the update's (time/train)
+        "rollout_seconds": [rows[e].get("async/rollout_seconds", rows[e].get("time/sample", 0.0)
+                                        + rows[e].get("time/reward", 0.0)) for e in sorted(rows)],
+        "train_seconds": [rows[e].get("time/train") for e in sorted(rows)],
         "load_before": load_before, "load_after": os.getloadavg(),
     }
 
