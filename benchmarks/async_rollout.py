@@ -1,6 +1,6 @@
 """Issue 44 item 4: reward per wall second of train.async_rollout against the synchronous loop (docs/async_rollout.md).
 
-    python benchmarks/async_rollout.py --config tiny --epochs 12 --seeds 0,1,2 --threads 2 \\
+    python benchmarks/async_rollout.py --config tiny --epochs 10 --seeds 0,1,2 --threads 2 \\
         --output benchmarks/results/async_rollout/result.json
 
 For each seed, the variant trained `--epochs` epochs from the same seed in each of `--modes`: sync (the synchronous
@@ -161,11 +161,11 @@ def table(summary, records):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny", help="the variant of config/grpo.py")
-    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--modes", default="sync,async")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of a run (async: split in two)")
-    parser.add_argument("--eval-freq", type=int, default=4)
+    parser.add_argument("--eval-freq", type=int, default=5)
     parser.add_argument("--eval-images", type=int, default=4, help="evaluation images per prompt")
     parser.add_argument("--logdir", default=None, help="run directories (default: a temporary directory)")
     parser.add_argument("--output", default="benchmarks/results/async_rollout/result.json")
