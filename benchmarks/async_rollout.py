@@ -163,7 +163,7 @@ def main(argv=None):
     parser.add_argument("--config", default="tiny", help="the variant of config/grpo.py")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--modes", default="sync,async,async_process")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of a run (async: split in two)")
     parser.add_argument("--eval-freq", type=int, default=5)
     parser.add_argument("--eval-images", type=int, default=4, help="evaluation images per prompt")
