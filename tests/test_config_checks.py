@@ -31,6 +31,7 @@ WHERE = {
     "check_update_fields": ("training", "ddpo_group.training.stepwise_update"),
     "check_step_selection": ("training", "ddpo_group.training.stepwise_update"),
     "check_reference": ("training", "ddpo_group.training.reference"),
+    "check_async_rollout": ("training", "ddpo_group.training.async_rollout"),
     "check_stat_tracking": ("advantages", "ddpo_group.algos.stat_tracking"),
     "check_group_ppo": ("advantages", "ddpo_group.algos.grouping"),
     "check_critic_training": ("critic", "ddpo_group.training.critic"),

@@ -211,6 +211,13 @@ def get_config():
     # stored at sampling (ddpo-pytorch), whose ratio differs from 1 by the rounding of another batch
     # layout: up to ~1e-4 in fp16 and ~4e-4 in bf16 on a GPU, the size of the clip range.
     train.old_log_probs = "recompute"
+    # Rollout and training at once, one epoch off policy (docs/async_rollout.md): epoch k+1's samples are drawn in a
+    # background thread, with a frozen copy of the weights at the start of epoch k's training, while epoch k trains;
+    # pi_old of the ratio is that copy's (exact). One process, train.objective="stepwise", no critic.
+    train.async_rollout = False
+    # With train.async_rollout: 0 draws the rollout in a thread of the trainer's process; 1 in a process of its own
+    # (spawned by the trainer; weights sent to it each epoch, samples back, over a gloo group of the two).
+    train.async_rollout_processes = 0
     # Use classifier-free guidance in the training forward pass (as when sampling).
     train.cfg = True
     # Advantages are clipped to [-adv_clip_max, adv_clip_max] (ddpo-pytorch).

@@ -60,7 +60,7 @@ def check_config(config, num_processes=1, has_gpu=None):
     from ddpo_group.evaluation import evaluator  # noqa: F401
     from ddpo_group.rewards import checks  # noqa: F401
     from ddpo_group.runs import metrics_log, run_dir  # noqa: F401
-    from ddpo_group.training import critic, critic_designs, models, reference, rollout, sharding  # noqa: F401
+    from ddpo_group.training import async_rollout, critic, critic_designs, models, reference, rollout, sharding  # noqa: F401
     from ddpo_group.training import stepwise_update  # noqa: F401
 
     for section, check in registered_checks():

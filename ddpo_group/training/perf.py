@@ -28,6 +28,7 @@ perf.peak_tflops is checked by ``check_perf_config``, registered in the config w
 import contextlib
 import math
 import platform
+import threading
 import time
 
 import torch
@@ -165,6 +166,9 @@ class PerfAccounting:
         self.handles, self.calls_in_flight = [], []
         self._counting = None
         self.modules = {}  # name -> module attached
+        # the loop's thread (set by ``active``): calls made by another thread (train.async_rollout's sampler) are
+        # not accounted, since the phases are the loop's; None: every thread's
+        self.thread = None
         # record_inputs (benchmarks/overhead.py): one detached copy of each signature's inputs and the run's calls
         # per (phase, module name, signature, grad enabled), to replay them bare
         self.record_inputs, self.example_inputs, self.run_calls = False, {}, {}
@@ -252,6 +256,8 @@ class PerfAccounting:
         when made during sampling, else the current phase's."""
 
         def before(mod, args, kwargs):
+            if not self.owns_thread():
+                return
             own = phase if phase is not None and self.current == "sampling" else None
             if own is not None:
                 self._enter(own)
@@ -266,6 +272,8 @@ class PerfAccounting:
             self.calls_in_flight.append((signature, own, counter, self._start_call()))
 
         def after(mod, args, kwargs, output):
+            if not self.owns_thread():
+                return
             signature, own, counter, token = self.calls_in_flight.pop()
             current = self.current
             self._end_call(token, current)
@@ -291,6 +299,9 @@ class PerfAccounting:
         self.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         # always_call: a forward that raises still closes its FlopCounterMode and its decoding phase
         self.handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
+
+    def owns_thread(self):
+        return self.thread is None or self.thread == threading.get_ident()
 
     def detach(self):
         for handle in self.handles:
@@ -345,26 +356,36 @@ def active(accounting):
         yield None
         return
     _ACTIVE.append(accounting)
+    accounting.thread = threading.get_ident()
     try:
         yield accounting
     finally:
         _ACTIVE.remove(accounting)
+        accounting.thread = None
+
+
+def _mine():
+    """The active accounting when the calling thread is its loop's, else None."""
+    return _ACTIVE[-1] if _ACTIVE and _ACTIVE[-1].owns_thread() else None
 
 
 def phase(name):
     """Context manager: the code inside is phase `name` of the active accounting (nothing without one)."""
-    return _ACTIVE[-1].phase(name) if _ACTIVE else contextlib.nullcontext()
+    accounting = _mine()
+    return accounting.phase(name) if accounting is not None else contextlib.nullcontext()
 
 
 def switch(name):
     """The active accounting's innermost phase ends here; `name` continues in its place (nothing without one)."""
-    if _ACTIVE:
-        _ACTIVE[-1].switch(name)
+    accounting = _mine()
+    if accounting is not None:
+        accounting.switch(name)
 
 
 def model_time():
     """Context manager: a model call no hook sees (a backward), timed as the current phase's model seconds."""
-    return _ACTIVE[-1].model_time() if _ACTIVE else contextlib.nullcontext()
+    accounting = _mine()
+    return accounting.model_time() if accounting is not None else contextlib.nullcontext()
 
 
 def for_run(config, device, policy, copies=()):

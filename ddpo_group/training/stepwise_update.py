@@ -222,18 +222,22 @@ class StepwiseUpdate:
         plan = self.plan(samples, epoch)
         first_window = min(t.gradient_accumulation_steps, len(plan))
         recompute = t.old_log_probs == "recompute"
+        # train.async_rollout: the samples come from a frozen copy of earlier weights (training/async_rollout.py);
+        # pi_old is that copy's, for every micro-batch (no forward of the training weights is pi_old)
+        behaviour = tr.async_rollout.behaviour_model() if getattr(tr, "async_rollout", None) is not None else None
+        own_window = first_window if behaviour is None else 0
         if recompute:
             old_start = time.perf_counter()
             with perf.phase("old_log_probs"):
-                self.recompute_old_log_probs(samples, plan[first_window:])
+                self.recompute_old_log_probs(samples, plan[own_window:], model=behaviour)
             metrics["time/old_log_probs"] = time.perf_counter() - old_start
             # its no-grad forwards in trajectory-steps per sample (benchmarks/critic_compute.py counts them)
             metrics["train/recompute_steps_per_sample"] = (
-                sum(mb.step_idx.numel() for mb in plan[first_window:]) / len(samples.prompts))
+                sum(mb.step_idx.numel() for mb in plan[own_window:]) / len(samples.prompts))
         measure_grads = bool(t.grad_share_every) and epoch % t.grad_share_every == 0
         stats = UpdateStats(tr, samples.mask.shape[1], measure_grads)
         with stats.grad_share if measure_grads else contextlib.nullcontext():
-            self.update(samples, plan, first_window, recompute, stats)
+            self.update(samples, plan, first_window, recompute and behaviour is None, stats)
         metrics.update(stats.metrics(plan, len(samples.prompts) * t.num_inner_epochs))
         metrics["time/train"] = time.perf_counter() - start
 
@@ -357,7 +361,7 @@ class StepwiseUpdate:
                 )
         return plan
 
-    def recompute_old_log_probs(self, samples, micro_batches):
+    def recompute_old_log_probs(self, samples, micro_batches, model=None):
         """log pi_old of each micro-batch's trained steps, recomputed in the training layout.
 
         Why: a model call's result depends on the batch it runs in (rows, their order, batch size:
@@ -370,14 +374,19 @@ class StepwiseUpdate:
         the graph is dropped at once), the ratio is exactly 1 on-policy. Only the trained steps
         are recomputed (K per trajectory for Group-PPO). Micro-batches before the first optimizer
         step need no extra pass: their own forward gives pi_old (see `train_epoch`).
+
+        model: the weights that sampled when they are not the training weights (train.async_rollout's frozen copy,
+        run in the same mode and call); None: the trainable module.
         """
+        trainable = self.trainer.trainable_module
+        model = trainable if model is None else model.train(trainable.training)
         for mb in micro_batches:
             columns = []
             for k in range(mb.step_idx.shape[1]):
                 # detached in the same statement: no name keeps this forward's graph (its activations) alive
                 # while the next column's forward builds its own, so the pass peaks at one forward's memory
                 with torch.enable_grad():
-                    columns.append(self.step(self.trainer.trainable_module, samples, mb.rows, mb.step_idx[:, k])[0]
+                    columns.append(self.step(model, samples, mb.rows, mb.step_idx[:, k])[0]
                                    .detach().float())
             recomputed = torch.stack(columns, 1)
             mb.layout_noise = max_abs_diff(recomputed, mb.old_log_probs, mb.step_mask)

@@ -30,6 +30,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from ddpo_group.config.check import check_config, load_config_prompts
+from ddpo_group.training.async_rollout import AsyncRollout
 from ddpo_group.training.critic import update_critic
 from ddpo_group.training.epoch_advantages import EpochAdvantages
 from ddpo_group.evaluation.evaluator import Evaluator
@@ -122,8 +123,12 @@ class Trainer:
         if config.train.objective != "stepwise":  # DiffusionNFT / AWM: a forward-process update (docs/forward.md)
             self.forward_update = ForwardUpdate(self)
         self.update = self.forward_update or StepwiseUpdate(self)
-        self.perf = perf.for_run(config, acc.device, self.policy,  # per-phase seconds, FLOPs, MFU (None: off)
-                                 copies=list(self.sharded_copies.values()))
+        # train.async_rollout: epoch k+1 samples in a thread while epoch k trains (training/async_rollout.py)
+        self.async_rollout = AsyncRollout(self) if config.train.get("async_rollout", False) else None
+        copies = list(self.sharded_copies.values())
+        if self.async_rollout is not None:  # its frozen copies: the old-log-prob pass runs them
+            copies += [snapshot.module for snapshot in self.async_rollout.copies]
+        self.perf = perf.for_run(config, acc.device, self.policy, copies=copies)  # per-phase seconds, MFU (None: off)
 
         self.first_epoch, self.global_step, self.skipped_steps = 0, 0, 0
         self.scaler_skipped_steps = 0  # fp16: steps the GradScaler skipped while it lowered its scale
@@ -159,6 +164,7 @@ class Trainer:
         config, acc = self.config, self.accelerator
         if self.nothing_to_do:
             logger.warning("nothing to do: the run already has %d of num_epochs=%d epochs", self.first_epoch, config.num_epochs)
+            self._stop_async()
             self.reward_runner.shutdown()
             self.files.release()
             return self.run_dir
@@ -190,6 +196,7 @@ class Trainer:
             raise
         finally:
             self.control.restore()
+            self._stop_async()
             self.files.release()
             # after an error a reward may never return: its (daemon) worker is not waited for
             self.reward_runner.shutdown(wait=not failed)
@@ -239,6 +246,8 @@ class Trainer:
     def sample_epoch(self, epoch, metrics):
         """This process's EpochBatch of `epoch` with rewards (the forward objectives sample with their lagged model)."""
         forward = self.forward_update
+        if self.async_rollout is not None:  # drawn in the background during the previous epoch's training
+            return self.async_rollout.sample_epoch(epoch, metrics)
         with perf.phase("sampling"):  # rollout.py switches to "reward" when it waits for the rewards
             return sample_epoch(
                 self.policy, self.prompts, self.reward_runner, self.config, self.accelerator, epoch, metrics,
@@ -321,15 +330,22 @@ class Trainer:
                  "scaler_skipped_steps": self.scaler_skipped_steps,
                  **self.advantages.state_dict()}
         with perf.phase("checkpoint"):
-            final = self.files.save_checkpoint(self.accelerator, epoch, state, self._weight_copies(),
+            final = self.files.save_checkpoint(self.accelerator, epoch, state, self._weight_copies(epoch),
                                                self.config.num_checkpoint_limit, sharded=self.sharded_state,
                                                export=epoch >= self.config.num_epochs)
         self._saved_at, self._checkpoint = (epoch, self.global_step), final
         return final
 
-    def _weight_copies(self):
-        """The weight copies a checkpoint holds beside the model: {file stem: holder with state_dict()}."""
+    def _stop_async(self):
+        if self.async_rollout is not None:  # its thread may still sample: waited for
+            self.async_rollout.shutdown()
+
+    def _weight_copies(self, epoch=None):
+        """The weight copies a checkpoint (at `epoch`; None: loading) holds beside the model: {file stem: holder with
+        state_dict()}; train.async_rollout: the weights that sample the checkpoint's epoch."""
         copies = {}
+        if self.async_rollout is not None:
+            copies["sampling_model"] = self.async_rollout.holder(epoch)
         if self.reference is not None:
             copies["reference"] = self.reference
         if self.forward_update is not None:
