@@ -226,3 +226,22 @@ def test_the_benchmark_reads_reward_over_time_from_hand_written_runs():
     assert summary["async"]["mean_reward_over_time"][0] == pytest.approx(0.6)
     assert summary["async"]["gain_per_second"][0] == pytest.approx(0.02)
     assert "| async |" in bench.table(summary, [dict(r, load_before=(1, 1, 1), load_after=(2, 2, 2)) for r in records])
+
+
+def test_a_compiled_run_samples_and_scores_with_the_snapshot(tmp_path, monkeypatch):
+    """compile=True with train.async_rollout: the frozen copies are deep copies of a compiled denoiser and must run
+    their own weights. They once ran the training weights (the compiled forward closed over the original module):
+    the lagged epochs' ratio then read exactly 1, the rollout on-policy in name only."""
+    import torch
+    from torch._dynamo import lookup_backend
+
+    from ddpo_group.training import speed
+
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", lookup_backend("aot_eager"))
+    torch._dynamo.reset()
+    try:
+        rows = _run(tmp_path, "async_compiled", train__async_rollout=True, compile=True)
+    finally:
+        torch._dynamo.reset()
+    assert rows[0][RATIO] == 0.0
+    assert all(row[RATIO] > 0 for row in rows[1:])

@@ -114,3 +114,26 @@ def test_attention_backend_applies_to_dispatching_transformers_and_refuses_a_une
                 if hasattr(m, "processor")}
     assert backends == {AttentionBackendName._NATIVE_MATH}
     trainer.run()
+
+
+def test_a_deep_copy_of_a_compiled_module_computes_with_its_own_weights(counted_backend):
+    """train.async_rollout's frozen sampler copy (and any deepcopy of the denoiser) must run the copy's weights: the
+    compiled forward once closed over the original's bound forward, so a copy silently ran the training weights."""
+    import copy
+
+    torch.manual_seed(0)
+    module = speed.compile_denoiser(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)))
+    x = torch.randn(3, 4)
+    module(x)  # compiled for the original first
+    duplicate = copy.deepcopy(module)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)  # the original trains on; the copy keeps the old weights
+    eager_copy = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    eager_copy.load_state_dict(duplicate.state_dict())
+    expected_copy = torch.tanh(x @ eager_copy[0].weight.T + eager_copy[0].bias) @ eager_copy[2].weight.T + eager_copy[2].bias
+    expected_original = (torch.tanh(x @ module[0].weight.T + module[0].bias) @ module[2].weight.T + module[2].bias)
+    assert torch.allclose(duplicate(x), expected_copy, atol=1e-6)
+    assert torch.allclose(module(x), expected_original, atol=1e-6)
+    assert not torch.allclose(expected_copy, expected_original)
+    assert speed.is_compiled(duplicate) and speed.is_compiled(module)

@@ -39,27 +39,39 @@ INSTALL_HINTS = {"flash": "pip install flash-attn", "_flash_3": "FlashAttention 
 
 
 def compile_denoiser(module, backend=None):
-    """torch.compile `module.forward` in place (dynamic=False; backend: COMPILE_BACKEND). Returns the module."""
-    if getattr(module, "_ddpo_compiled_forward", None) is not None:
+    """torch.compile `module.forward` in place (dynamic=False; backend: COMPILE_BACKEND). Returns the module.
+
+    The instance's `forward` is a method bound to the module (not a closure over it), its eager forward is kept as
+    a bound method too, and the compiled function is tagged with the module it was made for: a deep copy of the
+    module (train.async_rollout's frozen sampler copies) rebinds both to the copy and compiles its own on its first
+    call, so it computes with its own weights (a closure once made a copy run the original's)."""
+    import types
+
+    if is_compiled(module):
         return module
+    module._ddpo_eager_forward = module.forward
+    module._ddpo_compile_backend = backend or COMPILE_BACKEND
+    module._ddpo_compiled_forward = None
+    module.forward = types.MethodType(_compiled_forward, module)
+    return module
+
+
+def _compiled_forward(module, *args, **kwargs):
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    eager = module.forward
-    compiled = torch.compile(eager, dynamic=False, backend=backend or COMPILE_BACKEND)
-
-    def forward(*args, **kwargs):
-        if _get_current_dispatch_mode() is not None:  # perf.py's FlopCounterMode: count the model's own ops
-            return eager(*args, **kwargs)
-        return compiled(*args, **kwargs)
-
-    module.forward = forward
-    module._ddpo_compiled_forward = compiled
-    return module
+    eager = module._ddpo_eager_forward
+    if _get_current_dispatch_mode() is not None:  # perf.py's FlopCounterMode: count the model's own ops
+        return eager(*args, **kwargs)
+    entry = module._ddpo_compiled_forward
+    if entry is None or entry[0] != id(module):  # first call, or a deep copy holding its original's function
+        entry = module._ddpo_compiled_forward = (
+            id(module), torch.compile(eager, dynamic=False, backend=module._ddpo_compile_backend))
+    return entry[1](*args, **kwargs)
 
 
 def is_compiled(module):
     """Whether `compile_denoiser` compiled this module's forward."""
-    return getattr(module, "_ddpo_compiled_forward", None) is not None
+    return getattr(module, "_ddpo_eager_forward", None) is not None
 
 
 @register_config_check("model")
