@@ -99,10 +99,12 @@ def test_the_diffusion_base_imports_no_family_and_families_import_only_the_base(
     families = _family_modules()
     assert {"ddpo_group.diffusion.sd", "ddpo_group.diffusion.sd3", "ddpo_group.diffusion.flux",
             "ddpo_group.diffusion.qwen_image"} <= set(families)
-    assert _reachable("ddpo_group.diffusion.base") == set()
+    # the base imports no family; only the text-embedding cache, a leaf that imports nothing of the package
+    assert _reachable("ddpo_group.diffusion.base") == {"ddpo_group.diffusion.text_cache"}
+    assert _reachable("ddpo_group.diffusion.text_cache") == set()
     # the layers below the families: the base, the step math, LoRA, loading and the tiny builders, the flow base
     below = {f"ddpo_group.diffusion.{name}" for name in ("base", "gaussian", "ddim", "flow", "lora", "loading", "tiny",
-                                                            "flow_policy", "tiny_chat")}
+                                                            "flow_policy", "tiny_chat", "text_cache")}
     for family in families:
         allowed = below | EXTENDS.get(family, set())
         assert _reachable(family) <= allowed, f"{family} imports {sorted(_reachable(family) - allowed)}"

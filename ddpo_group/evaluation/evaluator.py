@@ -157,9 +157,11 @@ def evaluate(policy, model, records, reward_fn, images_per_prompt, num_steps, gu
                 raise not_finite_error(records, chunk, finite)
             metadata = with_audio(reward_metadata([records[i].metadata for i, _ in chunk], sources), batch.audio,
                                   getattr(policy, "audio_sample_rate", None))
-            futures = [None if runner is None else runner.submit(images, prompts, metadata, **only) for runner in runners]
-            if pending is not None and collect(*pending) is None:
+            # the previous batch's rewards ran while this one sampled: collected before this one is scored, so a stop
+            # signal that came meanwhile ends the evaluation with no reward called on a batch after it
+            if pending is not None and (collect(*pending) is None or (stop is not None and stop())):
                 return None
+            futures = [None if runner is None else runner.submit(images, prompts, metadata, **only) for runner in runners]
             pending = (start, chunk, images, finite, futures)
         if pending is not None and collect(*pending) is None:
             return None

@@ -43,7 +43,7 @@ def recv_object(src, map_location="cpu"):
     dist.recv(size, src=src)
     data = torch.empty(int(size), dtype=torch.uint8)
     dist.recv(data, src=src)
-    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location=map_location, weights_only=False)
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=map_location, weights_only=False)
 
 
 class RolloutProcess:
