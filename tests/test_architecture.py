@@ -185,3 +185,17 @@ def test_a_module_over_600_lines_says_at_its_top_why_it_is_one_room():
             if "one room" not in head and "one file" not in head:
                 long.append((module, len(lines)))
     assert long == [], f"modules over 600 lines without their reason at the top: {long}"
+
+
+def test_every_torch_load_in_the_package_is_weights_only():
+    """torch.load unpickles arbitrary objects unless weights_only=True (unsafe on an untrusted checkpoint or message);
+    the rollout process's reply once used weights_only=False."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent / "ddpo_group"
+    bad = []
+    for path in root.rglob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\btorch\.load\(", line) and "weights_only=True" not in line:
+                bad.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not bad, "torch.load without weights_only=True:\n" + "\n".join(bad)

@@ -43,7 +43,11 @@ def recv_object(src, map_location="cpu"):
     dist.recv(size, src=src)
     data = torch.empty(int(size), dtype=torch.uint8)
     dist.recv(data, src=src)
-    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=map_location, weights_only=False)
+    from ddpo_group.training.batch import EpochBatch
+
+    # weights_only: tensors, containers and the one class of ours the reply holds (no arbitrary unpickling)
+    with torch.serialization.safe_globals([EpochBatch]):
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=map_location, weights_only=True)
 
 
 class RolloutProcess:
