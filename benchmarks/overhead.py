@@ -94,6 +94,7 @@ def _compile_totals():
 def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="cpu"):
     """Train `epochs` epochs of `variant` with recording accounting, then replay bare; returns the JSON dict.
     The first `warmup` epochs are run but not counted."""
+    from ddpo_group.config.fields import set_field
     from ddpo_group.config.grpo import get_config
     from ddpo_group.training.trainer import Trainer
 
@@ -105,11 +106,7 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="
     config.log_with = "none"
     config.perf.enabled = True
     for item in overrides:
-        key, value = item.split("=", 1)
-        node, *path = config, *key.split(".")
-        for part in path[:-1]:
-            node = node[part]
-        node[path[-1]] = type(node[path[-1]])(json.loads(value)) if not isinstance(node[path[-1]], str) else value
+        set_field(config, item)
     trainer = Trainer(config)
     accounting = trainer.perf
     accounting.record_inputs = True
@@ -207,6 +204,16 @@ def main(argv=None):
     warmup = args.warmup_epochs if args.warmup_epochs >= 0 else int(args.epochs > 1)
     if warmup >= args.epochs:
         parser.error(f"--warmup-epochs={warmup} leaves none of --epochs={args.epochs} to count")
+    if args.set:  # a misspelt field is one line before anything runs
+        from ddpo_group.config.fields import set_field
+        from ddpo_group.config.grpo import get_config
+        from ddpo_group.config.registry import ConfigError
+
+        try:
+            for item in args.set:
+                set_field(get_config(args.config), item)
+        except ConfigError as err:
+            parser.error(str(err))
     result = run(args.config, args.epochs, args.set, args.logdir or None, warmup, args.replays, args.clock)
     print(table(result))
     if args.output:

@@ -143,6 +143,7 @@ def method_config(method, seed, run_dir, epochs=None, overrides=()):
     """The config of one run: the method's base variant, its fields, the seed and the run directory;
     overrides: "FIELD=VALUE" strings (a JSON value), applied after the method's fields (a probe's changes)."""
     from ddpo_group.config import grpo
+    from ddpo_group.config.fields import set_field
 
     variant, apply, _ = METHODS[method]
     config = apply(grpo.get_config(variant))
@@ -150,12 +151,7 @@ def method_config(method, seed, run_dir, epochs=None, overrides=()):
     if epochs:
         config.num_epochs = epochs
     for item in overrides:
-        key, value = item.split("=", 1)
-        node, *path = config, *key.split(".")
-        for part in path[:-1]:
-            node = node[part]
-        old = node[path[-1]]
-        node[path[-1]] = value if isinstance(old, str) else type(old)(json.loads(value))
+        set_field(config, item)
     config.logdir, config.run_name = os.path.dirname(run_dir), os.path.basename(run_dir)
     config.overwrite = True
     config.save_freq = 0
@@ -327,6 +323,13 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if args.set:  # a misspelt field is one line here, not a traceback in every run's log
+        from ddpo_group.config.registry import ConfigError
+
+        try:
+            method_config(methods[0], seeds[0] if seeds else 0, os.path.join(args.results, "check"), None, args.set)
+        except ConfigError as err:
+            parser.error(str(err))
     if not args.collect:
         pending = [(m, s) for m in methods for s in seeds
                    if not os.path.exists(os.path.join(args.results, "runs", m, f"seed_{s}", "finished.json"))]

@@ -178,3 +178,56 @@ def test_train_help_lists_each_variant_on_one_aligned_line_with_its_whole_descri
     scenes = next(line for line in lines if line.split()[0] == "tiny_scenes")
     assert scenes.rstrip().endswith("geneval_scenes.jsonl, CPU, minutes")
     assert all(line.split(None, 1)[1].strip() for line in lines), "every variant has a description"
+
+
+def test_a_benchmarks_set_assignment_is_typed_as_its_field_and_a_typo_is_one_line():
+    """ddpo_group.config.fields.set_field, the --set FIELD=VALUE of benchmarks/overhead.py and scenes_study.py (one
+    helper; they parsed it twice, and a misspelt field was a KeyError traceback)."""
+    import pytest
+
+    from ddpo_group.config.base import get_config
+    from ddpo_group.config.fields import set_field
+    from ddpo_group.config.registry import ConfigError
+
+    config = get_config()
+    set_field(config, "train.learning_rate=1e-3")
+    set_field(config, "sample.num_batches_per_epoch=4e0")
+    set_field(config, "compile=true")
+    set_field(config, "run_name=a=b")  # a string field takes the text after the first "=" as written
+    assert config.train.learning_rate == 0.001 and isinstance(config.train.learning_rate, float)
+    assert config.sample.num_batches_per_epoch == 4 and type(config.sample.num_batches_per_epoch) is int
+    assert config.compile is True
+    assert config.run_name == "a=b"
+    with pytest.raises(ConfigError, match=r"no field 'train.learnin_rate' \(did you mean 'train.learning_rate'\?\)"):
+        set_field(config, "train.learnin_rate=1")
+    with pytest.raises(ConfigError, match="no field 'nosuch.section.x'"):
+        set_field(config, "nosuch.section.x=1")
+    with pytest.raises(ConfigError, match="not a value config.sample.num_batches_per_epoch can take"):
+        set_field(config, "sample.num_batches_per_epoch=2.5")
+    with pytest.raises(ConfigError, match="not a value config.compile can take"):
+        set_field(config, "compile=3")
+    with pytest.raises(ConfigError, match="write FIELD=VALUE"):
+        set_field(config, "train.learning_rate")
+    for error in ("train.learnin_rate=1", "sample.num_batches_per_epoch=2.5"):
+        try:
+            set_field(config, error)
+        except ConfigError as err:
+            assert "\n" not in str(err)
+
+
+def test_the_benchmarks_refuse_a_misspelt_set_field_in_one_line_before_running(capsys):
+    import importlib.util
+
+    import pytest
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("scenes_study", "overhead"):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        argv = ["--set", "train.learnin_rate=1"] + (["--methods", "flow_grpo", "--results", "/nonexistent/x"]
+                                                    if name == "scenes_study" else [])
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(argv)
+        assert exit_info.value.code == 2
+        assert "did you mean 'train.learning_rate'?" in capsys.readouterr().err

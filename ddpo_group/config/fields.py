@@ -69,6 +69,51 @@ def closest_field(name, reference=None):
     return matches[0] if matches else None
 
 
+def set_field(config, assignment):
+    """Sets one "FIELD=VALUE" assignment (a benchmark's --set) in `config`: FIELD dotted (train.learning_rate),
+    VALUE a JSON value typed as the field's default is (an int field takes 100 or 1e2, a bool one true / false; a
+    string field takes the text as written). A field the config lacks, or a value its type cannot take, is a
+    one-line ConfigError naming the assignment (and the closest field)."""
+    import json
+
+    key, equals, text = assignment.partition("=")
+    if not equals or not key:
+        raise ConfigError(f"--set {assignment!r}: write FIELD=VALUE, e.g. --set train.learning_rate=1e-3")
+    node, *parents, leaf = config, *key.split(".")
+    for part in parents:
+        node = node[part] if part in node and isinstance(node[part], ml_collections.ConfigDict) else None
+        if node is None:
+            break
+    if node is None or leaf not in node:
+        hint = closest_field(key, config)
+        raise ConfigError(f"--set {assignment!r}: the config has no field {key!r}"
+                          + (f" (did you mean {hint!r}?)" if hint else "")
+                          + "; every field is listed in ddpo_group/config/base.py")
+    old = node[leaf]
+    if isinstance(old, str):
+        node[leaf] = text
+        return config
+    try:
+        value = json.loads(text)
+        if isinstance(old, bool) or old is None or isinstance(old, (dict, list, ml_collections.ConfigDict)):
+            ok = old is None or isinstance(value, type(old) if not isinstance(old, ml_collections.ConfigDict) else dict)
+            if not ok:
+                raise ValueError(f"not a {type(old).__name__}")
+        elif isinstance(old, int):
+            if isinstance(value, bool) or float(value) != int(value):
+                raise ValueError("not a whole number")
+            value = int(value)
+        elif isinstance(old, float):
+            if isinstance(value, bool):
+                raise ValueError("not a number")
+            value = float(value)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"--set {assignment!r}: {text!r} is not a value config.{key} can take "
+                          f"(its default is {old!r}; {err})") from None
+    node[leaf] = value
+    return config
+
+
 def _non_finite_floats(config, prefix=""):
     """Dotted names of float fields holding NaN or inf."""
     bad = []
