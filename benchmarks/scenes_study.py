@@ -4,6 +4,8 @@ on the held-out set (docs/scenes.md).
     python benchmarks/scenes_study.py --methods flow_grpo --seeds 42,43,44      # one method, three seeds
     python benchmarks/scenes_study.py --jobs 2                                  # every method, two runs at once
     python benchmarks/scenes_study.py --collect                                 # the table and JSON from what ran
+    python benchmarks/scenes_study.py --eval-noise 1234,1,2,3,4,5,6,7           # the evaluation's own noise
+    python benchmarks/scenes_study.py --reevaluate 1234,1,2,3 --jobs 2          # finals again: one sampler, 8 images
 
 Probes, each in a results directory of its own (docs/scenes.md says what they showed):
 
@@ -227,9 +229,21 @@ def collect(results, target=None):
             k, overall, tags, calls, seconds = curve[-1]
             summary.append({"model": model, "method": method, "seed": seed, "overall": overall, **tags,
                             "train_seconds": round(seconds, 1), "model_calls": calls})
+            again = _read_json(os.path.join(run_dir, REEVAL))
+            if again:
+                summary[-1]["reeval"] = {**_mean_row(again["rows"]), **again["settings"]}
             if curve[0][0] == 0:
-                bases.setdefault(model, {"model": model, "method": "base", "seed": None, "overall": curve[0][1],
-                                         **curve[0][2], "train_seconds": 0.0, "model_calls": 0})
+                # the base as the study's runs evaluate it: a run's epoch 0, one whose sampler is the variant's own
+                # first (cps and dance runs evaluate with their own SDE, so their epoch 0 differs)
+                own = method not in OWN_SAMPLER_METHODS
+                if model not in bases or (own and not bases[model][1]):
+                    bases[model] = ({"model": model, "method": "base", "seed": None, "overall": curve[0][1],
+                                     **curve[0][2], "train_seconds": 0.0, "model_calls": 0}, own)
+    bases = {model: row for model, (row, _) in bases.items()}
+    for variant, model in MODELS.items():
+        again = _read_json(os.path.join(results, f"reeval_base_{variant}.json"))
+        if again and model in bases:
+            bases[model]["reeval"] = {**_mean_row(again["rows"]), **again["settings"]}
     summary = list(bases.values()) + summary
     flow = [r for r in summary if r["method"] == "flow_grpo"]
     if target is None and flow:
@@ -256,6 +270,11 @@ def collect(results, target=None):
         table.append({
             "method": method, "model": rows[0]["model"], "what": METHODS[method][2], "seeds": [r["seed"] for r in rows],
             "overall": _spread([r["overall"] for r in rows]),
+            # the final weights again with one deterministic sampler and 4x the images (reevaluate); None until run
+            "reeval_overall": (_spread([r["reeval"]["overall"] for r in rows]) if all("reeval" in r for r in rows)
+                               else None),
+            "reeval_tags": ({tag: _spread([r["reeval"][tag] for r in rows]) for tag in TAGS}
+                            if all("reeval" in r for r in rows) else None),
             "tags": {tag: _spread([r[tag] for r in rows]) for tag in TAGS},
             "train_seconds": statistics.median(r["train_seconds"] for r in rows),
             "model_calls": statistics.median(r["model_calls"] for r in rows),
@@ -279,18 +298,147 @@ def render(table, target, summary):
         return "-" if spread is None else f"{spread['median']:.3f} [{spread['min']:.3f}, {spread['max']:.3f}]"
 
     lines = [f"target: overall >= {target:.3f} (the best flow_grpo run's final overall)" if target is not None else "",
-             "| model | method | overall | " + " | ".join(TAGS) + " | train s | model calls | reached | s to target | / flow_grpo |",
-             "|" + "---|" * (10 + len(TAGS) - 1)]
+             "re-eval: the final weights with one deterministic sampler for all and 4x the images (--reevaluate)",
+             "| model | method | overall | re-eval | " + " | ".join(TAGS)
+             + " | train s | model calls | reached | s to target | / flow_grpo |",
+             "|" + "---|" * (11 + len(TAGS) - 1)]
     for base in (r for r in summary if r["method"] == "base"):
-        lines.append(f"| {base['model']} | base | {base['overall']:.3f} | "
+        again = f"{base['reeval']['overall']:.3f}" if "reeval" in base else "-"
+        lines.append(f"| {base['model']} | base | {base['overall']:.3f} | {again} | "
                      + " | ".join(f"{base[t]:.3f}" for t in TAGS) + " | 0 | 0 | | | |")
     for row in table:
         ratio = "-" if row["ratio_to_flow_grpo"] is None else f"{row['ratio_to_flow_grpo']:.2f}"
         seconds = "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.0f}"
-        lines.append(f"| {row['model']} | {row['method']} | {cell(row['overall'])} | "
+        lines.append(f"| {row['model']} | {row['method']} | {cell(row['overall'])} | {cell(row['reeval_overall'])} | "
                      + " | ".join(cell(row["tags"][t]) for t in TAGS)
                      + f" | {row['train_seconds']:.0f} | {row['model_calls']:.0f} | {row['reached_target']} | {seconds} | {ratio} |")
     return "\n".join(lines)
+
+
+def _base_evaluator(variant, workdir, eta=None):
+    """A Trainer of `variant` on its base weights (one thread, in `workdir`), whose evaluator the modes below call
+    with other eval seeds; eta: the evaluation's sampler noise (None: the variant's own, as its runs evaluate)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from ddpo_group.training.trainer import Trainer
+
+    method = next(m for m, (v, _, _) in METHODS.items() if v == variant)
+    config = method_config(method, 0, os.path.join(workdir, "runs", method, "seed_0"), epochs=1)
+    config.log_with = "none"
+    if eta is not None:
+        config.sample.eta = eta
+    return Trainer(config)
+
+
+def _evaluate_seeds(trainer, eval_seeds, label):
+    """[{"eval_seed", "overall", six tags}] of the trainer's current weights at each eval seed."""
+    rows = []
+    for eval_seed in eval_seeds:
+        trainer.config.eval_seed = eval_seed
+        metrics = {"epoch": 0}
+        trainer.evaluate(0, metrics)
+        rows.append({"eval_seed": eval_seed, "overall": metrics["eval/geneval/overall"],
+                     **{tag: metrics[f"eval/geneval/{tag}"] for tag in TAGS}})
+        print(f"{label} eval_seed {eval_seed}: overall {rows[-1]['overall']:.3f}", flush=True)
+    return rows
+
+
+def eval_noise(eval_seeds, results):
+    """The evaluation's own noise: each model's base (the shipped weights, before any update) evaluated as a run
+    evaluates it (its variant's prompts, steps, guidance, eta, 2 images a record) with each of `eval_seeds` as
+    config.eval_seed. A difference between two runs' finals smaller than this spread is not a difference the
+    held-out set can see. Returns the JSON document ({"rows": [...], "spread": {model: {...}}})."""
+    import tempfile
+
+    rows, spread = [], {}
+    for variant, model in MODELS.items():
+        with tempfile.TemporaryDirectory(prefix="eval_noise_") as tmp:
+            rows += [{"model": model, **row} for row in _evaluate_seeds(_base_evaluator(variant, tmp), eval_seeds, model)]
+        values = [r["overall"] for r in rows if r["model"] == model]
+        spread[model] = {**_spread(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                         "n": len(values)}
+    document = {"what": "each model's base evaluated with several eval seeds (benchmarks/scenes_study.py "
+                        "--eval-noise): the held-out overall's spread from the evaluation noise alone",
+                "eval_seeds": list(eval_seeds), "rows": rows, "spread": spread}
+    os.makedirs(results, exist_ok=True)
+    write_json(os.path.join(results, "eval_noise.json"), document)
+    for model, s in spread.items():
+        print(f"{model}: base overall over {s['n']} eval seeds: median {s['median']:.3f} [{s['min']:.3f}, "
+              f"{s['max']:.3f}], std {s['std']:.3f}")
+    return document
+
+
+REEVAL = "reeval.json"
+# methods whose runs sample, and so evaluate, with another SDE than their variant's
+OWN_SAMPLER_METHODS = ("cps", "dance")
+
+
+def reevaluate(eval_seeds, results, eta=0.0, methods=None, base=True):
+    """Every finished run's final weights (RESULTS/runs/<method>/seed_<s>/checkpoints/checkpoint_<last>) and each
+    model's base evaluated again with one sampler for all (eta: 0, the deterministic ODE / DDIM sampler, as
+    Flow-GRPO evaluates; the runs evaluated with their own training sampler, so cps and dance's numbers were on
+    other samplers) at each of `eval_seeds` (2 images a record each): 2 x len(eval_seeds) images per held-out
+    record instead of 2. Each run's numbers go into its directory (reeval.json; a run whose file holds these
+    seeds and eta is skipped, so it resumes), the base's into RESULTS/reeval_base.json; `collect` reads them."""
+    import copy
+    import tempfile
+
+    settings = {"eval_seeds": list(eval_seeds), "eta": eta, "images_per_record": 2 * len(eval_seeds)}
+    methods = list(methods or METHODS)
+    for variant, model in MODELS.items():
+        if not any(METHODS[m][0] == variant for m in methods):
+            continue
+        todo = []
+        for method in methods:
+            if METHODS[method][0] != variant or not os.path.isdir(os.path.join(results, "runs", method)):
+                continue
+            for name in sorted(os.listdir(os.path.join(results, "runs", method))):
+                run_dir = os.path.join(results, "runs", method, name)
+                if not os.path.exists(os.path.join(run_dir, "finished.json")):
+                    continue
+                done = _read_json(os.path.join(run_dir, REEVAL))
+                if done and done.get("settings") == settings:
+                    continue
+                checkpoints = os.path.join(run_dir, "checkpoints")
+                last = sorted(os.listdir(checkpoints), key=lambda n: int(n.split("_")[-1]))[-1:] \
+                    if os.path.isdir(checkpoints) else []
+                epochs = json.load(open(os.path.join(run_dir, "config.json")))["num_epochs"]
+                if not last or int(last[0].split("_")[-1]) != epochs:
+                    print(f"{method}/{name}: no final checkpoint (checkpoint_{epochs}); not re-evaluated", flush=True)
+                    continue
+                todo.append((method, name, run_dir, os.path.join(checkpoints, last[0])))
+        base_path = os.path.join(results, f"reeval_base_{variant}.json")
+        base_done = not base or (_read_json(base_path) or {}).get("settings") == settings
+        if not todo and base_done:
+            continue
+        with tempfile.TemporaryDirectory(prefix="reeval_") as tmp:
+            trainer = _base_evaluator(variant, tmp, eta)
+            module = trainer.trainable_module
+            initial = copy.deepcopy(module.state_dict())
+            if not base_done:
+                write_json(base_path, {"model": model, "settings": settings,
+                                       "rows": _evaluate_seeds(trainer, eval_seeds, f"{model} base")})
+            for method, name, run_dir, checkpoint in todo:
+                module.load_state_dict(initial)
+                trainer.policy.load_trainable(module, checkpoint, use_lora=False)
+                rows = _evaluate_seeds(trainer, eval_seeds, f"{method}/{name}")
+                write_json(os.path.join(run_dir, REEVAL), {"checkpoint": os.path.relpath(checkpoint, run_dir),
+                                                           "settings": settings, "rows": rows})
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _mean_row(rows):
+    """The mean over eval seeds of the overall and each tag (tags a seed's table lacks are left out)."""
+    keys = ("overall",) + TAGS
+    return {key: statistics.fmean(r[key] for r in rows if r.get(key) is not None) for key in keys}
 
 
 def write_json(path, document, compress=False):
@@ -313,11 +461,38 @@ def main(argv=None):
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a config field of every run (a JSON value; repeatable), for a probe in its own "
                              "--results, e.g. --set train.learning_rate=1e-3")
+    parser.add_argument("--eval-noise", default="", metavar="SEEDS",
+                        help="only measure the evaluation's noise: each base model evaluated with these eval seeds "
+                             "(comma-separated), into RESULTS/eval_noise.json")
+    parser.add_argument("--reevaluate", default="", metavar="SEEDS",
+                        help="only evaluate every finished run's final weights and the bases again with these eval "
+                             "seeds and one sampler (--eval-eta), into each run's reeval.json (resumes)")
+    parser.add_argument("--eval-eta", type=float, default=0.0,
+                        help="--reevaluate's sampler noise (0: the deterministic ODE / DDIM sampler)")
+    parser.add_argument("--no-base", action="store_true", help=argparse.SUPPRESS)  # a --reevaluate job's
     parser.add_argument("--run-one", nargs=4, metavar=("METHOD", "SEED", "RUN_DIR", "EPOCHS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_one:
         method, seed, run_dir, epochs = args.run_one
         return run_one(method, int(seed), run_dir, int(epochs), args.set)
+    if args.eval_noise:
+        return eval_noise([int(s) for s in args.eval_noise.split(",") if s.strip()], args.results)
+    if args.reevaluate:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()] or list(METHODS)
+        seeds = [int(s) for s in args.reevaluate.split(",") if s.strip()]
+        if args.jobs <= 1:
+            return reevaluate(seeds, args.results, args.eval_eta, methods, base=not args.no_base)
+        shares = [methods[i::args.jobs] for i in range(args.jobs)]  # the bases go with the first job's
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        processes = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--reevaluate", args.reevaluate,
+                                       "--eval-eta", str(args.eval_eta), "--results", args.results,
+                                       "--methods", ",".join(share)]
+                                      + (["--no-base"] if i else []), env=env)
+                     for i, share in enumerate(shares) if share]
+        codes = [p.wait() for p in processes]
+        if any(codes):
+            sys.exit(f"--reevaluate: a job failed (exit codes {codes})")
+        return None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] or list(METHODS)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

@@ -342,3 +342,39 @@ def test_a_scenes_study_probe_overrides_a_field_after_the_methods_fields():
     with open(os.path.join(committed, "config.json")) as f:
         stored = json.load(f)
     assert stored["train"]["learning_rate"] == 1e-3 and stored["num_epochs"] == 80
+
+
+def test_the_scenes_study_table_takes_the_reevaluations_and_the_base_of_the_variants_own_sampler(tmp_path):
+    """--reevaluate writes each run's reeval.json (its final weights at several eval seeds, one sampler) and the
+    bases' reeval_base_<variant>.json; collect puts their means beside the logged finals. A cps run evaluates with
+    its own SDE (epoch 0: 0.126), so the base row comes from a run on the variant's sampler (flow_grpo: 0.142)
+    even when the cps run is read first."""
+    import importlib.util
+    import json
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    committed = os.path.join(root, "benchmarks", "results", "scenes_study", "runs")
+    for method in ("cps", "flow_grpo"):
+        shutil.copytree(os.path.join(committed, method, "seed_42"), tmp_path / "runs" / method / "seed_42")
+    spec = importlib.util.spec_from_file_location("scenes_study", os.path.join(root, "benchmarks", "scenes_study.py"))
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    study.METHODS = {"cps": study.METHODS["cps"], "flow_grpo": study.METHODS["flow_grpo"]}  # cps read first
+    tags = dict.fromkeys(study.TAGS, 0.5)
+    settings = {"eval_seeds": [1, 2], "eta": 0.0, "images_per_record": 4}
+    (tmp_path / "runs" / "flow_grpo" / "seed_42" / "reeval.json").write_text(json.dumps(
+        {"settings": settings, "rows": [{"eval_seed": 1, "overall": 0.2, **tags}, {"eval_seed": 2, "overall": 0.4, **tags}]}))
+    (tmp_path / "reeval_base_tiny_scenes.json").write_text(json.dumps(
+        {"settings": settings, "rows": [{"eval_seed": 1, "overall": 0.1, **tags}, {"eval_seed": 2, "overall": 0.2, **tags}]}))
+    summary, table, _, _ = study.collect(str(tmp_path))
+    base = [r for r in summary if r["method"] == "base"][0]
+    first_flow_row = json.loads((tmp_path / "runs" / "flow_grpo" / "seed_42" / "metrics.jsonl").read_text().splitlines()[0])
+    assert base["overall"] == first_flow_row["eval/geneval/overall"]
+    assert abs(base["reeval"]["overall"] - 0.15) < 1e-12 and base["reeval"]["images_per_record"] == 4
+    flow = [r for r in summary if r["method"] == "flow_grpo"][0]
+    assert abs(flow["reeval"]["overall"] - 0.3) < 1e-12 and abs(flow["reeval"]["colors"] - 0.5) < 1e-12
+    rows = {row["method"]: row for row in table}
+    assert abs(rows["flow_grpo"]["reeval_overall"]["median"] - 0.3) < 1e-12
+    assert rows["cps"]["reeval_overall"] is None  # not re-evaluated yet
+    assert "| tiny-scenes-sd3 | base | " in study.render(table, 0.1, summary)
