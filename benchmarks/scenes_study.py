@@ -31,6 +31,11 @@ From each run's metrics.jsonl:
     to target        training seconds and model calls until the first evaluation whose overall reaches the
                      target (default: the best flow_grpo run's final overall); ratio: the method's median seconds
                      to it over the best flow_grpo run's seconds to it
+    train reward     train_reward_start / _end: the mean training reward (64 samples an epoch) over the first
+                     and the last 10 epochs, the trend on 640 samples each instead of one evaluation's 300 images
+    reeval           (--reevaluate) the final weights again with one sampler for every method (eta 0: ODE /
+                     DDIM) at several eval seeds: the mean overall and tags over 2 x seeds images per record;
+                     --eval-noise measures how far one evaluation of the same weights moves with its seed
 
 Writes RESULTS/summary.json (rows {"model", "method", "seed", "overall", six tags, "train_seconds",
 "model_calls"}, one "method": "base" row with seed null per model: the epoch-0 evaluation, before any update),
@@ -229,6 +234,10 @@ def collect(results, target=None):
             k, overall, tags, calls, seconds = curve[-1]
             summary.append({"model": model, "method": method, "seed": seed, "overall": overall, **tags,
                             "train_seconds": round(seconds, 1), "model_calls": calls})
+            rewards = [r["reward_mean"] for r in sorted(rows, key=lambda r: r["epoch"]) if "reward_mean" in r]
+            if len(rewards) >= 2 * TREND_EPOCHS:  # the training reward's trend, a less noisy view than one eval
+                summary[-1]["train_reward_start"] = statistics.fmean(rewards[:TREND_EPOCHS])
+                summary[-1]["train_reward_end"] = statistics.fmean(rewards[-TREND_EPOCHS:])
             again = _read_json(os.path.join(run_dir, REEVAL))
             if again:
                 summary[-1]["reeval"] = {**_mean_row(again["rows"]), **again["settings"]}
@@ -263,8 +272,9 @@ def collect(results, target=None):
         comparable = best_flow is not None and rows[0]["model"] == best_flow["model"]
         to_target = []
         for r in rows:
-            hit = next(((c, s) for _, o, _, c, s in curves[(method, r["seed"])] if o >= target - 1e-12), None)
-            to_target.append(hit if comparable else None)
+            hit = next(((c, s) for _, o, _, c, s in curves[(method, r["seed"])] if o >= target - 1e-12),
+                       None) if comparable else None
+            to_target.append(hit)
         hits = [h for h in to_target if h is not None]
         seconds = statistics.median(h[1] for h in hits) if len(hits) * 2 > len(rows) else None
         table.append({
@@ -276,6 +286,8 @@ def collect(results, target=None):
             "reeval_tags": ({tag: _spread([r["reeval"][tag] for r in rows]) for tag in TAGS}
                             if all("reeval" in r for r in rows) else None),
             "tags": {tag: _spread([r[tag] for r in rows]) for tag in TAGS},
+            "train_reward_start": _spread([r.get("train_reward_start") for r in rows]),
+            "train_reward_end": _spread([r.get("train_reward_end") for r in rows]),
             "train_seconds": statistics.median(r["train_seconds"] for r in rows),
             "model_calls": statistics.median(r["model_calls"] for r in rows),
             "reached_target": f"{len(hits)}/{len(rows)}" if comparable else "n/a (another model)",
@@ -299,17 +311,20 @@ def render(table, target, summary):
 
     lines = [f"target: overall >= {target:.3f} (the best flow_grpo run's final overall)" if target is not None else "",
              "re-eval: the final weights with one deterministic sampler for all and 4x the images (--reevaluate)",
-             "| model | method | overall | re-eval | " + " | ".join(TAGS)
+             "| model | method | overall | re-eval | train reward | " + " | ".join(TAGS)
              + " | train s | model calls | reached | s to target | / flow_grpo |",
-             "|" + "---|" * (11 + len(TAGS) - 1)]
+             "|" + "---|" * (10 + len(TAGS))]
     for base in (r for r in summary if r["method"] == "base"):
         again = f"{base['reeval']['overall']:.3f}" if "reeval" in base else "-"
-        lines.append(f"| {base['model']} | base | {base['overall']:.3f} | {again} | "
+        lines.append(f"| {base['model']} | base | {base['overall']:.3f} | {again} | | "
                      + " | ".join(f"{base[t]:.3f}" for t in TAGS) + " | 0 | 0 | | | |")
     for row in table:
         ratio = "-" if row["ratio_to_flow_grpo"] is None else f"{row['ratio_to_flow_grpo']:.2f}"
         seconds = "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.0f}"
+        trend = ("-" if row["train_reward_start"] is None else
+                 f"{row['train_reward_start']['median']:.3f} -> {row['train_reward_end']['median']:.3f}")
         lines.append(f"| {row['model']} | {row['method']} | {cell(row['overall'])} | {cell(row['reeval_overall'])} | "
+                     f"{trend} | "
                      + " | ".join(cell(row["tags"][t]) for t in TAGS)
                      + f" | {row['train_seconds']:.0f} | {row['model_calls']:.0f} | {row['reached_target']} | {seconds} | {ratio} |")
     return "\n".join(lines)
@@ -326,9 +341,10 @@ def _base_evaluator(variant, workdir, eta=None):
     method = next(m for m, (v, _, _) in METHODS.items() if v == variant)
     config = method_config(method, 0, os.path.join(workdir, "runs", method, "seed_0"), epochs=1)
     config.log_with = "none"
-    if eta is not None:
-        config.sample.eta = eta
-    return Trainer(config)
+    trainer = Trainer(config)
+    if eta is not None:  # after the trainer's checks, which refuse a deterministic sampler for training
+        trainer.evaluator.config.sample.eta = eta
+    return trainer
 
 
 def _evaluate_seeds(trainer, eval_seeds, label):
@@ -370,6 +386,7 @@ def eval_noise(eval_seeds, results):
 
 
 REEVAL = "reeval.json"
+TREND_EPOCHS = 10  # the training reward's start and end: the mean over the first and the last 10 epochs
 # methods whose runs sample, and so evaluate, with another SDE than their variant's
 OWN_SAMPLER_METHODS = ("cps", "dance")
 
@@ -403,9 +420,10 @@ def reevaluate(eval_seeds, results, eta=0.0, methods=None, base=True):
                 checkpoints = os.path.join(run_dir, "checkpoints")
                 last = sorted(os.listdir(checkpoints), key=lambda n: int(n.split("_")[-1]))[-1:] \
                     if os.path.isdir(checkpoints) else []
-                epochs = json.load(open(os.path.join(run_dir, "config.json")))["num_epochs"]
+                epochs = (_read_json(os.path.join(run_dir, "config.json")) or {}).get("num_epochs")
                 if not last or int(last[0].split("_")[-1]) != epochs:
-                    print(f"{method}/{name}: no final checkpoint (checkpoint_{epochs}); not re-evaluated", flush=True)
+                    print(f"{method}/{name}: no final checkpoint (checkpoints/checkpoint_{epochs or 'N'} with its "
+                          "config.json); not re-evaluated", flush=True)
                     continue
                 todo.append((method, name, run_dir, os.path.join(checkpoints, last[0])))
         base_path = os.path.join(results, f"reeval_base_{variant}.json")
