@@ -303,16 +303,13 @@ def test_the_device_session_script_says_how_to_use_it():
 def test_the_scenes_study_measures_only_the_flow_models_runs_against_the_flow_target(tmp_path):
     """The target is the best flow_grpo run's final GenEval overall on tiny-scenes-sd3; a run of the UNet model
     tiny-scenes starts from another base (0.196 > 0.165 here), so 'reached at 0 s' would be meaningless for it."""
-    import importlib.util
     import shutil
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO_ROOT
     committed = os.path.join(root, "benchmarks", "results", "scenes_study", "runs")
     for method in ("flow_grpo", "grpo_kl"):
         shutil.copytree(os.path.join(committed, method, "seed_42"), tmp_path / "runs" / method / "seed_42")
-    spec = importlib.util.spec_from_file_location("scenes_study", os.path.join(root, "benchmarks", "scenes_study.py"))
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    study = load_script("benchmarks/scenes_study.py")
     summary, table, target, _ = study.collect(str(tmp_path))
     rows = {row["method"]: row for row in table}
     flow_final = [r["overall"] for r in summary if r["method"] == "flow_grpo"][0]
@@ -325,13 +322,10 @@ def test_the_scenes_study_measures_only_the_flow_models_runs_against_the_flow_ta
 def test_a_scenes_study_probe_overrides_a_field_after_the_methods_fields():
     """--set FIELD=VALUE (a probe: a larger learning rate, longer runs) lands in every run's config after the method's
     own fields, typed as the field is; the committed lr probe's config.json holds what the command gives."""
-    import importlib.util
     import json
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("scenes_study", os.path.join(root, "benchmarks", "scenes_study.py"))
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    root = REPO_ROOT
+    study = load_script("benchmarks/scenes_study.py")
     plain = study.method_config("flow_grpo", 42, "/nonexistent/runs/flow_grpo/seed_42")
     probe = study.method_config("flow_grpo", 42, "/nonexistent/runs/flow_grpo/seed_42", 80,
                                 ["train.learning_rate=1e-3", "train.beta=0"])
@@ -349,17 +343,14 @@ def test_the_scenes_study_table_takes_the_reevaluations_and_the_base_of_the_vari
     bases' reeval_base_<variant>.json; collect puts their means beside the logged finals. A cps run evaluates with
     its own SDE (epoch 0: 0.126), so the base row comes from a run on the variant's sampler (flow_grpo: 0.142)
     even when the cps run is read first."""
-    import importlib.util
     import json
     import shutil
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO_ROOT
     committed = os.path.join(root, "benchmarks", "results", "scenes_study", "runs")
     for method in ("cps", "flow_grpo"):
         shutil.copytree(os.path.join(committed, method, "seed_42"), tmp_path / "runs" / method / "seed_42")
-    spec = importlib.util.spec_from_file_location("scenes_study", os.path.join(root, "benchmarks", "scenes_study.py"))
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    study = load_script("benchmarks/scenes_study.py")
     study.METHODS = {"cps": study.METHODS["cps"], "flow_grpo": study.METHODS["flow_grpo"]}  # cps read first
     tags = dict.fromkeys(study.TAGS, 0.5)
     settings = {"eval_seeds": [1, 2], "eta": 0.0, "images_per_record": 4}

@@ -183,8 +183,6 @@ def test_train_help_lists_each_variant_on_one_aligned_line_with_its_whole_descri
 def test_a_benchmarks_set_assignment_is_typed_as_its_field_and_a_typo_is_one_line():
     """ddpo_group.config.fields.set_field, the --set FIELD=VALUE of benchmarks/overhead.py and scenes_study.py (one
     helper; they parsed it twice, and a misspelt field was a KeyError traceback)."""
-    import pytest
-
     from ddpo_group.config.base import get_config
     from ddpo_group.config.fields import set_field
     from ddpo_group.config.registry import ConfigError
@@ -216,15 +214,10 @@ def test_a_benchmarks_set_assignment_is_typed_as_its_field_and_a_typo_is_one_lin
 
 
 def test_the_benchmarks_refuse_a_misspelt_set_field_in_one_line_before_running(capsys):
-    import importlib.util
+    from helpers import load_script
 
-    import pytest
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name in ("scenes_study", "overhead"):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_script(f"benchmarks/{name}.py")
         argv = ["--set", "train.learnin_rate=1"] + (["--methods", "flow_grpo", "--results", "/nonexistent/x"]
                                                     if name == "scenes_study" else [])
         with pytest.raises(SystemExit) as exit_info:
