@@ -12,6 +12,9 @@ Probes, each in a results directory of its own (docs/scenes.md says what they sh
     python benchmarks/scenes_study.py --methods group_ppo --seeds 42 --epochs 200 --results benchmarks/results/scenes_study_long
     python benchmarks/scenes_study.py --methods flow_grpo --seeds 42 --epochs 80 --set train.learning_rate=1e-3 \
         --results benchmarks/results/scenes_study_lr1e-3
+    python benchmarks/scenes_study.py --methods flow_grpo --seeds 42,43 --jobs 2 --set sample.num_batches_per_epoch=8 \
+        --set sample.group_size=16 --set train.gradient_accumulation_steps=4 --results benchmarks/results/scenes_study_groups
+    python benchmarks/scenes_study.py --reevaluate 1234,1,2,3 --results benchmarks/results/scenes_study_groups
 
 Each run is a variant of config/grpo.py (tiny_scenes on the flow model tiny-scenes-sd3, tiny_scenes_sd on the
 UNet tiny-scenes) with one method's fields changed, trained in a process of its own on one thread
