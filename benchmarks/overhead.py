@@ -210,8 +210,9 @@ def main(argv=None):
         from ddpo_group.config.registry import ConfigError
 
         try:
+            config = get_config(args.config)
             for item in args.set:
-                set_field(get_config(args.config), item)
+                set_field(config, item)
         except ConfigError as err:
             parser.error(str(err))
     result = run(args.config, args.epochs, args.set, args.logdir or None, warmup, args.replays, args.clock)

@@ -401,7 +401,6 @@ def reevaluate(eval_seeds, results, eta=0.0, methods=None, base=True):
     other samplers) at each of `eval_seeds` (2 images a record each): 2 x len(eval_seeds) images per held-out
     record instead of 2. Each run's numbers go into its directory (reeval.json; a run whose file holds these
     seeds and eta is skipped, so it resumes), the base's into RESULTS/reeval_base.json; `collect` reads them."""
-    import copy
     import tempfile
 
     settings = {"eval_seeds": list(eval_seeds), "eta": eta, "images_per_record": 2 * len(eval_seeds)}
@@ -436,13 +435,11 @@ def reevaluate(eval_seeds, results, eta=0.0, methods=None, base=True):
         with tempfile.TemporaryDirectory(prefix="reeval_") as tmp:
             trainer = _base_evaluator(variant, tmp, eta)
             module = trainer.trainable_module
-            initial = copy.deepcopy(module.state_dict())
-            if not base_done:
+            if not base_done:  # before any run's weights are loaded
                 write_json(base_path, {"model": model, "settings": settings,
                                        "rows": _evaluate_seeds(trainer, eval_seeds, f"{model} base")})
             for method, name, run_dir, checkpoint in todo:
-                module.load_state_dict(initial)
-                trainer.policy.load_trainable(module, checkpoint, use_lora=False)
+                trainer.policy.load_trainable(module, checkpoint, use_lora=False)  # every weight: a strict load
                 rows = _evaluate_seeds(trainer, eval_seeds, f"{method}/{name}")
                 write_json(os.path.join(run_dir, REEVAL), {"checkpoint": os.path.relpath(checkpoint, run_dir),
                                                            "settings": settings, "rows": rows})
