@@ -370,3 +370,19 @@ def test_the_scenes_study_table_takes_the_reevaluations_and_the_base_of_the_vari
     assert abs(rows["flow_grpo"]["reeval_overall"]["median"] - 0.3) < 1e-12
     assert rows["cps"]["reeval_overall"] is None  # not re-evaluated yet
     assert "| tiny-scenes-sd3 | base | " in study.render(table, 0.1, summary)
+
+
+def test_the_scenes_study_collects_without_flow_grpo_runs_and_its_table_rows_have_the_headers_cells(tmp_path):
+    """collect failed (None - float) when no flow_grpo run was there to set the target; and the table's separator row
+    had one cell more than its header."""
+    import shutil
+
+    committed = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study", "runs")
+    shutil.copytree(os.path.join(committed, "grpo_kl", "seed_42"), tmp_path / "runs" / "grpo_kl" / "seed_42")
+    study = load_script("benchmarks/scenes_study.py")
+    summary, table, target, _ = study.collect(str(tmp_path))
+    assert target is None and [row["method"] for row in table] == ["grpo_kl"]
+    assert table[0]["seconds_to_target"] is None
+    lines = [line for line in study.render(table, 0.5, summary).splitlines() if line.startswith("|")]
+    cells = {line.count("|") for line in lines}
+    assert len(cells) == 1, lines[:3]
