@@ -70,6 +70,34 @@ case "$what" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi.txt"
     timeout 580 python3 benchmarks/gpu_check.py --output "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
     ;;
+  scenes-pretrain)
+    # The scenes bases' scaling table on the GPU (benchmarks/scenes_scaling.py, every (arch, size) at once for
+    # MINUTES each), then every run's pipeline with its float32 weights stored as float16 (the call returns 64 MiB at
+    # most; tools/unpack in docs/scenes.md), logs, samples and scaling.json, as one tar cut in 15 MB parts.
+    install_wheels
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi.txt"
+    timeout "${SCALING_SECONDS:-480}" python3 benchmarks/scenes_scaling.py --device cuda --minutes "${MINUTES:-4.5}" \
+      --out /tmp/scaling "$@" 2>&1 | tee "$OUT/scaling.log"
+    python3 - <<'PY'
+import os, shutil, torch
+from safetensors.torch import load_file, save_file
+src, dst = "/tmp/scaling", "/tmp/pack"
+for root, dirs, files in os.walk(src):
+    if os.path.relpath(root, src).split(os.sep)[0] == "state":
+        continue
+    for name in files:
+        path = os.path.join(root, name)
+        target = os.path.join(dst, os.path.relpath(path, src))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if name.endswith(".safetensors"):
+            tensors = load_file(path)
+            save_file({k: v.half() if v.dtype == torch.float32 else v for k, v in tensors.items()}, target)
+        else:
+            shutil.copy(path, target)
+PY
+    tar -C /tmp/pack -cf /tmp/scaling.tar . && split -b 15M /tmp/scaling.tar "$OUT/scaling.tar.part-"
+    ls -la "$OUT"
+    ;;
   lease)
     # Everything in one call, for a lease of 15 minutes of device time (about 9 of them one command's): CPU_JOB (a
     # shell command, e.g. a study's single-thread runs, stopped with its process group after CPU_SECONDS (default

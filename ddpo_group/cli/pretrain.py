@@ -109,6 +109,18 @@ def parse_args(argv=None, prog=None):
                         help="scenes world: take the VAE of this pipeline directory instead of training one")
     parser.add_argument("--vae-crop", type=number(int, 4, 64), default=32,
                         help="scenes world: the VAE trains on crops of this size (a multiple of 4)")
+    parser.add_argument("--size", choices=("s", "m", "l"), default="s",
+                        help="scenes world: the denoiser's size (ddpo_group.diffusion.tiny.SCENES_SIZES; docs/scenes.md "
+                             "has the scaling table)")
+    parser.add_argument("--device", default="cpu",
+                        help="scenes world: where the models train and sample (cpu, cuda, cuda:1...); the random "
+                             "draws stay on the CPU's generator, so a device changes only the floating-point sums")
+    parser.add_argument("--render-workers", type=number(int, 1), default=1,
+                        help="scenes world: processes that render the data set (the same set for any number)")
+    parser.add_argument("--denoiser-minutes", type=number(float, 0, low_open=True), default=None,
+                        help="scenes world: instead of --unet-steps, train the denoiser for about this many minutes; "
+                             "the step count is set from the speed of the first 50 steps (inside the warmup, whose "
+                             "learning rates do not depend on it), recorded in the state and the log")
     parser.add_argument("--seed", type=number(int, 0), default=0)
     parser.add_argument("--dataset-size", type=number(int, 1), default=20000,
                         help="rendered (image, prompt) pairs")
@@ -145,6 +157,9 @@ def parse_args(argv=None, prog=None):
     if args.vae_from is not None and not os.path.isdir(os.path.join(args.vae_from, "vae")):
         parser.error(f"argument --vae-from: {args.vae_from} has no vae/ folder; give a pipeline directory this "
                      "script wrote (e.g. ddpo_group/assets/tiny_scenes_sd3)")
+    if args.denoiser_minutes is not None and args.warmup_steps < AUTO_STEPS_PROBE:
+        parser.error(f"argument --denoiser-minutes: needs --warmup-steps >= {AUTO_STEPS_PROBE} (the speed is measured "
+                     f"inside the warmup), got {args.warmup_steps}")
     if args.arch == "sd3" and not scenes:
         parser.error("--arch sd3 is for --world scenes (the shapes world's tiny-shapes is a UNet)")
     given = {name for name, value in vars(args).items() if value != parser.get_default(name)}
@@ -161,6 +176,8 @@ def parse_args(argv=None, prog=None):
     return args
 
 
+AUTO_STEPS_PROBE = 50  # steps timed to set the denoiser's step count from --denoiser-minutes
+
 # --quick: a seconds-long smoke run.
 QUICK = {"dataset_size": 64, "vae_steps": 3, "unet_steps": 3, "vae_batch_size": 8, "batch_size": 8, "warmup_steps": 1,
          "eval_steps": 2, "eval_images_per_prompt": 1}
@@ -174,13 +191,15 @@ SCENES_DEFAULTS = {
 }
 
 
-def lr_lambda(warmup_steps: int, total_steps: int):
-    """Learning-rate factor: linear warmup to 1, then cosine decay to 0.1."""
+def lr_lambda(warmup_steps: int, total_steps):
+    """Learning-rate factor: linear warmup to 1, then cosine decay to 0.1. ``total_steps``: an int, or a one-item
+    list read at each step (a count set after the warmup's first steps, --denoiser-minutes)."""
 
     def factor(step: int) -> float:
+        total = total_steps[0] if isinstance(total_steps, list) else total_steps
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        progress = (step - warmup_steps) / max(1, total - warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
@@ -190,14 +209,16 @@ def lr_lambda(warmup_steps: int, total_steps: int):
 def ema_update(ema_params, params, decay: float, step: int) -> None:
     """theta_ema <- d theta_ema + (1 - d) theta, with d = min(decay, (1 + step) / (10 + step))."""
     d = min(decay, (1 + step) / (10 + step))
-    for ema, p in zip(ema_params, params):
-        ema.mul_(d).add_(p.detach(), alpha=1 - d)
+    # one fused call over the lists (the same arithmetic as ema.mul_(d).add_(p, alpha=1 - d) per tensor): on a GPU a
+    # loop of small kernels would cost more than the model's step
+    torch._foreach_mul_(ema_params, d)
+    torch._foreach_add_(ema_params, [p.detach() for p in params], alpha=1 - d)
 
 
 def vae_step(vae, posterior, x, optimizer, scheduler, kl_weight, generator, smooth) -> None:
     """One step of stage 1 on the batch x and its posterior q(z | x) (module docstring's L_vae), gradients clipped
     to norm 1; `smooth` (a dict) gets the moving averages of "loss", "mse" and "kl"."""
-    z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+    z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator).to(posterior.mean.device)
     reconstruction = vae.decode(z).sample
     mse = F.mse_loss(reconstruction, x)
     kl = posterior.kl().mean() / z[0].numel()
@@ -438,16 +459,20 @@ def flow_text_embeddings(pipeline, ids: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, generator) -> torch.Tensor:
-    """One batch's loss on scaled latents z0 (module docstring): epsilon prediction (sd) or flow matching (sd3)."""
-    noise = torch.randn(z0.shape, generator=generator)
+    """One batch's loss on scaled latents z0 (module docstring): epsilon prediction (sd) or flow matching (sd3).
+    The draws come from `generator` (a CPU one) and move to z0's device."""
+    device = z0.device
+    noise = torch.randn(z0.shape, generator=generator).to(device)
     n = z0.shape[0]
+    ids = ids.to(device)
     if arch == "sd":
         timesteps = torch.randint(0, pipeline.scheduler.config.num_train_timesteps, (n,), generator=generator)
-        abar = pipeline.scheduler.alphas_cumprod.to(torch.float32)[timesteps].view(-1, 1, 1, 1)
+        abar = pipeline.scheduler.alphas_cumprod.to(torch.float32)[timesteps].view(-1, 1, 1, 1).to(device)
+        timesteps = timesteps.to(device)
         noisy = abar.sqrt() * z0 + (1 - abar).sqrt() * noise
         prediction = pipeline.unet(noisy, timesteps, pipeline.text_encoder(ids)[0]).sample
         return F.mse_loss(prediction, noise)
-    sigma = torch.sigmoid(torch.randn(n, generator=generator)).view(-1, 1, 1, 1)  # logit-normal(0, 1)
+    sigma = torch.sigmoid(torch.randn(n, generator=generator)).view(-1, 1, 1, 1).to(device)  # logit-normal(0, 1)
     noisy = (1 - sigma) * z0 + sigma * noise
     hidden, pooled = flow_text_embeddings(pipeline, ids)
     prediction = pipeline.transformer(noisy, encoder_hidden_states=hidden, pooled_projections=pooled,
@@ -468,10 +493,11 @@ def _scenes_paths(args):
 # What a scenes state is made with: a resume with another value would silently train another schedule (or load
 # weights of another shape), so it is refused. The session's own options (--max-minutes, --stop-at-step,
 # --checkpoint-every, --threads, --output-dir, the evaluation's) may change between parts.
-RECORDED_OPTIONS = ("world", "arch", "quick", "seed", "dataset_size", "vae_from", "vae_crop", "vae_steps",
-                    "vae_batch_size", "vae_lr", "kl_weight", "unet_steps", "batch_size", "unet_lr", "cond_dropout",
-                    "ema_decay", "warmup_steps")
+RECORDED_OPTIONS = ("world", "arch", "size", "quick", "seed", "dataset_size", "vae_from", "vae_crop", "vae_steps",
+                    "vae_batch_size", "vae_lr", "kl_weight", "unet_steps", "denoiser_minutes", "batch_size", "unet_lr",
+                    "cond_dropout", "ema_decay", "warmup_steps")
 OPTIONS_FILE = "options.json"
+DEFAULTS_OF_LATER_OPTIONS = {"size": "s", "denoiser_minutes": None}
 
 
 def recorded_options(args) -> dict:
@@ -504,7 +530,11 @@ def check_recorded_options(args, state_dir: str) -> None:
         raise SystemExit(f"pretrain_tiny.py: error: --state-dir {state_dir}: its {OPTIONS_FILE} cannot be read "
                          f"({err}); give another --state-dir to start afresh") from None
     for name in RECORDED_OPTIONS:
-        if name not in recorded or recorded[name] == options[name]:
+        if name not in recorded:  # an option added after the state was made: the state was made at its default
+            if name not in DEFAULTS_OF_LATER_OPTIONS:
+                continue
+            recorded[name] = DEFAULTS_OF_LATER_OPTIONS[name]
+        if recorded[name] == options[name]:
             continue
         option = "--" + name.replace("_", "-")
         if name == "quick":  # a flag: with it or without it
@@ -525,7 +555,7 @@ def _scenes_data(args, state_dir, pipeline):
     if os.path.exists(path):
         data = np.load(path, allow_pickle=False)
         return data["images"], torch.from_numpy(data["rows"]), [str(p) for p in data["prompts"]]
-    images, prompts = sample_dataset(args.dataset_size, seed=args.seed)
+    images, prompts = sample_dataset(args.dataset_size, seed=args.seed, workers=args.render_workers)
     unique = sorted(set(prompts))
     row_of = {p: i for i, p in enumerate(unique)}
     rows = np.asarray([row_of[p] for p in prompts], dtype=np.int64)
@@ -573,7 +603,7 @@ def _train_scenes_vae(pipeline, images, args, state_dir, deadline) -> dict:
         idx = torch.randint(0, images.shape[0], (args.vae_batch_size,), generator=generator)
         top, left = (int(v) for v in torch.randint(0, size - crop + 1, (2,), generator=generator))
         x = torch.from_numpy(images[idx.cpu().numpy()][:, top : top + crop, left : left + crop]).permute(0, 3, 1, 2)
-        x = x.float() / 127.5 - 1.0
+        x = (x.float() / 127.5 - 1.0).to(args.device)
         vae_step(vae, vae.encode(x).latent_dist, x, optimizer, scheduler, args.kl_weight, generator, smooth)
         progress.set_postfix(mse=f"{smooth['mse']:.4f}", refresh=False)
         if (step + 1) % args.checkpoint_every == 0:
@@ -584,12 +614,15 @@ def _train_scenes_vae(pipeline, images, args, state_dir, deadline) -> dict:
 
 @torch.no_grad()
 def _scenes_latents(vae, images, chunk=64):
+    """Posterior mean and std (N, 4, h, w) of every image, on the CPU (encoded on the VAE's device)."""
+    device = vae.device
+    chunk = chunk if device.type == "cpu" else 1024
     means, stds = [], []
     for i in tqdm(range(0, len(images), chunk), desc="encode", dynamic_ncols=True, mininterval=2.0):
-        x = torch.from_numpy(images[i : i + chunk]).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+        x = (torch.from_numpy(images[i : i + chunk]).permute(0, 3, 1, 2).float() / 127.5 - 1.0).to(device)
         posterior = vae.encode(x).latent_dist
-        means.append(posterior.mean)
-        stds.append(posterior.std)
+        means.append(posterior.mean.cpu())
+        stds.append(posterior.std.cpu())
     return torch.cat(means), torch.cat(stds)
 
 
@@ -601,9 +634,11 @@ def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir,
     params = [p for m in modules for p in m.parameters()]
     ema_params = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, lr=args.unet_lr, weight_decay=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, args.unet_steps))
+    total_steps = [args.unet_steps]  # set from the first steps' speed under --denoiser-minutes
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
     generator = torch.Generator().manual_seed(args.seed + 1)
-    latent_mean, latent_std = latents
+    device = torch.device(args.device)
+    latent_mean, latent_std = (t.to(device) for t in latents)
     start_step, smooth, seconds = 0, None, 0.0
     if previous is not None and previous["stage"] == "denoiser":
         try:
@@ -621,6 +656,8 @@ def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir,
         scheduler.load_state_dict(previous["scheduler"])
         generator.set_state(previous["generator"])
         start_step, smooth, seconds = previous["step"], previous["smooth"], previous["seconds"]
+        total_steps[0] = previous.get("total_steps", args.unet_steps)
+    auto_steps = args.denoiser_minutes is not None and start_step < AUTO_STEPS_PROBE
     scaling = pipeline.vae.config.scaling_factor
     shift = pipeline.vae.config.shift_factor or 0.0
     empty_row = prompt_ids.shape[0] - 1
@@ -633,17 +670,27 @@ def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir,
                      "vae_config": dict(pipeline.vae.config), "modules": [m.state_dict() for m in modules],
                      "ema": ema_params, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                      "generator": generator.get_state(), "smooth": smooth, "seconds": seconds + time.time() - began,
-                     "vae_stats": vae_stats},
+                     "vae_stats": vae_stats, "total_steps": total_steps[0]},
                     os.path.join(state_dir, "state.pt"))
 
-    progress = tqdm(range(start_step, args.unet_steps), desc=args.arch, dynamic_ncols=True, mininterval=2.0,
-                    initial=start_step, total=args.unet_steps)
-    for step in progress:
+    progress = tqdm(initial=start_step, total=total_steps[0], desc=args.arch, dynamic_ncols=True, mininterval=2.0)
+    step = start_step
+    probe_began = None
+    while step < total_steps[0]:
         if time.time() > deadline or (args.stop_at_step and step == args.stop_at_step):
             save(step)
             raise Stopped(f"{args.arch} step {step}")
+        if auto_steps and step == 5:  # the first steps (allocation, warm caches) are not timed
+            probe_began = time.time()
+        if auto_steps and step == AUTO_STEPS_PROBE:
+            per_step = (time.time() - probe_began) / (AUTO_STEPS_PROBE - 5)
+            total_steps[0] = max(AUTO_STEPS_PROBE + 1, int(args.denoiser_minutes * 60 / per_step))
+            progress.total = total_steps[0]
+            print(f"--denoiser-minutes {args.denoiser_minutes}: {per_step * 1000:.1f} ms a step -> "
+                  f"{total_steps[0]} steps")
         idx = torch.randint(0, latent_mean.shape[0], (args.batch_size,), generator=generator)
-        z = latent_mean[idx] + latent_std[idx] * torch.randn(latent_mean[idx].shape, generator=generator)
+        z = latent_mean[idx.to(device)] + latent_std[idx.to(device)] * torch.randn(
+            (args.batch_size,) + tuple(latent_mean.shape[1:]), generator=generator).to(device)
         z0 = (z - shift) * scaling
         batch_rows = rows[idx].clone()
         batch_rows[torch.rand(args.batch_size, generator=generator) < args.cond_dropout] = empty_row
@@ -656,15 +703,48 @@ def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir,
         ema_update(ema_params, params, args.ema_decay, step)
         smooth = loss.item() if smooth is None else 0.99 * smooth + 0.01 * loss.item()
         progress.set_postfix(loss=f"{smooth:.4f}", refresh=False)
-        if (step + 1) % args.checkpoint_every == 0:
-            save(step + 1)
-    save(args.unet_steps)
+        progress.update()
+        step += 1
+        if step % args.checkpoint_every == 0:
+            save(step)
+    progress.close()
+    save(total_steps[0])
     with torch.no_grad():
         for ema, p in zip(ema_params, params):
             p.copy_(ema)
     for module in modules:
         module.eval()
-    return {"loss": smooth, "seconds": seconds + time.time() - began, "steps": args.unet_steps}
+    return {"loss": smooth, "seconds": seconds + time.time() - began, "steps": total_steps[0]}
+
+
+FRESH_SCENES = 1024  # scenes of the held-out loss (held_out_loss)
+
+
+@torch.no_grad()
+def held_out_loss(pipeline, args, images=None, prompts=None) -> float:
+    """The denoiser's loss (denoiser_loss, the EMA weights) on FRESH_SCENES scenes, the same draws of noise and
+    time for any model: `images` (uint8 (N, 64, 64, 3), e.g. the first training scenes) and their `prompts`, or,
+    when None, fresh scenes
+    rendered from a seed no pretraining uses (10**6 + seed). Equal on both: the model is not data-bound."""
+    from ddpo_group.data.scenes import sample_dataset
+
+    if images is None:
+        images, prompts = sample_dataset(FRESH_SCENES, seed=10**6 + args.seed, workers=args.render_workers)
+    latent_mean, latent_std = _scenes_latents(pipeline.vae, images)
+    scaling = pipeline.vae.config.scaling_factor
+    shift = pipeline.vae.config.shift_factor or 0.0
+    generator = torch.Generator().manual_seed(12345)
+    ids = pipeline.tokenizer(prompts, padding="max_length", max_length=pipeline.tokenizer.model_max_length,
+                             truncation=True, return_tensors="pt").input_ids
+    device = torch.device(args.device)
+    total, count = 0.0, 0
+    for i in range(0, len(images), 256):
+        z = latent_mean[i : i + 256] + latent_std[i : i + 256] * torch.randn(latent_mean[i : i + 256].shape, generator=generator)
+        z0 = ((z - shift) * scaling).to(device)
+        loss = denoiser_loss(pipeline, args.arch, z0, ids[i : i + 256], generator)
+        total += float(loss) * len(z0)
+        count += len(z0)
+    return total / count
 
 
 @torch.no_grad()
@@ -708,9 +788,10 @@ def _pretrain_scenes(args) -> dict:
     check_recorded_options(args, state_dir)
     deadline = time.time() + args.max_minutes * 60 if args.max_minutes else math.inf
     torch.manual_seed(args.seed)
-    pipeline = build_tiny_scenes_pipeline(SCENE_WORDS, args.arch, seed=args.seed)
+    pipeline = build_tiny_scenes_pipeline(SCENE_WORDS, args.arch, seed=args.seed, size=args.size)
     start = time.time()
-    images, rows, unique_prompts = _scenes_data(args, state_dir, pipeline)
+    images, rows, unique_prompts = _scenes_data(args, state_dir, pipeline)  # rendered before the device is touched
+    pipeline.to(args.device)
     prompt_ids = pipeline.tokenizer(unique_prompts + [""], padding="max_length",
                                     max_length=pipeline.tokenizer.model_max_length, truncation=True,
                                     return_tensors="pt").input_ids
@@ -727,6 +808,7 @@ def _pretrain_scenes(args) -> dict:
 
             trained = AutoencoderKL.from_pretrained(os.path.join(args.vae_from, "vae"), local_files_only=True)
             pipeline.vae.load_state_dict(trained.state_dict())
+            pipeline.vae.to(args.device)
             vae_stats = {"from": os.path.relpath(os.path.abspath(args.vae_from), ROOT_DIR)}
         else:
             vae_stats = _train_scenes_vae(pipeline, images, args, state_dir, deadline)
@@ -742,6 +824,7 @@ def _pretrain_scenes(args) -> dict:
             scaling = float(1.0 / (sample - (shift or 0.0)).std())
             pipeline.vae.register_to_config(scaling_factor=scaling, shift_factor=shift)
             state = {"stage": "denoiser", "step": 0, "vae_stats": vae_stats, "fresh": True}
+        train_images = images[:FRESH_SCENES]
         del images
         unet_stats = _train_scenes_denoiser(pipeline, args, (latent_mean, latent_std), rows, prompt_ids, state_dir,
                                             deadline, None if state.get("fresh") else state, vae_stats)
@@ -750,10 +833,17 @@ def _pretrain_scenes(args) -> dict:
               "again to go on")
         return {"stopped": str(stop)}
     os.makedirs(output_dir, exist_ok=True)
-    pipeline.save_pretrained(output_dir, safe_serialization=True)
+    pipeline.to("cpu").save_pretrained(output_dir, safe_serialization=True)
+    pipeline.to(args.device)
+    losses = {"train_scenes": held_out_loss(pipeline, args, train_images,
+                                            [unique_prompts[int(r)] for r in rows[:FRESH_SCENES]]),
+              "fresh_scenes": held_out_loss(pipeline, args, None)} if args.eval_steps > 0 else None
     evaluation = evaluate_scenes(pipeline, args) if args.eval_steps > 0 else None
     log = {
-        "world": "scenes", "arch": args.arch, "seed": args.seed, "quick": args.quick,
+        "world": "scenes", "arch": args.arch, "size": args.size, "seed": args.seed, "quick": args.quick,
+        "device": str(args.device), "render_workers": args.render_workers,
+        "denoiser_parameters": sum(p.numel() for p in (pipeline.transformer if args.arch == "sd3" else pipeline.unet).parameters()),
+        "denoiser_loss": losses,
         "torch_threads": torch.get_num_threads(), "dataset_size": args.dataset_size, "data_seconds": data_seconds,
         "machine": platform.processor() or platform.machine(),
         "vae": {**(vae_stats or {}), "batch_size": args.vae_batch_size, "lr": args.vae_lr, "kl_weight": args.kl_weight},

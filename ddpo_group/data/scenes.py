@@ -232,12 +232,13 @@ def render_record(record: dict, rng: np.random.Generator, size: int = SCENE_SIZE
     return render_objects(objects, background, size)
 
 
-def sample_dataset(n: int, seed: int, size: int = SCENE_SIZE, held_out=None) -> tuple[np.ndarray, list[str]]:
-    """`n` (image, prompt) pairs for pretraining, reproducible from `seed`: a tag uniformly among those with
-    training records, a record uniformly among the tag's training records, a random scene for it. Returns
-    (images uint8 (n, size, size, 3), prompts)."""
-    rng = np.random.default_rng(seed)
-    pool = {tag: records for tag, records in training_records(held_out).items() if records}
+DATASET_CHUNK = 500  # scenes per independently seeded chunk of a pretraining data set
+
+
+def _render_chunk(job) -> tuple[np.ndarray, list[str]]:
+    """Chunk `index` of a data set (``sample_dataset``): `n` scenes from the generator seeded by (seed, index)."""
+    n, seed, index, size, pool = job
+    rng = np.random.default_rng([seed, index])
     tags = list(pool)
     images = np.empty((n, size, size, 3), dtype=np.uint8)
     prompts = []
@@ -247,3 +248,23 @@ def sample_dataset(n: int, seed: int, size: int = SCENE_SIZE, held_out=None) -> 
         images[i] = render_record(record, rng, size)
         prompts.append(record["prompt"])
     return images, prompts
+
+
+def sample_dataset(n: int, seed: int, size: int = SCENE_SIZE, held_out=None, workers: int = 1) -> tuple[np.ndarray, list[str]]:
+    """`n` (image, prompt) pairs for pretraining, reproducible from `seed`: a tag uniformly among those with
+    training records, a record uniformly among the tag's training records, a random scene for it. The set is made
+    in chunks of DATASET_CHUNK scenes, chunk k from the generator seeded by (seed, k), so that `workers` processes
+    render the same set as one. Returns (images uint8 (n, size, size, 3), prompts)."""
+    pool = {tag: records for tag, records in training_records(held_out).items() if records}
+    jobs = [(min(DATASET_CHUNK, n - start), seed, k, size, pool) for k, start in enumerate(range(0, n, DATASET_CHUNK))]
+    if workers > 1 and len(jobs) > 1:
+        import multiprocessing
+
+        # spawn: the parent may hold torch's threads (or a CUDA context), which a forked child must not inherit
+        with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as processes:
+            chunks = processes.map(_render_chunk, jobs)
+    else:
+        chunks = [_render_chunk(job) for job in jobs]
+    if not chunks:
+        return np.empty((0, size, size, 3), dtype=np.uint8), []
+    return np.concatenate([c[0] for c in chunks]), [p for c in chunks for p in c[1]]

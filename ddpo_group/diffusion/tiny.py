@@ -474,13 +474,28 @@ SCENES_IMAGE_SIZE = 64
 SCENES_MAX_LENGTH = 16  # tokens: the longest scenes prompt ("a photo of a magenta semicircle and a yellow star") has 12
 
 
-def scenes_component_configs(vocab_size):
+# The scenes denoiser's sizes (``pretrain --size``): the UNet's block widths, the transformer's (joint blocks, heads,
+# head width). Parameters: sd 1.66M / 3.70M / 6.54M, sd3 0.89M / 4.65M / 7.03M (the largest pipelines stay under
+# 30 MB of float32 safetensors). docs/scenes.md has the measured scaling table that chose the shipped size.
+SCENES_SIZES = {
+    "s": {"sd": (32, 64, 64), "sd3": (6, 4, 16)},
+    "m": {"sd": (48, 96, 96), "sd3": (8, 4, 32)},
+    "l": {"sd": (64, 128, 128), "sd3": (12, 4, 32)},
+}
+
+
+def scenes_component_configs(vocab_size, size="s"):
     """The scenes models' architecture (``scripts/pretrain_tiny.py --world scenes``): 64x64 images, the tiny VAE's
-    three blocks (scale factor 4, 4x16x16 latents), a 16-token CLIP text encoder of width 32 (two for SD3), and
+    three blocks (scale factor 4, 4x16x16 latents), a 16-token CLIP text encoder of width 32 (two for SD3), and, at
+    `size` "s" (SCENES_SIZES; "m" and "l" are wider and deeper),
 
         sd    UNet2DConditionModel, blocks (32, 64, 64) with attention at 8x8 and 4x4 (none at 16x16: 4x the cost)
         sd3   SD3Transformer2DModel, patch 2 (64 image tokens), 6 joint blocks of 4 heads x 16
     """
+    if size not in SCENES_SIZES:
+        raise ValueError(f"size={size!r} is not one of {sorted(SCENES_SIZES)}")
+    channels = SCENES_SIZES[size]["sd"]
+    layers, heads, head_dim = SCENES_SIZES[size]["sd3"]
     base = tiny_component_configs(vocab_size)
     return {
         "vae": dict(base["vae"], sample_size=SCENES_IMAGE_SIZE),
@@ -488,27 +503,27 @@ def scenes_component_configs(vocab_size):
         "scheduler": base["scheduler"],
         "unet": {
             "sample_size": SCENES_IMAGE_SIZE // 4, "in_channels": 4, "out_channels": 4, "layers_per_block": 1,
-            "block_out_channels": (32, 64, 64),
+            "block_out_channels": channels,
             "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
             "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
             "cross_attention_dim": 32, "attention_head_dim": 4, "norm_num_groups": 8,
         },
         "transformer": {
             "sample_size": SCENES_IMAGE_SIZE // 4, "patch_size": 2, "in_channels": 4, "out_channels": 4,
-            "num_layers": 6, "attention_head_dim": 16, "num_attention_heads": 4, "joint_attention_dim": 64,
-            "caption_projection_dim": 64, "pooled_projection_dim": 64, "pos_embed_max_size": SCENES_IMAGE_SIZE // 4,
+            "num_layers": layers, "attention_head_dim": head_dim, "num_attention_heads": heads,
+            "joint_attention_dim": 64, "caption_projection_dim": heads * head_dim, "pooled_projection_dim": 64, "pos_embed_max_size": SCENES_IMAGE_SIZE // 4,
         },
     }
 
 
-def build_tiny_scenes_pipeline(words, arch="sd3", seed=0):
+def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s"):
     """The scenes world's tiny pipeline with random weights drawn from ``seed`` (CPU, float32), built offline:
     arch "sd3" a StableDiffusion3Pipeline (two 16-token CLIP encoders, no T5, FlowMatchEulerDiscreteScheduler
     shift 3.0, the VAE with SD3's scaling and shift), "sd" a StableDiffusionPipeline with DDIM. ``words``: the
     tokenizer's whole words (``ddpo_group.data.scenes.SCENE_WORDS``; this layer does not import the world). The
-    pretrained copies are the shipped ``tiny-scenes-sd3`` and ``tiny-scenes``."""
+    pretrained copies are the shipped ``tiny-scenes-sd3`` and ``tiny-scenes``. ``size``: SCENES_SIZES."""
     tokenizer = build_tiny_tokenizer(words, model_max_length=SCENES_MAX_LENGTH)
-    configs = scenes_component_configs(len(tokenizer))
+    configs = scenes_component_configs(len(tokenizer), size)
     if arch == "sd":
         return _random_sd_pipeline(configs, tokenizer, seed)
     if arch != "sd3":
