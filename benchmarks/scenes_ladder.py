@@ -32,10 +32,13 @@ Cost. Every run keeps its variant's sampler, learning rate and KL; an epoch is 8
 variants' own; --images changes the count, in whole sampling batches). Flow-GRPO's GenEval recipe samples 48
 groups of 24 (1,152 images an epoch, yifan123/flow_grpo config/grpo.py geneval_sd3). Scaled down: a group of 8
 keeps GRPO's per-group standard deviation usable (a group of 2-4 is often all-equal on a 0/1-ish reward) and 8
-groups keep 4 optimizer steps an epoch; 64 images is what one thread samples and trains in about 10-20 s an epoch
-(the measured figure is in docs/scenes.md), so rungs a and b (2 families x 6 cases x 3 seeds = 36 runs, 15 or 30
-epochs) take about half an hour with --jobs 14 on a 16-core machine. A rung's reward_std over 64 images puts the
-standard error of an epoch's strict-correct near 0.9 at 0.04; WINDOW = 3 epochs (192 images) takes it to 0.02.
+groups keep 4 optimizer steps an epoch. Measured (flow, rung a, 3 epochs, one thread on a 2-core machine shared
+with about ten other processes): 163 s of wall time an epoch, of which the run's own CPU time was about 27 s (the
+command's 102 s of CPU less 14 s of start-up and the collection); on a free core an epoch is about 30 s, so rungs a
+and b (2 families x 6 cases x 3 seeds = 36 runs, 15 or 30 epochs, ~990 run-epochs) take about 35-40 minutes with
+--jobs 14 on a 16-core machine (about 0.7 GB of memory a run). An epoch's strict-correct over 64 images has a
+standard error near 0.04 at 0.9; WINDOW = 3 epochs (192 images) takes it to 0.02, so a run does not pass on one
+lucky epoch.
 
 Each run trains in a process of its own on one thread into RESULTS/runs/<rung>/<family>/<case>/seed_<s>/ (config
 written there as ladder_config.json when it finishes). A run whose directory holds finished.json is done and
@@ -151,9 +154,9 @@ def run_one(spec, overrides=()):
     from ddpo_group.training.trainer import Trainer
 
     config = ladder_config(**spec, overrides=overrides)
+    document = config_document(config)  # as built, before the trainer reads (or fills in) anything
     Trainer(config).run()
-    write_json(os.path.join(spec["run_dir"], CONFIG_FILE), {"spec": spec, "set": list(overrides),
-                                                            "config": config_document(config)})
+    write_json(os.path.join(spec["run_dir"], CONFIG_FILE), {"spec": spec, "set": list(overrides), "config": document})
 
 
 def _read_json(path):

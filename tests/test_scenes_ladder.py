@@ -129,3 +129,13 @@ def test_rung_b_s_prompts_are_training_prompts_one_per_tag_with_training_records
     assert set(ladder.RUNG_B_PROMPTS) == {tag for tag, records in training.items() if records}
     for tag, prompt in ladder.RUNG_B_PROMPTS.items():
         assert scenes.scene_training_prompts(prompt=prompt)[0]["tag"] == tag
+
+
+def test_the_run_pool_runs_each_command_on_one_thread_with_its_log_and_returns_its_exit_code(tmp_path):
+    import sys
+
+    pool = load_script("benchmarks/run_pool.py")
+    tasks = [(name, [sys.executable, "-c", f"import os; print(os.environ['OMP_NUM_THREADS']); raise SystemExit({code})"],
+              str(tmp_path / "runs" / name)) for name, code in (("ok", 0), ("bad", 3))]
+    assert pool.run_pool(tasks, jobs=2, poll_seconds=0.05) == {"ok": 0, "bad": 3}
+    assert (tmp_path / "runs" / "bad.log").read_text().strip() == "1"
