@@ -55,7 +55,6 @@ per epoch, a panel per family, a colour per case, a line per seed).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import os
@@ -227,24 +226,31 @@ def run_row(rung, family, case, seed, rows, document):
     return row
 
 
-def collect(results):
-    """(summary rows, verdicts {rung: {family: {"passed", "cases": {case: {"passed", "seeds_passed", "seeds"}}}}},
-    metrics {run: rows}) of the finished runs under results/runs."""
-    runs_root = os.path.join(results, "runs")
-    rows_out, metrics = [], {}
+def finished_runs(results):
+    """[(run directory, its ladder_config.json or None)] of the finished runs under results/runs."""
+    found = []
     for rung in RUNGS:
         for family in FAMILIES:
-            base = os.path.join(runs_root, rung, family)
+            base = os.path.join(results, "runs", rung, family)
             for case in sorted(os.listdir(base)) if os.path.isdir(base) else []:
                 for name in sorted(os.listdir(os.path.join(base, case))):
                     run_dir = os.path.join(base, case, name)
-                    if not (name.startswith("seed_") and os.path.isdir(run_dir)
+                    if (name.startswith("seed_") and os.path.isdir(run_dir)
                             and os.path.exists(os.path.join(run_dir, "finished.json"))):
-                        continue
-                    seed = int(name.split("_")[1])
-                    rows = read_rows(run_dir)
-                    metrics[f"{rung}/{family}/{case}/{seed}"] = rows
-                    rows_out.append(run_row(rung, family, case, seed, rows, _read_json(os.path.join(run_dir, CONFIG_FILE))))
+                        found.append((run_dir, _read_json(os.path.join(run_dir, CONFIG_FILE))))
+    return found
+
+
+def collect(results):
+    """(summary rows, verdicts {rung: {family: {"passed", "cases": {case: {"passed", "seeds_passed", "seeds"}}}}},
+    metrics {run: rows}) of the finished runs under results/runs."""
+    rows_out, metrics = [], {}
+    for run_dir, document in finished_runs(results):
+        rung, family, case, name = os.path.relpath(run_dir, os.path.join(results, "runs")).split(os.sep)
+        seed = int(name.split("_")[1])
+        rows = read_rows(run_dir)
+        metrics[f"{rung}/{family}/{case}/{seed}"] = rows
+        rows_out.append(run_row(rung, family, case, seed, rows, document))
     verdicts = {}
     for row in rows_out:
         case = verdicts.setdefault(row["rung"], {}).setdefault(row["family"], {"cases": {}})["cases"].setdefault(
@@ -400,6 +406,10 @@ def main(argv=None):
         except ValueError:
             parser.error(f"--seeds {args.seeds!r}: comma-separated whole numbers, e.g. 42,43,44")
         models = {"flow": args.model_flow, "unet": args.model_unet}
+        for family, model in models.items():
+            if model and (os.sep in model or model.startswith(".")) and not os.path.isdir(model):
+                parser.error(f"--model-{family} {model!r}: no such directory (a model directory written by "
+                             "`ddpo-group pretrain`, or a shipped model's name)")
         tasks, refused = [], []
         for rung in rungs:
             for family in families:
@@ -423,6 +433,20 @@ def main(argv=None):
                         tasks.append((f"{rung}/{family}/{case}/seed_{seed}",
                                       [sys.executable, os.path.abspath(__file__), "--run-one", json.dumps(spec)]
                                       + [f"--set={item}" for item in args.set], run_dir))
+        # every other finished run of the folder too: the folder holds one ladder config (its epochs, images,
+        # models and --set), so that --collect never reports runs of two configs as one ladder
+        planned = {task[2] for task in tasks}
+        for run_dir, done in finished_runs(results):
+            if run_dir in planned or os.path.relpath(run_dir, results) in refused:
+                continue
+            spec = dict((done or {}).get("spec") or {}, run_dir=run_dir, epochs=args.epochs, images=args.images)
+            try:
+                same = done is not None and done.get("config") == config_document(
+                    ladder_config(**dict(spec, model=models.get(spec.get("family"), "")), overrides=args.set))
+            except (ConfigError, TypeError, KeyError):
+                same = False
+            if not same:
+                refused.append(os.path.relpath(run_dir, results))
         if refused:
             sys.exit(f"--results {args.results}: {len(refused)} finished run(s) there were trained with another "
                      f"config (first: {refused[0]}); give a new --results folder (finished runs are never overwritten)")
@@ -432,7 +456,7 @@ def main(argv=None):
         failed = []
     rows, verdicts = write_outputs(results, argv)
     if failed:
-        sys.exit(f"{len(failed)} run(s) failed (logs: RESULTS/runs/<rung>/<family>/<case>/seed_<s>.log): "
+        sys.exit(f"{len(failed)} run(s) failed (logs: {results}/runs/<rung>/<family>/<case>/seed_<s>.log): "
                  + ", ".join(failed))
     return rows, verdicts
 

@@ -139,3 +139,20 @@ def test_the_run_pool_runs_each_command_on_one_thread_with_its_log_and_returns_i
               str(tmp_path / "runs" / name)) for name, code in (("ok", 0), ("bad", 3))]
     assert pool.run_pool(tasks, jobs=2, poll_seconds=0.05) == {"ok": 0, "bad": 3}
     assert (tmp_path / "runs" / "bad.log").read_text().strip() == "1"
+
+
+def test_a_folder_is_one_ladder_config_a_finished_run_of_another_rung_with_other_epochs_is_refused(tmp_path):
+    spec = {"rung": "a", "family": "flow", "case": "jpeg", "prompt": ladder.RUNG_A_PROMPT, "seed": 42,
+            "epochs": 2, "images": 0, "model": ""}
+    write_run(tmp_path, "a", "flow", "jpeg", 42, [{"epoch": 0, "reward_mean": 1.0}], spec)
+    with pytest.raises(SystemExit) as err:  # rung b at 3 epochs beside rung a's 2-epoch run: two configs in one folder
+        ladder.main(["--rungs", "b", "--families", "flow", "--seeds", "42", "--epochs", "3", "--results", str(tmp_path)])
+    assert "a/flow/jpeg/seed_42" in str(err.value)
+    assert not os.path.exists(ladder.run_dir_of(str(tmp_path), "b", "flow", "counting", 42))
+
+
+def test_a_missing_model_directory_is_one_line_before_any_run(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ladder.main(["--rungs", "a", "--families", "flow", "--model-flow", str(tmp_path / "no_model"),
+                     "--results", str(tmp_path)])
+    assert "--model-flow" in capsys.readouterr().err and not os.path.exists(tmp_path / "runs")
