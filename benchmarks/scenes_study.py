@@ -55,10 +55,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))  # run_pool, shared with scenes_ladder.py
 
 DEFAULT_RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study")
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -524,29 +524,17 @@ def main(argv=None):
         except ConfigError as err:
             parser.error(str(err))
     if not args.collect:
+        from run_pool import run_pool
+
         pending = [(m, s) for m in methods for s in seeds
                    if not os.path.exists(os.path.join(args.results, "runs", m, f"seed_{s}", "finished.json"))]
-        running = []
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        while pending or running:
-            while pending and len(running) < args.jobs:
-                method, seed = pending.pop(0)
-                run_dir = os.path.join(args.results, "runs", method, f"seed_{seed}")
-                os.makedirs(os.path.dirname(run_dir), exist_ok=True)
-                log = open(run_dir + ".log", "w")
-                print(f"start {method} seed {seed}", flush=True)
-                command = [sys.executable, os.path.abspath(__file__), "--run-one", method, str(seed), run_dir,
-                           str(args.epochs)] + [f"--set={item}" for item in args.set]
-                process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-                running.append((method, seed, process, log, time.time()))
-            time.sleep(5)
-            for item in list(running):
-                method, seed, process, log, began = item
-                if process.poll() is not None:
-                    log.close()
-                    running.remove(item)
-                    print(f"done {method} seed {seed}: exit {process.returncode} after {time.time() - began:.0f} s",
-                          flush=True)
+        tasks = []
+        for method, seed in pending:
+            run_dir = os.path.join(args.results, "runs", method, f"seed_{seed}")
+            tasks.append((f"{method} seed {seed}", [sys.executable, os.path.abspath(__file__), "--run-one", method,
+                                                    str(seed), run_dir, str(args.epochs)]
+                          + [f"--set={item}" for item in args.set], run_dir))
+        run_pool(tasks, args.jobs)
     summary, table, target, metrics = collect(args.results, args.target)
     os.makedirs(args.results, exist_ok=True)
     write_json(os.path.join(args.results, "summary.json"), summary)

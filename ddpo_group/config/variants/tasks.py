@@ -105,8 +105,8 @@ def tiny_scenes():
     """The second main job: Flow-GRPO's GenEval recipe (yifan123/flow_grpo config/grpo.py geneval_sd3: the geneval
     partial score, generated GenEval prompts without the evaluation set's, the "sde" sampler with noise level 0.7,
     10 steps, CFG 4.5, KL 0.04 on Flow-GRPO's scale, the last step never trained) scaled to the shipped flow model
-    tiny-scenes-sd3 (64-px scenes of one to four shapes, docs/scenes.md): the whole 0.9M-parameter transformer
-    trained (no LoRA), 8 images per prompt, 64 per epoch, lr 2e-4 and clip range 1e-2 as the main job, the exact
+    tiny-scenes-sd3 (64-px scenes of one to four shapes, docs/scenes.md): the training prompts' tags in GenEval's
+    proportions, the whole 0.9M-parameter transformer trained (no LoRA), 8 images per prompt, 64 per epoch, lr 2e-4 and clip range 1e-2 as the main job, the exact
     shapes-world detector for Mask2Former + CLIP. Evaluated every 10 epochs on the held-out set
     (assets/prompts/geneval_scenes.jsonl, 150 records, 2 fixed-noise images each): eval/geneval/<tag> and
     eval/geneval/overall are GenEval's table; scripts/evaluate.py --protocol geneval gives it with 4 images."""
@@ -115,7 +115,9 @@ def tiny_scenes():
     config.reward_fn = "geneval"
     config.reward_kwargs["geneval"] = {"detector": "shapes", "score": "partial"}
     config.prompt_fn = "ddpo_group.data.scenes:scene_training_prompts"
-    config.prompt_fn_kwargs = {"n_per_tag": 100, "seed": 0}
+    # the tags in GenEval's proportions (99 / 80 / 94 / 100 / 100 of 473: single_object has no training record),
+    # not one place per distinct record (48 % color_attr, 36 % position); ddpo_group.data.scenes
+    config.prompt_fn_kwargs = {"n_per_tag": 100, "seed": 0, "mix": "geneval"}
     config.eval_prompt_fn = "geneval_scenes.jsonl"
     config.eval_freq = 10
     config.eval_images_per_prompt = 2

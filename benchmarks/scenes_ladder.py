@@ -1,0 +1,465 @@
+"""Issue 53's learning ladder on the scenes world: can the trainer teach the shipped models anything, from the
+easiest lesson up? A rung that fails stops the climb until its cause is found (docs/scenes.md).
+
+    python benchmarks/scenes_ladder.py --rungs a,b --families flow,unet --jobs 14   # rungs a and b, 3 seeds each
+    python benchmarks/scenes_ladder.py --rungs a --families flow --seeds 42 --epochs 3   # one short check
+    python benchmarks/scenes_ladder.py --collect                                    # the tables, JSON and figures
+    python benchmarks/scenes_ladder.py --rungs b --model-flow runs/pretrain/flow --results benchmarks/results/scenes_ladder_newbase
+
+Rungs (every one on both families: "flow" is Flow-GRPO on the flow model, variant tiny_scenes on tiny-scenes-sd3;
+"unet" is GRPO + KL on the UNet, variant tiny_scenes_sd on tiny-scenes; --model-flow / --model-unet train
+another base):
+
+    a  DDPO's sanity check: reward_fn jpeg_incompressibility on one prompt (RUNG_A_PROMPT); passes when the
+       training reward rises: the mean of the last WINDOW epochs exceeds the first WINDOW's by more than 2
+       standard errors (each epoch's reward_std / sqrt(its num_samples)). Default 15 epochs (the issue's probe
+       rose 2.16 -> 3.08 in 14).
+    b  one training prompt of each tag that has training records (RUNG_B_PROMPTS: one drawn at random per tag,
+       seed 0, nobody's pick), the task's reward (Flow-GRPO's partial score); passes when the training
+       strict-correct (reward_info/geneval/strict_correct, GenEval's strict verdict, the mean over an epoch's
+       images) averaged over WINDOW consecutive epochs reaches TARGET = 0.9 within the run's epochs (default 30).
+       single_object has no training prompt (all eight are held out), so five runs per seed.
+    c  one tag's training prompts (--tag, default colors; its training records in the GenEval mix); passes when
+       the held-out set's number for that tag (eval/geneval/<tag>, 2 fixed-noise images per record) after the
+       last epoch is above the base's (the same evaluation at epoch 0). Default 30 epochs.
+    d  the full task (the variant as it is: every tag in GenEval's proportions); passes when the held-out overall
+       after the last epoch is above the base's. Default 40 epochs (the variant's).
+
+A case (rung, family, prompt or tag) passes when a majority of its seeds pass; a rung passes for a family when
+every case does.
+
+Cost. Every run keeps its variant's sampler, learning rate and KL; an epoch is 8 groups of 8 images (64, the
+variants' own; --images changes the count, in whole sampling batches). Flow-GRPO's GenEval recipe samples 48
+groups of 24 (1,152 images an epoch, yifan123/flow_grpo config/grpo.py geneval_sd3). Scaled down: a group of 8
+keeps GRPO's per-group standard deviation usable (a group of 2-4 is often all-equal on a 0/1-ish reward) and 8
+groups keep 4 optimizer steps an epoch. Measured (flow, rung a, 3 epochs, one thread on a 2-core machine shared
+with about ten other processes): 163 s of wall time an epoch, of which the run's own CPU time was about 27 s (the
+command's 102 s of CPU less 14 s of start-up and the collection); on a free core an epoch is about 30 s, so rungs a
+and b (2 families x 6 cases x 3 seeds = 36 runs, 15 or 30 epochs, ~990 run-epochs) take about 35-40 minutes with
+--jobs 14 on a 16-core machine (about 0.7 GB of memory a run). An epoch's strict-correct over 64 images has a
+standard error near 0.04 at 0.9; WINDOW = 3 epochs (192 images) takes it to 0.02, so a run does not pass on one
+lucky epoch.
+
+Each run trains in a process of its own on one thread into RESULTS/runs/<rung>/<family>/<case>/seed_<s>/ (config
+written there as ladder_config.json when it finishes). A run whose directory holds finished.json is done and
+skipped when its ladder_config.json is the config this command would train (the same rung, model, epochs, images,
+--set, code defaults); otherwise the command refuses the results folder (a finished run is never overwritten and
+never reported as another config's: give a new --results). An unfinished run is started again from scratch. The
+command exits non-zero when any run failed.
+
+Writes RESULTS/summary.json ({"runs": one row per finished run, "rungs": the verdicts, "definitions", "command"}),
+RESULTS/metrics.json.gz (every run's metrics rows) and RESULTS/ladder_<rung>.png (training reward and strict-correct
+per epoch, a panel per family, a colour per case, a line per seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+
+from run_pool import run_pool  # noqa: E402
+from scenes_study import TAGS, TIME_KEYS, read_rows, write_json  # noqa: E402
+
+DEFAULT_RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_ladder")
+FAMILIES = {"flow": "tiny_scenes", "unet": "tiny_scenes_sd"}
+RUNGS = ("a", "b", "c", "d")
+DEFAULT_EPOCHS = {"a": 15, "b": 30, "c": 30, "d": 40}
+RUNG_A_PROMPT = "a photo of three circles"  # the issue's probe: jpeg_incompressibility 2.16 -> 3.08 in 14 epochs
+# one training prompt per tag, drawn at random (numpy default_rng(0)) from scenes.training_records()[tag]
+RUNG_B_PROMPTS = {
+    "two_object": "a photo of a star and a triangle",
+    "counting": "a photo of three semicircles",
+    "colors": "a photo of a magenta star",
+    "position": "a photo of a star above a cross",
+    "color_attr": "a photo of a magenta cross and a yellow star",
+}
+TARGET = 0.9
+WINDOW = 3
+STRICT = "reward_info/geneval/strict_correct"
+CONFIG_FILE = "ladder_config.json"
+
+
+def cases(rung, tag="colors"):
+    """[(case name, prompt or None)] of a rung."""
+    if rung == "a":
+        return [("jpeg", RUNG_A_PROMPT)]
+    if rung == "b":
+        return list(RUNG_B_PROMPTS.items())
+    if rung == "c":
+        return [(tag, None)]
+    return [("full", None)]
+
+
+def ladder_config(rung, family, case, prompt, seed, run_dir, epochs=0, images=0, model="", overrides=()):
+    """The config of one run: the family's variant with the rung's prompts / reward / evaluation, then the
+    --set overrides, then the images per epoch (whole sampling batches)."""
+    from ddpo_group.config import grpo
+    from ddpo_group.config.fields import set_field
+    from ddpo_group.config.registry import ConfigError
+
+    config = grpo.get_config(FAMILIES[family])
+    config.seed = seed
+    config.num_epochs = epochs or DEFAULT_EPOCHS[rung]
+    if model:
+        config.pretrained.model = model
+    if rung == "a":
+        config.reward_fn = "jpeg_incompressibility"
+        config.reward_kwargs = {}
+    if prompt:
+        config.prompt_fn_kwargs = {"prompt": prompt}
+    elif rung == "c":
+        config.prompt_fn_kwargs = {**config.prompt_fn_kwargs, "tags": case}
+    # one-prompt rungs read the training numbers; c and d the held-out set before and after
+    config.eval_freq = 0 if rung in ("a", "b") else config.num_epochs
+    for item in overrides:
+        set_field(config, item)
+    if images:
+        if images % config.sample.batch_size or images % config.sample.group_size:
+            raise ConfigError(f"--images {images}: must be a multiple of sample.batch_size "
+                              f"({config.sample.batch_size}) and sample.group_size ({config.sample.group_size})")
+        config.sample.num_batches_per_epoch = images // config.sample.batch_size
+    config.logdir, config.run_name = os.path.dirname(run_dir), os.path.basename(run_dir)
+    config.overwrite = True
+    config.save_freq = 0
+    config.log_images_every = 0
+    return config
+
+
+def config_document(config):
+    """The run's config as JSON data, without where it is written (a resumed folder may have moved)."""
+    document = json.loads(json.dumps(config.to_dict(), default=str, sort_keys=True))
+    for key in ("logdir", "run_name", "overwrite"):
+        document.pop(key, None)
+    return document
+
+
+def run_dir_of(results, rung, family, case, seed):
+    return os.path.join(results, "runs", rung, family, case, f"seed_{seed}")
+
+
+def run_one(spec, overrides=()):
+    """Train one run in this process (a subprocess of its own, started by `main`); its config beside it at the end."""
+    import torch
+
+    torch.set_num_threads(1)
+    from ddpo_group.training.trainer import Trainer
+
+    config = ladder_config(**spec, overrides=overrides)
+    document = config_document(config)  # as built, before the trainer reads (or fills in) anything
+    Trainer(config).run()
+    write_json(os.path.join(spec["run_dir"], CONFIG_FILE), {"spec": spec, "set": list(overrides), "config": document})
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def rising(rows):
+    """(rise, its standard error, pass) of the training reward: the mean of the last WINDOW epochs minus the first
+    WINDOW's (fewer when the run has under 2 x WINDOW epochs), the error from each epoch's reward_std / sqrt(n)."""
+    training = [r for r in rows if "reward_mean" in r]
+    w = max(1, min(WINDOW, len(training) // 2))
+    if len(training) < 2:
+        return None, None, False
+    first, last = training[:w], training[-w:]
+
+    def variance(part):  # of the mean over the part's epochs
+        return sum(r.get("reward_std", 0.0) ** 2 / max(1, r.get("num_samples", 1)) for r in part) / len(part) ** 2
+
+    rise = statistics.fmean(r["reward_mean"] for r in last) - statistics.fmean(r["reward_mean"] for r in first)
+    error = math.sqrt(variance(first) + variance(last))
+    return rise, error, rise > 2 * error
+
+
+def epochs_to_target(strict, target=TARGET, window=WINDOW):
+    """Epochs sampled until the mean strict-correct of `window` consecutive epochs first reaches `target` (the
+    window's last epoch, counted from 1), or None."""
+    for end in range(window, len(strict) + 1):
+        if statistics.fmean(strict[end - window:end]) >= target - 1e-12:
+            return end
+    return None
+
+
+def run_row(rung, family, case, seed, rows, document):
+    """One summary row of a finished run (module docstring's verdicts)."""
+    training = sorted((r for r in rows if "reward_mean" in r), key=lambda r: r["epoch"])
+    rewards = [r["reward_mean"] for r in training]
+    strict = [r[STRICT] for r in training if STRICT in r]
+    spec = (document or {}).get("spec", {})
+    config = (document or {}).get("config", {})
+    row = {"rung": rung, "family": family, "case": case, "seed": seed,
+           "model": (config.get("pretrained") or {}).get("model"), "prompt": spec.get("prompt"),
+           "reward_fn": config.get("reward_fn"), "epochs": len(training),
+           "images_per_epoch": training[0].get("num_samples") if training else None,
+           "first_reward": rewards[0] if rewards else None, "last_reward": rewards[-1] if rewards else None,
+           "reward": [round(v, 4) for v in rewards], "strict_correct": [round(v, 4) for v in strict],
+           "epochs_to_strict_0.9": epochs_to_target(strict) if strict else None,
+           "seconds_per_epoch": (statistics.fmean(sum(r.get(k, 0.0) for k in TIME_KEYS) for r in training)
+                                 if training else None)}
+    evals = sorted((r for r in rows if "eval/geneval/overall" in r), key=lambda r: r["epoch"])
+    if evals:
+        row["base"] = {key: evals[0].get(f"eval/geneval/{key}") for key in ("overall",) + TAGS}
+        row["final"] = {key: evals[-1].get(f"eval/geneval/{key}") for key in ("overall",) + TAGS}
+        row["final_epoch"] = evals[-1]["epoch"]
+    if rung == "a":
+        rise, error, ok = rising(training)
+        row.update(rise=rise, rise_error=error, passed=ok)
+    elif rung == "b":
+        row["passed"] = row["epochs_to_strict_0.9"] is not None
+    else:
+        key = case if rung == "c" else "overall"
+        done = evals and evals[-1]["epoch"] > evals[0]["epoch"] and evals[0].get(f"eval/geneval/{key}") is not None
+        row["lift"] = (evals[-1][f"eval/geneval/{key}"] - evals[0][f"eval/geneval/{key}"]) if done else None
+        row["passed"] = bool(done and row["lift"] > 0)
+    return row
+
+
+def finished_runs(results):
+    """[(run directory, its ladder_config.json or None)] of the finished runs under results/runs."""
+    found = []
+    for rung in RUNGS:
+        for family in FAMILIES:
+            base = os.path.join(results, "runs", rung, family)
+            for case in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+                for name in sorted(os.listdir(os.path.join(base, case))):
+                    run_dir = os.path.join(base, case, name)
+                    if (name.startswith("seed_") and os.path.isdir(run_dir)
+                            and os.path.exists(os.path.join(run_dir, "finished.json"))):
+                        found.append((run_dir, _read_json(os.path.join(run_dir, CONFIG_FILE))))
+    return found
+
+
+def collect(results):
+    """(summary rows, verdicts {rung: {family: {"passed", "cases": {case: {"passed", "seeds_passed", "seeds"}}}}},
+    metrics {run: rows}) of the finished runs under results/runs."""
+    rows_out, metrics = [], {}
+    for run_dir, document in finished_runs(results):
+        rung, family, case, name = os.path.relpath(run_dir, os.path.join(results, "runs")).split(os.sep)
+        seed = int(name.split("_")[1])
+        rows = read_rows(run_dir)
+        metrics[f"{rung}/{family}/{case}/{seed}"] = rows
+        rows_out.append(run_row(rung, family, case, seed, rows, document))
+    verdicts = {}
+    for row in rows_out:
+        case = verdicts.setdefault(row["rung"], {}).setdefault(row["family"], {"cases": {}})["cases"].setdefault(
+            row["case"], {"seeds": [], "seeds_passed": 0})
+        case["seeds"].append(row["seed"])
+        case["seeds_passed"] += bool(row["passed"])
+    for families in verdicts.values():
+        for family in families.values():
+            for case in family["cases"].values():
+                case["passed"] = case["seeds_passed"] * 2 > len(case["seeds"])
+            family["passed"] = all(c["passed"] for c in family["cases"].values())
+    return rows_out, verdicts, metrics
+
+
+def _cell(value, digits=3):
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def render(rows, verdicts):
+    """A markdown table per rung: one line per run."""
+    lines = []
+    for rung in RUNGS:
+        mine = [r for r in rows if r["rung"] == rung]
+        if not mine:
+            continue
+        verdict = ", ".join(f"{f} {'PASS' if v['passed'] else 'FAIL'}" for f, v in verdicts[rung].items())
+        lines += ["", f"## rung {rung} ({verdict})", "",
+                  "| family | case | seed | epochs | reward first -> last | strict-correct first -> last "
+                  "| epochs to 0.9 | held-out base -> final | s/epoch | pass |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            strict = (f"{r['strict_correct'][0]:.3f} -> {r['strict_correct'][-1]:.3f}" if r["strict_correct"] else "-")
+            held = "-"
+            if "base" in r:
+                key = r["case"] if rung == "c" else "overall"
+                held = f"{_cell(r['base'][key])} -> {_cell(r['final'][key])} ({key})"
+            extra = f" (rise {r['rise']:.3f} +- {r['rise_error']:.3f})" if rung == "a" and r.get("rise") is not None else ""
+            lines.append(f"| {r['family']} | {r['case']} | {r['seed']} | {r['epochs']} | {_cell(r['first_reward'])} -> "
+                         f"{_cell(r['last_reward'])}{extra} | {strict} | {r['epochs_to_strict_0.9'] or '-'} | {held} | "
+                         f"{_cell(r['seconds_per_epoch'], 1)} | {'yes' if r['passed'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def figures(rows, results):
+    """RESULTS/ladder_<rung>.png per rung that ran: training reward (top) and strict-correct (bottom, when logged)
+    per epoch, a column per family, a colour per case, a line per seed. Returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for rung in RUNGS:
+        mine = [r for r in rows if r["rung"] == rung]
+        if not mine:
+            continue
+        families = [f for f in FAMILIES if any(r["family"] == f for r in mine)]
+        with_strict = any(r["strict_correct"] for r in mine)
+        n_rows = 2 if with_strict else 1
+        fig, axes = plt.subplots(n_rows, len(families), figsize=(5 * len(families), 3.2 * n_rows), squeeze=False)
+        case_names = sorted({r["case"] for r in mine})
+        colors = {c: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(case_names)}
+        for j, family in enumerate(families):
+            for r in (r for r in mine if r["family"] == family):
+                label = r["case"] if r["seed"] == min(x["seed"] for x in mine if x["case"] == r["case"]) else None
+                axes[0][j].plot(range(len(r["reward"])), r["reward"], color=colors[r["case"]], alpha=0.8, label=label)
+                if with_strict and r["strict_correct"]:
+                    axes[1][j].plot(range(len(r["strict_correct"])), r["strict_correct"], color=colors[r["case"]],
+                                    alpha=0.8)
+            axes[0][j].set_title(f"rung {rung}, {family} ({'PASS' if all_pass(mine, family) else 'FAIL'})")
+            axes[0][j].set_ylabel("training reward" if rung != "a" else "jpeg_incompressibility (kB)")
+            axes[0][j].legend(fontsize=7)
+            if with_strict:
+                axes[1][j].axhline(TARGET, color="gray", linestyle=":")
+                axes[1][j].set_ylim(-0.02, 1.02)
+                axes[1][j].set_ylabel("strict-correct (training)")
+            axes[-1][j].set_xlabel("epoch")
+        fig.tight_layout()
+        path = os.path.join(results, f"ladder_{rung}.png")
+        tmp = path + ".tmp.png"
+        fig.savefig(tmp, dpi=90)
+        plt.close(fig)
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths
+
+
+def all_pass(rows, family):
+    by_case = {}
+    for r in rows:
+        if r["family"] == family:
+            by_case.setdefault(r["case"], []).append(bool(r["passed"]))
+    return all(sum(v) * 2 > len(v) for v in by_case.values())
+
+
+def write_outputs(results, argv):
+    rows, verdicts, metrics = collect(results)
+    os.makedirs(results, exist_ok=True)
+    write_json(os.path.join(results, "summary.json"), {
+        "runs": rows, "rungs": verdicts,
+        "definitions": __doc__.split("Rungs (")[1].split("Cost.")[0].strip(),
+        "command": "python benchmarks/scenes_ladder.py " + " ".join(argv),
+    })
+    write_json(os.path.join(results, "metrics.json.gz"), metrics, compress=True)
+    figures(rows, results)
+    print(render(rows, verdicts))
+    return rows, verdicts
+
+
+def _list(text, allowed, what, parser):
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in items if t not in allowed]
+    if unknown or not items:
+        parser.error(f"--{what} {text!r}: choose from {', '.join(allowed)}")
+    return items
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rungs", default="a,b", help="comma-separated, of a, b, c, d (default a,b)")
+    parser.add_argument("--families", default="flow,unet", help="flow (Flow-GRPO, tiny-scenes-sd3), unet "
+                                                                "(GRPO + KL, tiny-scenes)")
+    parser.add_argument("--seeds", default="42,43,44")
+    parser.add_argument("--epochs", type=int, default=0, help="training epochs of every run (0: the rung's: "
+                        + ", ".join(f"{k} {v}" for k, v in DEFAULT_EPOCHS.items()) + ")")
+    parser.add_argument("--images", type=int, default=0, help="images per epoch (0: the variants' 64; a multiple "
+                                                              "of sample.batch_size)")
+    parser.add_argument("--tag", default="colors", help="rung c's tag (default colors)")
+    parser.add_argument("--model-flow", default="", help="the flow base to train (default tiny-scenes-sd3)")
+    parser.add_argument("--model-unet", default="", help="the UNet base to train (default tiny-scenes)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
+    parser.add_argument("--results", default=DEFAULT_RESULTS)
+    parser.add_argument("--collect", action="store_true", help="only build the tables, JSON and figures")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a config field of every run (a JSON value; repeatable)")
+    parser.add_argument("--run-one", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.run_one:
+        return run_one(json.loads(args.run_one), args.set)
+    results = os.path.abspath(args.results)
+    if not args.collect:
+        from ddpo_group.config.registry import ConfigError
+        from ddpo_group.data.prompts import load_config_prompts
+
+        rungs = _list(args.rungs, RUNGS, "rungs", parser)
+        families = _list(args.families, FAMILIES, "families", parser)
+        if args.tag not in TAGS[1:]:
+            parser.error(f"--tag {args.tag!r}: choose a tag with training prompts: {', '.join(TAGS[1:])}")
+        try:
+            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        except ValueError:
+            parser.error(f"--seeds {args.seeds!r}: comma-separated whole numbers, e.g. 42,43,44")
+        models = {"flow": args.model_flow, "unet": args.model_unet}
+        for family, model in models.items():
+            if model and (os.sep in model or model.startswith(".")) and not os.path.isdir(model):
+                parser.error(f"--model-{family} {model!r}: no such directory (a model directory written by "
+                             "`ddpo-group pretrain`, or a shipped model's name)")
+        tasks, refused = [], []
+        for rung in rungs:
+            for family in families:
+                for case, prompt in cases(rung, args.tag):
+                    for seed in seeds:
+                        run_dir = run_dir_of(results, rung, family, case, seed)
+                        spec = {"rung": rung, "family": family, "case": case, "prompt": prompt, "seed": seed,
+                                "run_dir": run_dir, "epochs": args.epochs, "images": args.images,
+                                "model": models[family]}
+                        try:  # a misspelt field or a bad prompt is one line here, not a traceback in a run's log
+                            config = ladder_config(**spec, overrides=args.set)
+                            if not tasks:
+                                load_config_prompts(config, "prompt_fn")
+                        except ConfigError as err:
+                            parser.error(str(err))
+                        if os.path.exists(os.path.join(run_dir, "finished.json")):
+                            done = _read_json(os.path.join(run_dir, CONFIG_FILE)) or {}
+                            if done.get("config") != config_document(config):
+                                refused.append(os.path.relpath(run_dir, results))
+                            continue
+                        tasks.append((f"{rung}/{family}/{case}/seed_{seed}",
+                                      [sys.executable, os.path.abspath(__file__), "--run-one", json.dumps(spec)]
+                                      + [f"--set={item}" for item in args.set], run_dir))
+        # every other finished run of the folder too: the folder holds one ladder config (its epochs, images,
+        # models and --set), so that --collect never reports runs of two configs as one ladder
+        planned = {task[2] for task in tasks}
+        for run_dir, done in finished_runs(results):
+            if run_dir in planned or os.path.relpath(run_dir, results) in refused:
+                continue
+            spec = dict((done or {}).get("spec") or {}, run_dir=run_dir, epochs=args.epochs, images=args.images)
+            try:
+                same = done is not None and done.get("config") == config_document(
+                    ladder_config(**dict(spec, model=models.get(spec.get("family"), "")), overrides=args.set))
+            except (ConfigError, TypeError, KeyError):
+                same = False
+            if not same:
+                refused.append(os.path.relpath(run_dir, results))
+        if refused:
+            sys.exit(f"--results {args.results}: {len(refused)} finished run(s) there were trained with another "
+                     f"config (first: {refused[0]}); give a new --results folder (finished runs are never overwritten)")
+        codes = run_pool(tasks, args.jobs)
+        failed = sorted(label for label, code in codes.items() if code)
+    else:
+        failed = []
+    rows, verdicts = write_outputs(results, argv)
+    if failed:
+        sys.exit(f"{len(failed)} run(s) failed (logs: {results}/runs/<rung>/<family>/<case>/seed_<s>.log): "
+                 + ", ".join(failed))
+    return rows, verdicts
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""benchmarks/scenes_ladder.py (issue 53's learning ladder): its verdicts recomputed by hand from synthetic metrics
+files, the folder it refuses, the one-line errors. No training here: the ladder's runs are benchmarks."""
+
+import json
+import math
+import os
+
+import pytest
+from helpers import load_script
+
+ladder = load_script("benchmarks/scenes_ladder.py")
+
+
+def write_run(results, rung, family, case, seed, rows, spec=None):
+    run_dir = ladder.run_dir_of(str(results), rung, family, case, seed)
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    with open(os.path.join(run_dir, "finished.json"), "w") as f:
+        json.dump({"epoch": len(rows)}, f)
+    if spec is not None:
+        config = ladder.ladder_config(**spec, run_dir=run_dir)
+        with open(os.path.join(run_dir, ladder.CONFIG_FILE), "w") as f:
+            json.dump({"spec": spec, "set": [], "config": ladder.config_document(config)}, f)
+    return run_dir
+
+
+def strict_rows(values):
+    return [{"epoch": e, "reward_mean": 0.5 + 0.1 * v, "reward_std": 0.2, "num_samples": 64,
+             "reward_info/geneval/strict_correct": v, "time/sample": 2.0, "time/train": 1.0}
+            for e, v in enumerate(values)]
+
+
+def test_epochs_to_strict_correct_is_the_first_window_of_three_epochs_whose_mean_reaches_0_9():
+    # windows: (0.5, 0.95, 0.85) 0.767, (0.95, 0.85, 0.9) 0.9 -> the window ending at epoch 4 (counted from 1)
+    assert ladder.epochs_to_target([0.5, 0.95, 0.85, 0.9, 1.0]) == 4
+    # one epoch at 1.0 among low ones is not enough
+    assert ladder.epochs_to_target([0.6, 1.0, 0.6, 0.7]) is None
+
+
+def test_rung_a_passes_when_the_reward_rises_by_more_than_two_standard_errors():
+    rows = [{"epoch": e, "reward_mean": m, "reward_std": 0.4, "num_samples": 64} for e, m in
+            enumerate([2.0, 2.1, 2.2, 2.3, 2.4, 2.5])]
+    rise, error, passed = ladder.rising(rows)
+    # first three 2.1, last three 2.4; each window's mean has variance 3 x 0.4^2 / 64 / 3^2
+    assert rise == pytest.approx(0.3)
+    assert error == pytest.approx(math.sqrt(2 * 3 * 0.16 / 64 / 9))
+    assert passed
+    flat = [dict(r, reward_mean=2.0 + 0.01 * (r["epoch"] % 2)) for r in rows]
+    assert not ladder.rising(flat)[2]
+
+
+def test_collect_gives_each_run_s_trajectory_and_a_case_passes_on_a_majority_of_seeds(tmp_path):
+    spec = {"rung": "b", "family": "flow", "case": "counting", "prompt": "a photo of three semicircles",
+            "epochs": 5, "images": 0, "model": ""}
+    write_run(tmp_path, "b", "flow", "counting", 42, strict_rows([0.3, 0.9, 0.9, 0.95, 1.0]), {**spec, "seed": 42})
+    write_run(tmp_path, "b", "flow", "counting", 43, strict_rows([0.3, 0.4, 0.5, 0.6, 0.7]), {**spec, "seed": 43})
+    write_run(tmp_path, "b", "flow", "counting", 44, strict_rows([0.8, 0.9, 1.0, 1.0, 1.0]), {**spec, "seed": 44})
+    rows, verdicts = ladder.main(["--collect", "--results", str(tmp_path)])
+    by_seed = {r["seed"]: r for r in rows}
+    assert by_seed[42]["epochs_to_strict_0.9"] == 4 and by_seed[42]["passed"]  # (0.9 + 0.9 + 0.95) / 3
+    assert by_seed[43]["epochs_to_strict_0.9"] is None and not by_seed[43]["passed"]
+    assert by_seed[44]["epochs_to_strict_0.9"] == 3  # (0.8 + 0.9 + 1.0) / 3
+    assert by_seed[42]["first_reward"] == pytest.approx(0.53) and by_seed[42]["last_reward"] == pytest.approx(0.6)
+    assert by_seed[42]["strict_correct"] == [0.3, 0.9, 0.9, 0.95, 1.0]
+    assert by_seed[42]["seconds_per_epoch"] == pytest.approx(3.0)
+    assert by_seed[42]["prompt"] == "a photo of three semicircles" and by_seed[42]["model"] == "tiny-scenes-sd3"
+    assert verdicts["b"]["flow"]["cases"]["counting"] == {"seeds": [42, 43, 44], "seeds_passed": 2, "passed": True}
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["rungs"]["b"]["flow"]["passed"] and len(summary["runs"]) == 3
+    assert (tmp_path / "ladder_b.png").stat().st_size > 1000
+
+
+def test_rung_c_passes_when_its_tag_s_held_out_number_ends_above_the_base(tmp_path):
+    base = {"eval/geneval/overall": 0.2, "eval/geneval/colors": 0.30}
+    rows = strict_rows([0.5, 0.6])
+    rows[0].update(base)
+    rows.append({"epoch": 2, "eval/geneval/overall": 0.19, "eval/geneval/colors": 0.35})
+    write_run(tmp_path, "c", "unet", "colors", 42, rows)
+    rows, verdicts = ladder.main(["--collect", "--results", str(tmp_path)])
+    assert rows[0]["lift"] == pytest.approx(0.05) and rows[0]["passed"]  # colors, not the overall that fell
+    assert verdicts["c"]["unet"]["passed"]
+
+
+def test_a_folder_whose_finished_run_had_another_config_is_refused_and_the_same_config_resumes(tmp_path):
+    spec = {"rung": "a", "family": "flow", "case": "jpeg", "prompt": ladder.RUNG_A_PROMPT, "seed": 42,
+            "epochs": 2, "images": 0, "model": ""}
+    rows = [{"epoch": e, "reward_mean": 2.0 + e, "reward_std": 0.1, "num_samples": 64} for e in range(2)]
+    write_run(tmp_path, "a", "flow", "jpeg", 42, rows, spec)
+    args = ["--rungs", "a", "--families", "flow", "--seeds", "42", "--results", str(tmp_path)]
+    with pytest.raises(SystemExit) as err:
+        ladder.main(args + ["--epochs", "3"])  # another config: refused, nothing started
+    assert "another config" in str(err.value) and "new --results" in str(err.value) and "\n" not in str(err.value)
+    rows, verdicts = ladder.main(args + ["--epochs", "2"])  # the same config: nothing to run, collected
+    assert [r["seed"] for r in rows] == [42] and rows[0]["rise"] == pytest.approx(1.0)
+
+
+def test_a_finished_run_without_its_ladder_config_is_refused(tmp_path):
+    write_run(tmp_path, "a", "flow", "jpeg", 42, [{"epoch": 0, "reward_mean": 1.0}])  # e.g. another script's
+    with pytest.raises(SystemExit, match="another config"):
+        ladder.main(["--rungs", "a", "--families", "flow", "--seeds", "42", "--results", str(tmp_path)])
+
+
+def test_a_misspelt_set_field_is_one_line_before_any_run(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ladder.main(["--rungs", "a", "--families", "flow", "--results", str(tmp_path),
+                     "--set", "train.learning_rat=1e-3"])
+    err = capsys.readouterr().err
+    assert "train.learning_rat" in err and "did you mean 'train.learning_rate'" in err
+    assert not os.path.exists(tmp_path / "runs")
+
+
+def test_images_per_epoch_are_whole_sampling_batches(tmp_path):
+    config = ladder.ladder_config("b", "unet", "colors", "a photo of a magenta star", 42, str(tmp_path / "r"),
+                                  images=128)
+    assert config.sample.num_batches_per_epoch * config.sample.batch_size == 128
+    assert dict(config.prompt_fn_kwargs) == {"prompt": "a photo of a magenta star"} and config.eval_freq == 0
+    from ddpo_group.config.registry import ConfigError
+
+    with pytest.raises(ConfigError, match="--images 100"):
+        ladder.ladder_config("b", "unet", "colors", "a photo of a magenta star", 42, str(tmp_path / "r"), images=100)
+
+
+def test_rung_b_s_prompts_are_training_prompts_one_per_tag_with_training_records():
+    from ddpo_group.data import scenes
+
+    training = scenes.training_records()
+    assert set(ladder.RUNG_B_PROMPTS) == {tag for tag, records in training.items() if records}
+    for tag, prompt in ladder.RUNG_B_PROMPTS.items():
+        assert scenes.scene_training_prompts(prompt=prompt)[0]["tag"] == tag
+
+
+def test_the_run_pool_runs_each_command_on_one_thread_with_its_log_and_returns_its_exit_code(tmp_path):
+    import sys
+
+    pool = load_script("benchmarks/run_pool.py")
+    tasks = [(name, [sys.executable, "-c", f"import os; print(os.environ['OMP_NUM_THREADS']); raise SystemExit({code})"],
+              str(tmp_path / "runs" / name)) for name, code in (("ok", 0), ("bad", 3))]
+    assert pool.run_pool(tasks, jobs=2, poll_seconds=0.05) == {"ok": 0, "bad": 3}
+    assert (tmp_path / "runs" / "bad.log").read_text().strip() == "1"
+
+
+def test_a_folder_is_one_ladder_config_a_finished_run_of_another_rung_with_other_epochs_is_refused(tmp_path):
+    spec = {"rung": "a", "family": "flow", "case": "jpeg", "prompt": ladder.RUNG_A_PROMPT, "seed": 42,
+            "epochs": 2, "images": 0, "model": ""}
+    write_run(tmp_path, "a", "flow", "jpeg", 42, [{"epoch": 0, "reward_mean": 1.0}], spec)
+    with pytest.raises(SystemExit) as err:  # rung b at 3 epochs beside rung a's 2-epoch run: two configs in one folder
+        ladder.main(["--rungs", "b", "--families", "flow", "--seeds", "42", "--epochs", "3", "--results", str(tmp_path)])
+    assert "a/flow/jpeg/seed_42" in str(err.value)
+    assert not os.path.exists(ladder.run_dir_of(str(tmp_path), "b", "flow", "counting", 42))
+
+
+def test_a_missing_model_directory_is_one_line_before_any_run(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ladder.main(["--rungs", "a", "--families", "flow", "--model-flow", str(tmp_path / "no_model"),
+                     "--results", str(tmp_path)])
+    assert "--model-flow" in capsys.readouterr().err and not os.path.exists(tmp_path / "runs")
