@@ -15,6 +15,8 @@ import pytest
 from ddpo_group.data.prompts import load_prompts
 from ddpo_group.rewards.geneval.metadata import GenEvalFormatError, read_metadata
 
+from helpers import make_config
+
 POSITION = {"tag": "position", "prompt": "a photo of a dog right of a cat",
             "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1, "position": ["right of", 0]}]}
 
@@ -77,3 +79,130 @@ def test_a_geneval_image_folders_metadata_that_is_not_utf8_is_named(tmp_path):
     with pytest.raises(GenEvalFormatError) as info:
         read_geneval_folder(str(tmp_path / "images"))
     _one_line_naming(str(info.value), folder / "metadata.jsonl", 1)
+
+
+# 5. every GenEval record is checked against its tag's schema: known keys, the tag's clauses, satisfiable clauses
+# (djghosh13/geneval prompts/create_prompts.py writes each tag's clauses; evaluate_images.py reads only the clauses)
+def _refused(record, *words):
+    from ddpo_group.rewards.geneval.metadata import check_record
+
+    with pytest.raises(GenEvalFormatError) as info:
+        check_record(record, "F, line 7")
+    message = str(info.value)
+    assert message.startswith("F, line 7: ") and "\n" not in message
+    for word in words:
+        assert word in message, message
+    return message
+
+
+def _clause(**fields):
+    return {"class": "dog", "count": 1, **fields}
+
+
+GENEVAL_RECORDS = [  # one record of each tag as GenEval's create_prompts.py writes it
+    {"tag": "single_object", "prompt": "a photo of a dog", "include": [_clause()]},
+    {"tag": "two_object", "prompt": "a photo of a dog and a cat", "include": [_clause(), _clause(**{"class": "cat"})]},
+    {"tag": "counting", "prompt": "a photo of three dogs", "include": [_clause(count=3)],
+     "exclude": [_clause(count=4)]},
+    {"tag": "colors", "prompt": "a photo of a red dog", "include": [_clause(color="red")]},
+    POSITION,
+    {"tag": "color_attr", "prompt": "a photo of a red dog and a blue cat",
+     "include": [_clause(color="red"), _clause(**{"class": "cat", "color": "blue"})]},
+]
+
+
+@pytest.mark.parametrize("record", GENEVAL_RECORDS, ids=lambda r: r["tag"])
+def test_each_tags_record_as_geneval_writes_it_is_accepted(record):
+    from ddpo_group.rewards.geneval.metadata import check_record
+
+    assert check_record(record, "F, line 1")["include"] == record["include"]
+
+
+def test_an_unknown_key_in_an_include_clause_is_refused_with_the_closest_name():
+    record = {"tag": "colors", "prompt": "a photo of a red dog", "include": [{"class": "dog", "count": 1, "colour": "red"}]}
+    _refused(record, "include[0]", "'colour'", "did you mean 'color'?")
+
+
+def test_an_unknown_key_in_an_exclude_clause_is_refused_with_the_closest_name():
+    record = dict(GENEVAL_RECORDS[2], exclude=[{"class": "dog", "cuont": 4}])
+    _refused(record, "exclude[0]", "'cuont'", "did you mean 'count'?")
+
+
+def test_a_misspelt_record_field_is_refused_not_kept_as_metadata():
+    record = dict(GENEVAL_RECORDS[2])
+    record["exclud"] = record.pop("exclude")  # kept as metadata, "three dogs" would pass with five
+    _refused(record, "'exclud'", "did you mean 'exclude'?")
+
+
+def test_other_record_fields_are_kept():
+    from ddpo_group.rewards.geneval.metadata import check_record
+
+    assert check_record(dict(POSITION, data_source="geneval", seed=3), "F")["seed"] == 3
+
+
+@pytest.mark.parametrize("record, words", [
+    # a position record without a position clause would be scored as a two_object one
+    ({"tag": "position", "prompt": "a dog right of a cat", "include": [_clause(**{"class": "cat"}), _clause()]},
+     ("'position' record", "clause 1 needs 'position'")),
+    ({"tag": "position", "prompt": "a dog right of a cat", "include": [_clause(**{"class": "cat"})]},
+     ("'position' record has 2 include clauses, got 1",)),
+    ({"tag": "colors", "prompt": "a photo of a red dog", "include": [_clause()]}, ("clause 0 needs 'color'",)),
+    ({"tag": "single_object", "prompt": "a photo of a red dog", "include": [_clause(color="red")]},
+     ("clause 0 has no 'color'",)),
+    ({"tag": "two_object", "prompt": "a photo of a dog", "include": [_clause()]}, ("has 2 include clauses, got 1",)),
+    ({"tag": "color_attr", "prompt": "a red dog and a cat", "include": [_clause(color="red"), _clause(**{"class": "cat"})]},
+     ("clause 1 needs 'color'",)),
+    # "three dogs" without the exclude clause {dog, 4} passes with five dogs
+    ({"tag": "counting", "prompt": "a photo of three dogs", "include": [_clause(count=3)]},
+     ("'counting' record needs the exclude clause", "'count': 4")),
+    ({"tag": "counting", "prompt": "a photo of three dogs", "include": [_clause(count=3)], "exclude": [_clause(count=5)]},
+     ("'counting' record needs the exclude clause",)),
+])
+def test_a_record_without_the_clauses_its_tag_asks_for_is_refused(record, words):
+    _refused(record, *words)
+
+
+@pytest.mark.parametrize("record, words", [
+    # at least 2 dogs and fewer than 2 dogs
+    ({"tag": "two_object", "prompt": "two dogs and a cat", "include": [_clause(count=2), _clause(**{"class": "cat"})],
+      "exclude": [_clause(count=2)]}, ("exclude[0]", "include[0]", "no image passes both")),
+    # the same detection of a dog cannot be red and blue
+    ({"tag": "color_attr", "prompt": "a red dog and a blue dog", "include": [_clause(color="red"), _clause(color="blue")]},
+     ("include[0] and include[1]", "no image passes both")),
+    # a dog is never right of itself
+    ({"tag": "position", "prompt": "a dog right of a dog",
+      "include": [_clause(), _clause(position=["right of", 0])]}, ("include[1]", "itself")),
+])
+def test_clauses_no_image_can_meet_are_refused(record, words):
+    _refused(record, *words)
+
+
+def test_satisfiable_clauses_of_one_class_are_accepted():
+    from ddpo_group.rewards.geneval.metadata import check_record
+
+    # two clauses of one class with one colour: the same red dog meets both
+    same = {"tag": "color_attr", "prompt": "a red dog and a red dog", "include": [_clause(color="red"), _clause(color="red")]}
+    assert check_record(same, "F")
+
+
+def test_a_metadata_file_names_the_line_of_a_record_its_tag_does_not_fit(tmp_path):
+    bad = {"tag": "position", "prompt": "a dog right of a cat", "include": [_clause(**{"class": "cat"}), _clause()]}
+    path = tmp_path / "metadata.jsonl"
+    path.write_text(json.dumps(POSITION) + "\n\n" + json.dumps(bad) + "\n")
+    with pytest.raises(GenEvalFormatError) as info:
+        read_metadata(str(path))
+    assert str(info.value).startswith(f"{path}, line 3: ")
+
+
+def test_the_training_config_check_refuses_a_geneval_record_before_any_model_loads(tmp_path):
+    from ddpo_group.config.check import check_config
+    from ddpo_group.config.registry import ConfigError
+
+    record = {"tag": "colors", "prompt": "a photo of a red dog", "include": [{"class": "dog", "count": 1, "colour": "red"}]}
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    config = make_config(tmp_path, prompt_fn=str(path), reward_fn="geneval")
+    config.reward_kwargs = {"geneval": {"detector": "shapes"}}
+    with pytest.raises(ConfigError) as info:
+        check_config(config)  # the config check: no model is built by it
+    assert f"{path}, line 1" in str(info.value) and "did you mean 'color'?" in str(info.value)
