@@ -206,3 +206,144 @@ def test_the_training_config_check_refuses_a_geneval_record_before_any_model_loa
     with pytest.raises(ConfigError) as info:
         check_config(config)  # the config check: no model is built by it
     assert f"{path}, line 1" in str(info.value) and "did you mean 'color'?" in str(info.value)
+
+
+# 4. a resume checks every file the run trained on against the sha256 recorded when it started
+def _sha256(path):
+    import hashlib
+
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def prompt_file_run(tmp_path_factory):
+    """A 1-epoch run of the tiny test model on a prompt file and a reward file, with its checkpoint_1; each test
+    resumes a copy of it."""
+    from ddpo_group.training.trainer import train
+    from helpers import cheap
+
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "prompts.txt").write_text("a red circle\na blue square\n")
+    (root / "reward.py").write_text("def score(images, prompts, metadata):\n    return [0.5] * len(prompts), {}\n")
+    config = make_config(root, **cheap(prompt_fn=str(root / "prompts.txt"), reward_fn=f"{root / 'reward.py'}:score",
+                                       save_freq=1, eval_freq=0))
+    train(config)
+    return root
+
+
+def _copy_run(root, tmp_path):
+    """The run and its input files copied into tmp_path, its config.json pointed at the copies."""
+    import shutil
+
+    shutil.copytree(root, tmp_path / "copy")
+    run = tmp_path / "copy" / "r"
+    for name in ("config.json", "inputs.json"):
+        text = (run / name).read_text().replace(str(root), str(tmp_path / "copy"))
+        (run / name).write_text(text)
+    return tmp_path / "copy", run
+
+
+def _resume(copy, run, **overrides):
+    from ddpo_group.training.trainer import Trainer
+    from helpers import cheap
+
+    given = make_config(copy, **cheap(num_epochs=2, resume_from=str(run), **overrides))
+    return Trainer(given, overrides=["num_epochs", "resume_from", *[k.replace("__", ".") for k in overrides]])
+
+
+def test_a_run_records_the_hash_of_each_file_it_trains_on(prompt_file_run):
+    recorded = json.loads((prompt_file_run / "r" / "inputs.json").read_text())["files"]
+    assert recorded == {str(prompt_file_run / name): _sha256(prompt_file_run / name) for name in ("prompts.txt", "reward.py")}
+
+
+def test_a_resume_after_the_prompt_file_was_edited_is_refused_in_one_line_naming_it(prompt_file_run, tmp_path):
+    from ddpo_group.config.registry import ConfigError
+
+    copy, run = _copy_run(prompt_file_run, tmp_path)
+    (copy / "prompts.txt").write_text("a red circle\na green triangle\n")  # edited in place
+    before = {name: (run / name).read_bytes() for name in ("config.json", "metrics.jsonl", "inputs.json")}
+    with pytest.raises(ConfigError) as info:
+        _resume(copy, run)
+    message = str(info.value)
+    assert "\n" not in message and str(copy / "prompts.txt") in message and "changed" in message
+    assert "new run" in message and "--config.resume_allow_input_changes=True" in message
+    assert {name: (run / name).read_bytes() for name in before} == before  # a refused resume changes no file
+    assert not (run / "resumes.jsonl").exists()
+
+
+def test_a_resume_after_the_reward_file_was_edited_is_refused_naming_it(prompt_file_run, tmp_path):
+    from ddpo_group.config.registry import ConfigError
+
+    copy, run = _copy_run(prompt_file_run, tmp_path)
+    (copy / "reward.py").write_text("def score(images, prompts, metadata):\n    return [1.0] * len(prompts), {}\n")
+    with pytest.raises(ConfigError) as info:
+        _resume(copy, run)
+    assert str(copy / "reward.py") in str(info.value) and str(copy / "prompts.txt") not in str(info.value)
+
+
+def test_with_the_flag_the_resume_goes_on_and_resumes_jsonl_records_the_change(prompt_file_run, tmp_path):
+    copy, run = _copy_run(prompt_file_run, tmp_path)
+    old = _sha256(copy / "prompts.txt")
+    (copy / "prompts.txt").write_text("a red circle\na green triangle\n")
+    new = _sha256(copy / "prompts.txt")
+    trainer = _resume(copy, run, resume_allow_input_changes=True)
+    trainer.files.release()
+    assert [record.prompt for record in trainer.prompts] == ["a red circle", "a green triangle"]
+    record = json.loads((run / "resumes.jsonl").read_text())
+    assert record["epoch"] == 1 and record["inputs_changed"] == {str(copy / "prompts.txt"): [old, new]}
+    # the accepted file is what the next resume compares against
+    assert json.loads((run / "inputs.json").read_text())["files"][str(copy / "prompts.txt")] == new
+
+
+def test_an_unchanged_resume_records_no_input_change(prompt_file_run, tmp_path):
+    copy, run = _copy_run(prompt_file_run, tmp_path)
+    trainer = _resume(copy, run)
+    trainer.files.release()
+    assert "inputs_changed" not in json.loads((run / "resumes.jsonl").read_text())  # the row of num_epochs 1 -> 2
+
+
+def _run_dir_with_checkpoint(tmp_path, config, records=()):
+    """A run directory as RunDir.start writes it, with a checkpoint_1 (only its trainer_state.json)."""
+    from ddpo_group.runs.run_dir import RunDir
+
+    run_dir, config = RunDir.resolve(config)
+    run_dir.start(config, first_epoch=0, records=records)
+    run_dir.release()
+    checkpoint = tmp_path / "r" / "checkpoints" / "checkpoint_1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"epoch": 1, "global_step": 1}))
+    return tmp_path / "r"
+
+
+def test_a_resume_after_an_edit_source_image_changed_is_refused_naming_it(tmp_path):
+    from PIL import Image
+
+    from ddpo_group.config.registry import ConfigError
+    from ddpo_group.runs.run_dir import RunDir
+
+    source = tmp_path / "red.png"
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(source)
+    records = load_prompts([{"prompt": "make it blue", "source_image": str(source)}])
+    run = _run_dir_with_checkpoint(tmp_path, make_config(tmp_path, num_epochs=2), records)
+    assert json.loads((run / "inputs.json").read_text())["files"] == {str(source): _sha256(source)}
+    Image.new("RGB", (8, 8), (0, 255, 0)).save(source)
+    with pytest.raises(ConfigError) as info:
+        RunDir.resolve(make_config(tmp_path, num_epochs=2, resume_from=str(run)))
+    assert str(source) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_gone_input_is_refused_and_a_run_without_recorded_inputs_is_not_checked(tmp_path):
+    from ddpo_group.config.registry import ConfigError
+    from ddpo_group.runs.run_dir import RunDir
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    run = _run_dir_with_checkpoint(tmp_path, make_config(tmp_path, num_epochs=2, prompt_fn=str(prompts)))
+    prompts.unlink()
+    given = make_config(tmp_path, num_epochs=2, prompt_fn=str(prompts), resume_from=str(run))
+    with pytest.raises(ConfigError) as info:
+        RunDir.resolve(given)
+    assert f"{prompts}, which the run" in str(info.value) and "is gone" in str(info.value)
+    (run / "inputs.json").unlink()  # a run from before inputs.json was written
+    resumed, _ = RunDir.resolve(given)
+    assert resumed.input_changes == {}
