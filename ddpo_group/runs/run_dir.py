@@ -12,7 +12,8 @@
     RUN_DIR/failed.json          the run stopped on an error (moved into resumes.jsonl when it resumes)
     RUN_DIR/resumes.jsonl        one row per resume that changed settings or input files, or followed a failure
     RUN_DIR/inputs.json          the sha256 of each file the run trains on (prompt files, reward files, edit sources),
-                                 written when the run starts; a resume refuses a changed one (runs/inputs.py)
+                                 written when the run starts (none: no such file); a resume refuses a changed one
+                                 (runs/inputs.py)
     RUN_DIR/.lock                held (fcntl) by the live run, removed when it ends
     RUN_DIR/.ddpo_group_run      this library's mark, written when the run starts, with the sha256 of the config.json
                                  it wrote: overwrite removes only a directory whose mark matches its config.json,
@@ -144,7 +145,12 @@ class RunDir:
         if overwrite:
             _remove_run_entries(self.path)
         write_json_atomic(self.file(CONFIG_FILE), config.to_dict())
-        write_json_atomic(self.file(INPUTS_FILE), {"files": input_hashes(config, records)})
+        inputs = input_hashes(config, records)
+        if inputs:  # a run on built-in prompts and registered rewards alone has no file to check
+            write_json_atomic(self.file(INPUTS_FILE), {"files": inputs})
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.file(INPUTS_FILE))
         # the mark names the config.json its run wrote: a mark copied elsewhere proves nothing there
         mark = _read_mark(self.path)
         write_json_atomic(self.file(RUN_MARK), {
