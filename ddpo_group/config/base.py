@@ -59,6 +59,9 @@ def get_config():
     config.resume_from = ""
     # Let a resumed run continue with changed training settings (two experiments in one run: use with care).
     config.resume_allow_changes = False
+    # Let a resumed run continue although a file it trained on (a prompt file, a reward's .py or reference file, an edit
+    # source) changed since it started (its sha256 in RUN_DIR/inputs.json); the change is recorded in resumes.jsonl.
+    config.resume_allow_input_changes = False
     # Train LoRA adapters (peft) instead of the full UNet. The reference model is then nearly free.
     config.use_lora = True
     # LoRA rank and alpha (alpha 0: equal to the rank, scaling 1).

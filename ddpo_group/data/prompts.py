@@ -20,7 +20,8 @@
 
 `low` / `high` (keyword arguments, as ddpo-pytorch's from_file) keep records[low:high].
 Malformed files raise ValueError naming the file, the line (record for .json) and the
-missing or bad field; a source without any prompt is an error too.
+missing or bad field; a byte that is not UTF-8, the file, the line and the byte (``read_utf8``); a source
+without any prompt is an error too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import io
 import json
 import os
 from typing import Any
@@ -97,27 +99,42 @@ def _resolve_path(path: str) -> str:
     raise ValueError(f"prompt file {path!r} does not exist" + ("" if os.path.isabs(path) else f" (nor {asset!r})"))
 
 
+def read_utf8(path: str, error=ValueError) -> str:
+    """The text of a UTF-8 file (a byte-order mark dropped). A byte that is not UTF-8 raises `error` in one line
+    naming the file, the 1-based line, the byte and its offset in the file: "F, line 3: byte 0xe9 (offset 41) is
+    not UTF-8 (invalid continuation byte); save the file as UTF-8"."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        body = exc.object  # the bytes after the BOM: exc.start counts from there
+        line = body.count(b"\n", 0, exc.start) + 1
+        offset = exc.start + (len(data) - len(body))
+        raise error(f"{path}, line {line}: byte {body[exc.start]:#04x} (offset {offset}) is not UTF-8 ({exc.reason}); "
+                    "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
 def load_text(path: str) -> list[PromptRecord]:
     """One prompt a line; blank lines (also of invisible characters only) and lines starting with # are skipped;
     metadata {}. A UTF-8 byte-order mark is dropped."""
-    with open(path, encoding="utf-8-sig") as f:
-        lines = [clean_prompt(line) for line in f]
+    lines = [clean_prompt(line) for line in io.StringIO(read_utf8(path), newline=None)]
     return [PromptRecord(line, {}) for line in lines if line and not line.startswith("#")]
 
 
 def jsonl_items(path: str, error=ValueError, hint: str = ""):
     """(item, where) of each line of a JSON-lines file (blank lines skipped, a UTF-8 BOM allowed); `where` is
-    "PATH, line N" (1-based); a line that is not JSON raises `error` naming it, with `hint` appended."""
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {lineno}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise error(f"{where}: invalid JSON ({exc.msg}){hint}") from None
-            yield item, where
+    "PATH, line N" (1-based); a line that is not JSON, or not UTF-8 (`read_utf8`), raises `error` naming it, with
+    `hint` appended to the first."""
+    for lineno, line in enumerate(io.StringIO(read_utf8(path, error), newline=None), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {lineno}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(f"{where}: invalid JSON ({exc.msg}){hint}") from None
+        yield item, where
 
 
 def load_jsonl(path: str) -> list[PromptRecord]:
@@ -127,11 +144,10 @@ def load_jsonl(path: str) -> list[PromptRecord]:
 
 def load_json(path: str) -> list[PromptRecord]:
     """A JSON list of records, or an object whose "prompts" field is that list."""
-    with open(path, encoding="utf-8-sig") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}, line {exc.lineno}: invalid JSON ({exc.msg})") from exc
+    try:
+        data = json.loads(read_utf8(path))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}, line {exc.lineno}: invalid JSON ({exc.msg})") from exc
     if isinstance(data, dict):
         if "prompts" not in data:
             raise ValueError(f"{path}: a JSON object must have a 'prompts' field (a list of records)")
@@ -148,12 +164,7 @@ def load_file(path: str) -> list[PromptRecord]:
     loaders = {".txt": load_text, ".json": load_json, ".jsonl": load_jsonl}
     if extension not in loaders:
         raise ValueError(f"prompt file {path!r}: unknown extension {extension!r}; use .txt, .json or .jsonl")
-    try:
-        return loaders[extension](path)
-    except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"prompt file {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8"
-        ) from exc
+    return loaders[extension](path)  # a byte that is not UTF-8: one line naming the file and the line (read_utf8)
 
 
 def shapes_records(**kwargs) -> list[PromptRecord]:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ddpo_group.evaluation.evaluator import not_finite_error, sample_generator
-from ddpo_group.data.prompts import PromptRecord, load_prompts
+from ddpo_group.data.prompts import PromptRecord, load_prompts, read_utf8
 from ddpo_group.rewards.geneval.metadata import GenEvalFormatError, check_record, check_vocabulary, read_metadata
 from ddpo_group.rewards.geneval.protocol import format_table, summarize
 from ddpo_group.rewards.registry import get_reward, list_rewards, resolve_reward
@@ -230,8 +230,7 @@ def read_geneval_folder(path: str):
         if not os.path.isfile(metadata):  # a regular file only: a FIFO would block the read
             raise ProtocolError(f"--images {path}: the prompt folder {folder} has no metadata.jsonl (its GenEval "
                                 "record); write it, or move the folder away")
-        with open(metadata, encoding="utf-8") as f:
-            text = f.read().strip()
+        text = read_utf8(metadata, GenEvalFormatError).strip()  # not UTF-8: the file, the line and the byte
         try:
             record = check_record(json.loads(text), metadata)
         except json.JSONDecodeError as exc:

@@ -10,7 +10,10 @@
                                  the final checkpoint the gathered weights (unet/ or transformer/, or lora/)
     RUN_DIR/stopped.json         a signal stopped the run before num_epochs (removed when it resumes)
     RUN_DIR/failed.json          the run stopped on an error (moved into resumes.jsonl when it resumes)
-    RUN_DIR/resumes.jsonl        one row per resume that changed settings or followed a failure
+    RUN_DIR/resumes.jsonl        one row per resume that changed settings or input files, or followed a failure
+    RUN_DIR/inputs.json          the sha256 of each file the run trains on (prompt files, reward files, edit sources),
+                                 written when the run starts (none: no such file); a resume refuses a changed one
+                                 (runs/inputs.py)
     RUN_DIR/.lock                held (fcntl) by the live run, removed when it ends
     RUN_DIR/.ddpo_group_run      this library's mark, written when the run starts, with the sha256 of the config.json
                                  it wrote: overwrite removes only a directory whose mark matches its config.json,
@@ -50,6 +53,7 @@ from ddpo_group.config.registry import ConfigError, check_positive, register_con
 from ddpo_group.evaluation.hacking import gold_specs
 from ddpo_group.report.inspect import read_metrics
 from ddpo_group.data.prompts import BUILTIN_PROMPT_SETS
+from ddpo_group.runs.inputs import INPUTS_FILE, check_inputs, input_hashes
 
 logger = logging.getLogger("ddpo_group")
 
@@ -77,11 +81,12 @@ class RunDir:
     """The files of one run (module docstring). Resolved from the config without writing anything
     (`resolve`); `start` writes the run's config and markers once the run is accepted."""
 
-    def __init__(self, path, resume_checkpoint=None, resume_state=None, resume_changes=None):
+    def __init__(self, path, resume_checkpoint=None, resume_state=None, resume_changes=None, input_changes=None):
         self.path = path
         self.resume_checkpoint = resume_checkpoint
         self.resume_state = resume_state
         self.resume_changes = resume_changes or {}
+        self.input_changes = input_changes or {}  # {path: [recorded sha256, now]} the resume accepted
         self._lock = None
 
     @classmethod
@@ -99,7 +104,9 @@ class RunDir:
         if config.resume_from:
             checkpoint, state, path = find_checkpoint(config.resume_from)
             config, changes = resumed_config(config, path, overrides)
-            return cls(path, checkpoint, state, changes), config
+            # a changed prompt / reward file: refused, or recorded (a resume with nothing to do trains on nothing)
+            input_changes = check_inputs(path, config) if int(state["epoch"]) < config.num_epochs else {}
+            return cls(path, checkpoint, state, changes, input_changes), config
         _check_run_name(config.run_name)
         run_name = config.run_name or datetime.datetime.now().strftime("%Y.%m.%d_%H.%M.%S")
         path = os.path.abspath(os.path.join(config.logdir, run_name))
@@ -124,11 +131,12 @@ class RunDir:
             self._lock.close()  # releases the run directory's lock
             self._lock = None
 
-    def start(self, config, first_epoch):
+    def start(self, config, first_epoch, records=()):
         """Main process, once the run is accepted: create the directory with its mark (RUN_MARK), hold its lock
         (overwrite: then remove the earlier run's files, the lock held throughout so that a second overwrite is
-        refused, not raced), write config.json; a resumed run is no longer stopped, and its earlier failure and
-        changed settings go into resumes.jsonl."""
+        refused, not raced), write config.json and inputs.json (the hashes of the files it trains on; `records`:
+        its prompt records, whose edit sources count); a resumed run is no longer stopped, and its earlier failure,
+        changed settings and accepted input changes go into resumes.jsonl."""
         overwrite = config.overwrite and not config.resume_from and _holds_a_run(self.path)
         if overwrite:
             _refuse_an_earlier_run(self.path, True)  # only a directory this library marked as a run
@@ -137,6 +145,12 @@ class RunDir:
         if overwrite:
             _remove_run_entries(self.path)
         write_json_atomic(self.file(CONFIG_FILE), config.to_dict())
+        inputs = input_hashes(config, records)
+        if inputs:  # a run on built-in prompts and registered rewards alone has no file to check
+            write_json_atomic(self.file(INPUTS_FILE), {"files": inputs})
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.file(INPUTS_FILE))
         # the mark names the config.json its run wrote: a mark copied elsewhere proves nothing there
         mark = _read_mark(self.path)
         write_json_atomic(self.file(RUN_MARK), {
@@ -152,9 +166,11 @@ class RunDir:
                 with open(self.file(FAILED_FILE)) as f:
                     previous_failure = json.load(f)
             previous_failure = previous_failure or {"error": "unreadable failed.json"}
-        if self.resume_changes or previous_failure:
+        if self.resume_changes or previous_failure or self.input_changes:
             with open(self.file(RESUMES_FILE), "a") as f:
                 record = {"epoch": first_epoch, "changed": self.resume_changes}
+                if self.input_changes:
+                    record["inputs_changed"] = self.input_changes
                 if previous_failure:
                     record["previous_failure"] = previous_failure
                 f.write(json.dumps(record, default=str) + "\n")
@@ -405,7 +421,7 @@ def find_checkpoint(path):
 # Fields a resumed run may change: how long it runs and what it writes, not what it trains.
 SAFE_RESUME_FIELDS = (
     "num_epochs", "save_freq", "num_checkpoint_limit", "log_images_every", "log_with", "project_name",
-    "resume_from", "resume_allow_changes", "run_name", "logdir", "reward_workers", "reward_timeout", "debug_dump",
+    "resume_from", "resume_allow_changes", "resume_allow_input_changes", "run_name", "logdir", "reward_workers", "reward_timeout", "debug_dump",
     "variant",  # a label (config/grpo.py's name): runs from before it was stored have none
     "train.gradient_checkpointing",  # memory only: values, gradients and the on-policy ratio are unchanged
 )
@@ -561,7 +577,7 @@ LOCK_FILE = ".lock"
 
 # What a run writes at the top of its directory (module docstring); overwrite removes these and nothing else.
 RUN_ENTRIES = (CONFIG_FILE, METRICS_FILE, "checkpoints", STOPPED_FILE, FAILED_FILE, FINISHED_FILE, RESUMES_FILE,
-               "samples", "debug", "tensorboard", "wandb")
+               INPUTS_FILE, "samples", "debug", "tensorboard", "wandb")
 _RUN_ENTRY_RE = re.compile(  # reports; temporary files of a writer that was killed (write_json_atomic, _truncate_metrics)
     r"^(report(_vs_.+)?\.html|(%s)\.tmp\d*)$" % "|".join(re.escape(n) for n in RUN_ENTRIES + (RUN_MARK,)))
 

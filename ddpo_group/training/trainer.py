@@ -153,7 +153,7 @@ class Trainer:
             self._saved_at = (self.first_epoch, self.global_step)
         # Written once everything above is accepted: a run that cannot start leaves no directory behind.
         if acc.is_main_process and not self.nothing_to_do:
-            self.files.start(config, self.first_epoch)
+            self.files.start(config, self.first_epoch, records=list(self.prompts) + list(self.evaluator.prompts))
         acc.wait_for_everyone()
         self.control = RunControl(acc)
         self.metrics_log = MetricsLog(config, acc, self.files)

@@ -13,7 +13,27 @@ A record (one JSON object a line, djghosh13/geneval ``prompts/evaluation_metadat
               j the index of an EARLIER include clause, relation one of "left of", "right of", "above", "below"
     exclude   optional list of {"class": str, "count": int >= 1}
 
-Other fields are kept. Loaded as prompts (``ddpo_group.data.prompts.load_prompts`` on the .jsonl file, or the
+A clause has only these keys (an unknown one, "colour", is refused with the closest name: ignored, it would make
+every image pass that clause). Each tag asks for the clauses GenEval's ``prompts/create_prompts.py`` writes for it
+(``TAG_CLAUSES``), since GenEval's verdict reads the clauses, never the tag or the prompt: a "position" record
+without a position clause would be scored as a two_object one.
+
+    single_object  one include clause, no colour, no position
+    two_object     two include clauses, no colour, no position
+    counting       one include clause (N), no colour, no position, and the exclude clause {class, N + 1}
+                   (without it "two dogs" passes with five)
+    colors         one include clause with a colour, no position
+    position       two include clauses, the second at a position of the first (j = 0), no colour
+    color_attr     two include clauses, each with a colour, no position
+
+And the clauses must be satisfiable by some image, by GenEval's rule (evaluate_images.py: an include clause of a
+class takes the `count` most confident detections of it, an exclude clause asks for fewer than `count`): an exclude
+clause whose count is at most an include clause's count of its class, two include clauses of one class with other
+colours (they judge the same detections), a position relating a class to itself (an object is never left of
+itself) are refused.
+
+Other fields are kept, except one whose name is close to a field of the format ("includes", "exlude"): it would be
+taken for metadata and its clauses dropped. Loaded as prompts (``ddpo_group.data.prompts.load_prompts`` on the .jsonl file, or the
 generator below as a ``module:function`` prompt source), the record's fields other than "prompt" are the
 metadata the ``geneval`` reward reads.
 
@@ -28,6 +48,7 @@ equals "B right of A" ("above" / "below" likewise) (``record_identity``).
 
 from __future__ import annotations
 
+import difflib
 import os
 
 import numpy as np
@@ -39,9 +60,84 @@ class GenEvalFormatError(ValueError):
     """A GenEval metadata record or file that does not follow the format; the message names the file and line."""
 
 
+RECORD_FIELDS = ("tag", "prompt", "include", "exclude")
+CLAUSE_KEYS = {"include": ("class", "count", "color", "position"), "exclude": ("class", "count")}
+# tag: (include clauses, colour on which clauses, position on which clauses, an exact-count exclude clause)
+TAG_CLAUSES = {
+    "single_object": (1, (), (), False),
+    "two_object": (2, (), (), False),
+    "counting": (1, (), (), True),
+    "colors": (1, (0,), (), False),
+    "position": (2, (), (1,), False),
+    "color_attr": (2, (0, 1), (), False),
+}
+
+
+def _closest(name, known):
+    match = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _check_keys(clause, part, at):
+    """An unknown key of a clause, refused with the closest known name."""
+    unknown = [key for key in clause if key not in CLAUSE_KEYS[part]]
+    if unknown:
+        key = unknown[0]
+        raise GenEvalFormatError(f"{at}: unknown key {key!r}{_closest(key, CLAUSE_KEYS[part])}; an {part} clause has "
+                                 f"only {', '.join(CLAUSE_KEYS[part])}")
+
+
+def _check_tag_clauses(record, where: str) -> None:
+    """The clauses the record's tag asks for (TAG_CLAUSES, module docstring)."""
+    tag, include = record["tag"], record["include"]
+    n, colored, positioned, exact_count = TAG_CLAUSES[tag]
+    if len(include) != n:
+        raise GenEvalFormatError(f"{where}: a {tag!r} record has {n} include clause{'s' if n > 1 else ''}, got "
+                                 f"{len(include)}; fix the clauses or the tag")
+    for i, clause in enumerate(include):
+        for key, wanted in (("color", i in colored), ("position", i in positioned)):
+            if (key in clause) != wanted:
+                asked = "needs" if wanted else "has no"
+                raise GenEvalFormatError(f"{where}: include[{i}]: a {tag!r} record's clause {i} {asked} {key!r}"
+                                         f"{' (the first clause is its target)' if key == 'position' else ''}; "
+                                         "fix the clause or the tag")
+    if positioned and include[positioned[0]]["position"][1] != 0:
+        raise GenEvalFormatError(f"{where}: include[1]: a 'position' record places clause 1 relative to clause 0, got "
+                                 f"{include[1]['position']!r}")
+    if exact_count:
+        wanted = {"class": include[0]["class"], "count": include[0]["count"] + 1}
+        if record.get("exclude") != [wanted]:
+            raise GenEvalFormatError(f"{where}: a 'counting' record needs the exclude clause {wanted} (exactly "
+                                     f"{include[0]['count']}: fewer than {wanted['count']}), got "
+                                     f"{record.get('exclude', [])!r}")
+
+
+def _check_satisfiable(record, where: str) -> None:
+    """Clauses no image can meet by GenEval's rule (module docstring)."""
+    include = record["include"]
+    for i, clause in enumerate(include):
+        for j, other in enumerate(include[:i]):
+            if other["class"] == clause["class"] and "color" in clause and "color" in other \
+                    and clause["color"] != other["color"]:
+                raise GenEvalFormatError(
+                    f"{where}: include[{j}] and include[{i}] ask for a {other['color']} and a {clause['color']} "
+                    f"{clause['class']!r}, which GenEval judges on the same detections: no image passes both")
+        if "position" in clause and include[clause["position"][1]]["class"] == clause["class"]:
+            raise GenEvalFormatError(
+                f"{where}: include[{i}] places a {clause['class']!r} {clause['position'][0]} a {clause['class']!r}: "
+                "GenEval compares the same detections, and no object is " + clause["position"][0] + " itself")
+    for k, clause in enumerate(record.get("exclude", [])):
+        for i, wanted in enumerate(include):
+            if wanted["class"] == clause["class"] and wanted["count"] >= clause["count"]:
+                raise GenEvalFormatError(
+                    f"{where}: exclude[{k}] asks for fewer than {clause['count']} {clause['class']!r} and include[{i}] "
+                    f"for at least {wanted['count']}: no image passes both")
+
+
 def check_record(record, where: str) -> dict:
-    """The record if it follows the format (module docstring), with each position as a [relation, j] list;
-    GenEvalFormatError naming `where` (e.g. "FILE, line 3") and the field otherwise."""
+    """The record if it follows the format (module docstring: known keys, its tag's clauses, satisfiable), with
+    each position as a [relation, j] list; GenEvalFormatError naming `where` (e.g. "FILE, line 3") and the field
+    otherwise."""
     if not isinstance(record, dict):
         raise GenEvalFormatError(f"{where}: expected a JSON object (a GenEval metadata record), got {type(record).__name__}")
     for field in ("tag", "prompt"):
@@ -49,6 +145,11 @@ def check_record(record, where: str) -> dict:
             raise GenEvalFormatError(f"{where}: field {field!r} must be a non-empty string, got {record.get(field)!r}")
     if record["tag"] not in TAGS:
         raise GenEvalFormatError(f"{where}: tag {record['tag']!r} is not one of GenEval's six tags ({', '.join(TAGS)})")
+    for field in record:
+        near = difflib.get_close_matches(str(field), RECORD_FIELDS, n=1, cutoff=0.8)
+        if field not in RECORD_FIELDS and near and near[0] not in record:
+            raise GenEvalFormatError(f"{where}: unknown field {field!r} (did you mean {near[0]!r}?); a GenEval record "
+                                     f"has {', '.join(RECORD_FIELDS)}")
     if "include" not in record:
         raise GenEvalFormatError(f"{where}: missing field 'include' (a list of {{'class', 'count'}} clauses)")
     record = dict(record)
@@ -61,13 +162,12 @@ def check_record(record, where: str) -> dict:
             at = f"{where}: {part}[{i}]"
             if not isinstance(clause, dict):
                 raise GenEvalFormatError(f"{at} must be an object {{'class', 'count', ...}}, got {clause!r}")
+            _check_keys(clause, part, at)
             if not isinstance(clause.get("class"), str) or not clause["class"].strip():
                 raise GenEvalFormatError(f"{at}: 'class' must be a non-empty string, got {clause.get('class')!r}")
             count = clause.get("count")
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 raise GenEvalFormatError(f"{at}: 'count' must be a whole number >= 1, got {count!r}")
-            if part == "exclude" and set(clause) - {"class", "count"}:
-                raise GenEvalFormatError(f"{at}: an exclude clause has only 'class' and 'count', got {sorted(clause)}")
             if "color" in clause and (not isinstance(clause["color"], str) or not clause["color"]):
                 raise GenEvalFormatError(f"{at}: 'color' must be a colour name, got {clause['color']!r}")
             clause = dict(clause)
@@ -84,6 +184,8 @@ def check_record(record, where: str) -> dict:
         record[part] = checked
     if not record["include"]:
         raise GenEvalFormatError(f"{where}: 'include' is empty; a record asks for at least one object")
+    _check_tag_clauses(record, where)
+    _check_satisfiable(record, where)
     return record
 
 
