@@ -1,7 +1,9 @@
 """What a benchmark may write over or remove, and how it ends (issue 54); every script in benchmarks/ uses it.
 
-- A benchmark trains into a folder of its own: a temporary one, or a run directory that is missing (or empty) when
-  it starts. It never sets config.overwrite nor removes a folder it did not make (`fresh_run_dir`).
+- A benchmark trains into a folder of its own: a temporary one, a run directory that is missing (or empty) when
+  it starts (`fresh_run_dir`), or a folder of runs it made itself and marked (`own_folder`: there it may train
+  again, with the trainer's overwrite, which removes only a run's own files). It never removes a folder it did
+  not make, nor sets config.overwrite on one.
 - A default output that holds committed results (files git tracks there) is refused: the option that says where
   to write must be given (`refuse_committed_default`); a path given explicitly is the user's choice.
 - A run the benchmark started that did not finish (no finished.json: it failed, was stopped or killed) ends the
@@ -50,18 +52,46 @@ def tracked(path):
     return [line for line in result.stdout.splitlines() if line.strip()]
 
 
-def refuse_committed_default(option, path, given):
-    """`path` is the default of `option` (not `given`): refused when it holds committed results, which a run of
+def refuse_committed_default(option, default, given, written=None):
+    """`default` (a file or folder) is the default of `option`, which was not `given`; `written`: the paths this
+    command writes there (default: `default` itself). Refused when one holds committed results, which a run of
     the benchmark would write over or report as its own."""
     if given:
         return
-    committed = tracked(path)
-    if committed:
-        shown = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
-        raise BenchmarkError(
-            f"{option} defaults to {shown}, which holds committed results ({len(committed)} file"
-            f"{'s' if len(committed) > 1 else ''}, e.g. {committed[0]}); give {option} to say where this run writes "
-            f"(a new path, or {option} {shown} to replace them)")
+    for path in written or [default]:
+        committed = tracked(path)
+        if committed:
+            shown = os.path.relpath(os.path.abspath(default), REPO_ROOT)
+            raise BenchmarkError(
+                f"{option} defaults to {shown}, which holds committed results ({len(committed)} file"
+                f"{'s' if len(committed) > 1 else ''} this command would write over or report, e.g. {committed[0]}); give {option} to say "
+                f"where this run writes (a new path, or {option} {shown} to replace them)")
+
+
+MARK = ".made_by_benchmark"  # in a folder of run directories a benchmark made: the script's name
+
+
+def own_folder(option, folder, prog):
+    """`folder` (run directories a benchmark trains into and may train into again: their earlier runs are its own)
+    is one `prog` made (its MARK), or is made now; an existing non-empty folder without the mark is someone else's
+    and refused (a run there would write over it)."""
+    mark = os.path.join(folder, MARK)
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise BenchmarkError(f"{option}: {folder} is a file, where this benchmark's runs go; give another {option}")
+    if os.path.isdir(folder) and os.listdir(folder):
+        try:
+            with open(mark) as f:
+                maker = f.read().strip()
+        except OSError:
+            maker = None
+        if maker != prog:
+            raise BenchmarkError(
+                f"{option}: {folder} exists and was not made by {prog} (no {MARK} naming it), and its runs would be "
+                f"written over; give another {option}, or move {folder} away")
+        return
+    os.makedirs(folder, exist_ok=True)
+    with open(mark, "w") as f:
+        f.write(prog + "\n")
 
 
 def fresh_run_dir(option, run_dir):
