@@ -587,13 +587,19 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    if args.set:  # a misspelt field is one line here, not a traceback in every run's log
+    if (args.set or args.epochs) and not args.collect:
+        # a misspelt field, or a value the trainer's own check refuses for any method (--set sample.num_steps=3
+        # against mixgrpo's 4-step window), is one line here, not a traceback in every run's log
+        from ddpo_group.config.check import check_config
         from ddpo_group.config.registry import ConfigError
 
+        method = methods[0]
         try:
-            method_config(methods[0], seeds[0] if seeds else 0, os.path.join(args.results, "check"), None, args.set)
+            for method in methods:
+                check_config(method_config(method, seeds[0] if seeds else 0, os.path.join(args.results, "check"),
+                                           args.epochs, args.set), num_processes=1)
         except ConfigError as err:
-            parser.error(str(err))
+            parser.error(f"{err} (method {method})")
     failures = []
     if not args.collect:
         try:

@@ -631,3 +631,16 @@ def test_a_committed_default_is_refused_and_a_named_or_uncommitted_one_is_not(tm
         outputs.refuse_committed_default("--output", committed, given=False)
     outputs.refuse_committed_default("--output", committed, given=True)
     outputs.refuse_committed_default("--output", str(tmp_path / "new.json"), given=False)
+
+
+def test_the_scenes_study_refuses_a_set_value_the_trainer_refuses_for_one_of_its_methods(tmp_path, capsys):
+    """--set sample.num_steps=3 passed the study's own check (an int field) and failed every mixgrpo run (its
+    4-step SDE window) in its log; now one line naming the field and the method before any run starts."""
+    study = load_script("benchmarks/scenes_study.py")
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--methods", "flow_grpo,mixgrpo", "--seeds", "42", "--set", "sample.num_steps=3",
+                    "--results", str(tmp_path)])
+    assert exit_info.value.code == 2
+    line = _last_error_line(capsys)
+    assert "sample.sde_window_size=4" in line and "sample.num_steps=3" in line and "(method mixgrpo)" in line
+    assert os.listdir(tmp_path) == []
