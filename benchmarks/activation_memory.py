@@ -27,6 +27,7 @@ import weakref
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpu_check  # noqa: E402  benchmarks/gpu_check.py: the architectures and their sampling settings
+from bench_outputs import BenchmarkError, refuse_committed_default  # noqa: E402
 import torch  # noqa: E402
 
 from ddpo_group.runs.run_dir import write_json_atomic  # noqa: E402
@@ -184,9 +185,15 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4, help="trajectories in the training micro-batch")
     parser.add_argument("--resolution", type=int, default=0, help="image side in pixels (0: the arch's own)")
     parser.add_argument("--lora-rank", type=int, default=4)
-    parser.add_argument("--output", default=os.path.join(gpu_check.REPO_ROOT, "benchmarks", "results",
-                                                         "activation_memory.json"))
+    parser.add_argument("--output", default=None, help="the JSON (default benchmarks/results/activation_memory.json; "
+                        "a committed file there is replaced only when --output names it)")
     args = parser.parse_args(argv)
+    given = args.output is not None
+    args.output = args.output or os.path.join(gpu_check.REPO_ROOT, "benchmarks", "results", "activation_memory.json")
+    try:
+        refuse_committed_default("--output", args.output, given)
+    except BenchmarkError as err:
+        parser.error(str(err))
     for arch in args.arch.split(","):
         if arch not in gpu_check.ARCHS:
             parser.error(f"--arch {arch!r} is not one of {list(gpu_check.ARCHS)}")

@@ -8,7 +8,9 @@ loop), async (train.async_rollout=True: the rollout in a thread), async_process 
 own), one after the other in this process, with the same torch thread count (`--threads`: the
 synchronous loop uses them all, the async run splits them between its sampler and its loop), evaluated every
 `--eval-freq` epochs and at the end (fixed noise, `--eval-images` images per prompt). Throw-away run directories
-under --logdir.
+under --logdir (each LOGDIR/<mode>_seed<seed> must not exist yet; default: a temporary folder). The default
+--output holds committed results: a run that replaces them names it. A run that fails or stops before its end ends
+the benchmark with exit status 1.
 
 Seconds: the wall clock from the start of the epochs to the end of each epoch's row, less the evaluations' seconds
 (time/eval: measurement, not training). An async run's evaluation first waits for its pending rollout, so that it
@@ -35,8 +37,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_outputs import BenchmarkError, fail, fresh_run_dir, refuse_committed_default, require_finished  # noqa: E402
 
 MODES = ("sync", "async", "async_process")  # async_process: train.async_rollout_processes=1
+DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
+                              "async_rollout", "result.json")
 
 
 def load_variant(name):
@@ -85,6 +92,7 @@ def run_once(args, seed, mode, logdir):
     trainer.evaluate = evaluate_alone
     start = time.perf_counter()
     run_dir = trainer.run()
+    require_finished(run_dir)  # a stopped run's seconds are not its epochs'
     from ddpo_group.report.run import read_metrics
 
     metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
@@ -167,18 +175,32 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2, help="torch threads of a run (async: split in two)")
     parser.add_argument("--eval-freq", type=int, default=5)
     parser.add_argument("--eval-images", type=int, default=4, help="evaluation images per prompt")
-    parser.add_argument("--logdir", default=None, help="run directories (default: a temporary directory)")
-    parser.add_argument("--output", default="benchmarks/results/async_rollout/result.json")
+    parser.add_argument("--logdir", default=None, help="run directories LOGDIR/<mode>_seed<seed>, which must not "
+                        "exist yet (default: a temporary directory)")
+    parser.add_argument("--output", default=None, help="the JSON (default benchmarks/results/async_rollout/result.json, committed: replaced "
+                        "only when --output names it)")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         parser.error(f"--modes: {unknown} not among {list(MODES)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    given, args.output = args.output is not None, args.output or DEFAULT_OUTPUT
+    try:
+        refuse_committed_default("--output", args.output, given)
+        for seed in seeds if args.logdir else []:  # before the first run: none of them writes over a folder
+            for mode in modes:
+                fresh_run_dir("--logdir", os.path.join(os.path.abspath(args.logdir), f"{mode}_seed{seed}"))
+    except BenchmarkError as err:
+        parser.error(str(err))
     records = []
     with tempfile.TemporaryDirectory(prefix="async_rollout_") as tmp:
-        for seed in [int(s) for s in args.seeds.split(",")]:
+        for seed in seeds:
             for mode in modes:
-                record = run_once(args, seed, mode, args.logdir or tmp)
+                try:
+                    record = run_once(args, seed, mode, args.logdir or tmp)
+                except BenchmarkError as err:  # the runs before it are in --output already
+                    fail(parser.prog, err, code=1)
                 records.append(record)
                 print(f"seed {seed} {mode}: {record['seconds']:.1f} s, evals "
                       f"{[round(e['reward'], 4) for e in record['evals']]}, load {record['load_after'][0]:.1f}",

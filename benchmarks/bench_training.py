@@ -2,7 +2,7 @@
 
     python benchmarks/bench_training.py --quick                  # CPU, shapes world, under 10 minutes
     python benchmarks/bench_training.py --quick --threads 1      # the same on a CPU shared with other jobs
-    python benchmarks/bench_training.py                          # the full run quoted in benchmarks/README.md
+    python benchmarks/bench_training.py --output-dir benchmarks/results   # the full run quoted in benchmarks/README.md
     python benchmarks/bench_training.py --model tiny --quick     # random-weight tiny model (no shipped weights needed)
     python benchmarks/bench_training.py --model tiny-sd3 --quick # random-weight tiny SD3 (flow matching, SDE steps)
     python benchmarks/bench_training.py --profile group_ppo_endpoints   # where one epoch's time goes
@@ -46,7 +46,6 @@ import math
 import os
 import platform
 import pstats
-import shutil
 import subprocess
 import sys
 import time
@@ -54,8 +53,10 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "config"))
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
 import grpo  # noqa: E402  config/grpo.py
+from bench_outputs import BenchmarkError, fail, own_folder, refuse_committed_default, require_finished  # noqa: E402
 import torch  # noqa: E402
 
 from ddpo_group.runs import metrics_log  # noqa: E402
@@ -355,15 +356,18 @@ def read_metrics(run_dir):
 
 
 def run_method(config, profile_epoch=None, profiler=None):
-    """Train one method from scratch into config.logdir/config.run_name; returns (rows, rss_at_start_mb)."""
+    """Train one method from scratch into config.logdir/config.run_name (under the output's runs/, a folder this
+    benchmark made: `own_folder`); returns (rows, rss_at_start_mb). An earlier run of this benchmark there is
+    written over by the trainer's overwrite (which removes only a run's own files, and refuses a folder that is not
+    a run); BenchmarkError when the run did not finish."""
     run_dir = os.path.join(config.logdir, config.run_name)
-    if os.path.isdir(run_dir):
-        shutil.rmtree(run_dir)  # metrics.jsonl appends: a stale run would mix into this one
+    config.overwrite = os.path.isdir(run_dir)  # metrics.jsonl appends: a stale run would mix into this one
     reset_peak_memory()
     rss_at_start = _vm_rss_mb()
     trainer = TimedTrainer(config, profile_epoch=profile_epoch, profiler=profiler)
     trainer.run()
     del trainer
+    require_finished(run_dir)
     gc.collect()
     return read_metrics(run_dir), rss_at_start
 
@@ -706,8 +710,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own "
                         "choice); on a CPU shared with other jobs, 1 avoids OpenMP oversubscription")
     parser.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up run")
-    parser.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "benchmarks", "results"),
-                        help="where bench_<quick|full>.json/.md and runs/ go (default benchmarks/results)")
+    parser.add_argument("--output-dir", default=None,
+                        help="where bench_<quick|full>.json/.md and runs/ go (default benchmarks/results; its "
+                             "committed results, e.g. bench_full.json, are replaced only when --output-dir names it)")
     parser.add_argument("--from-json", metavar="PATH", default=None, help="rebuild the summaries, targets and "
                         "markdown of a bench_<mode>.json from its per-epoch rows, without training")
     parser.add_argument("--seeds", type=int, default=0, help="train every method with N seeds (seed, seed+1, ...) and "
@@ -752,7 +757,36 @@ def parse_args(argv=None):
         args.eval_freq = 4 if args.seeds else 0
     if args.epochs < 1:
         parser.error("--epochs must be >= 1")
+    given, args.output_dir = args.output_dir is not None, args.output_dir or DEFAULT_OUTPUT_DIR
+    try:
+        refuse_committed_default("--output-dir", args.output_dir, given,
+                                 [os.path.join(args.output_dir, name) for name in _written(args)])
+    except BenchmarkError as err:
+        parser.error(str(err))
     return args
+
+
+DEFAULT_OUTPUT_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
+
+
+def _written(args):
+    """The files of the output folder this command writes (runs/ aside: `own_folder`)."""
+    if args.from_json:
+        try:
+            with open(args.from_json) as f:
+                mode = json.load(f).get("mode", "full")
+        except (OSError, ValueError, AttributeError):
+            mode = "full"  # rebuild's own error names the file
+        stems = [f"bench_{mode}"]
+    elif args.merge or args.seeds:
+        stems = ["bench_seeds"]
+    elif args.calibrate:
+        return ["calibration.json"]
+    elif args.profile:
+        return [f"profile_{args.profile}.txt"]
+    else:
+        stems = ["bench_quick" if args.quick else "bench_full"]
+    return [stem + ext for stem in stems for ext in (".json", ".md")]
 
 
 def _select_device(device):
@@ -805,6 +839,8 @@ def main(argv=None):
     original_peak_rss = metrics_log.peak_rss_mb
     metrics_log.peak_rss_mb = _vm_hwm_mb  # peak since reset_peak_memory(), not since the process started
     try:
+        if not (args.seeds and args.jobs > 1):  # the runs go into runs/ here (with --jobs: into each part's own)
+            own_folder("--output-dir", os.path.join(output_dir, "runs"), "bench_training.py")
         if args.profile:
             return profile_method(args.profile, args, output_dir)
         if args.calibrate:
@@ -812,6 +848,8 @@ def main(argv=None):
         if args.seeds:
             return run_seeds(args, argv, device, output_dir)
         return run_benchmark(args, argv, device, output_dir)
+    except BenchmarkError as err:
+        fail("bench_training.py", err, code=1)
     finally:
         metrics_log.peak_rss_mb = original_peak_rss
 
@@ -1129,7 +1167,8 @@ def _child_command(args, spec, seed, part_dir):
 
 def _run_seeds_in_processes(args, seeds, output_dir):
     """Each (method, seed) in a process of its own, args.jobs at once, one CPU thread each and no GPU; their
-    bench_seeds.json files are merged. A training that fails (or passes --run-timeout) is reported and left out."""
+    bench_seeds.json files are merged. A training that fails (or passes --run-timeout) ends the benchmark with exit
+    status 1, naming it and its log (BenchmarkError), the finished parts kept."""
     parts_root = os.path.join(output_dir, "parts")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
@@ -1163,9 +1202,11 @@ def _run_seeds_in_processes(args, seeds, output_dir):
             runs[label][seed] = rows
             evaluations = [round(row["eval/reward_mean"], 3) for row in rows if "eval/reward_mean" in row]
             print(f"[bench] seed {seed} {label}: {seconds:.0f} s, eval {evaluations}", flush=True)
-    if failed:
-        print(f"[bench] {len(failed)} of {len(tasks)} trainings failed and are left out: {failed}", flush=True)
-    return {label: by_seed for label, by_seed in runs.items() if by_seed}
+    if failed:  # no summary of the rest as if it were the study's: the parts that finished stay for --merge
+        raise BenchmarkError(
+            f"{len(failed)} of {len(tasks)} trainings failed: {', '.join(failed)}; bench_seeds.json is not written "
+            f"(the parts that finished are in {parts_root}: --merge their bench_seeds.json to summarize them)")
+    return runs
 
 
 def merge_seed_results(paths, output_dir, args=None):

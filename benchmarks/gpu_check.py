@@ -102,9 +102,11 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "config"))
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
 import grpo  # noqa: E402  config/grpo.py
 import torch  # noqa: E402
+from bench_outputs import BenchmarkError, fail, refuse_committed_default, require_finished  # noqa: E402
 
 from ddpo_group.diffusion.base import configure_from_sample  # noqa: E402
 from ddpo_group.diffusion.flux import FLUX_DEV_TRANSFORMER, register_random_flux  # noqa: E402
@@ -583,6 +585,7 @@ def fsdp2_worker(args):
 def run_algorithm(arch, spec, algorithm, args, dtype_name, logdir, suffix=""):
     config = run_config(arch, spec, algorithm, args, dtype_name, logdir, f"{arch}_{algorithm}_{dtype_name}{suffix}")
     run_dir = train(config)
+    require_finished(run_dir)  # a stopped run's rows are not the check's
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     # forward objectives: the first window's max |prediction - old prediction| stands for the log-ratio; NFT has
@@ -730,8 +733,15 @@ def parse_args(argv=None):
     parser.add_argument("--fsdp2", default="", help="process counts of the FSDP2 full fine-tune row, e.g. 1,8 "
                         "(empty: no row; docs/sharding.md)")
     parser.add_argument("--fsdp2-worker", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--output", default=os.path.join(REPO_ROOT, "benchmarks", "results", "gpu_check.json"))
+    parser.add_argument("--output", default=None, help="the JSON (default benchmarks/results/gpu_check.json; a "
+                        "committed file there is replaced only when --output names it)")
     args = parser.parse_args(argv)
+    given, args.output = args.output is not None, args.output or os.path.join(REPO_ROOT, "benchmarks", "results",
+                                                                                "gpu_check.json")
+    try:
+        refuse_committed_default("--output", args.output, given)
+    except BenchmarkError as err:
+        parser.error(str(err))
     for arch in args.arch.split(","):
         if arch not in ARCHS:
             parser.error(f"--arch {arch!r} is not one of {list(ARCHS)}")
@@ -786,7 +796,11 @@ def main(argv=None):
                 d["variants"] = {}
                 for name in (args.variants.split(",") if args.variants != "none" else []):
                     fresh_peak(args.device)
-                    v = d["variants"][name] = run_algorithm(arch, spec, ALIASES.get(name, name), args, dtype_name, logdir)
+                    try:
+                        v = d["variants"][name] = run_algorithm(arch, spec, ALIASES.get(name, name), args, dtype_name,
+                                                                logdir)
+                    except BenchmarkError as err:  # after the finally below removed the runs: one line, exit 1
+                        fail("gpu_check.py", err, code=1)
                     print(f"{arch} {dtype_name} {name}: {json.dumps(v)}", flush=True)
                     if v["on_policy_max_abs_log_ratio"] not in (0.0, None):
                         failures.append(f"{arch} {dtype_name} {name}: on-policy ratio not exactly 1")

@@ -2,7 +2,7 @@
 
     python benchmarks/main_job_numbers.py RUN_DIR        # compare a finished main-job run directory
     python benchmarks/main_job_numbers.py --run          # run the main job first (README.md's command, 40
-                                                         # epochs; writes runs/main_job_check/), then compare
+                                                         # epochs; into a new runs/main_job_check_XXXX/), then compare
 
 It reads the fixed-noise evaluation docs/results.md states for the main job (the Results table's "main job" row:
 `0.554 (epoch 0, ...) -> 0.597 (10) -> ...`) and the run's eval/reward_mean at those epochs, prints both side by
@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW = re.compile(r"^\| main job: .*$", re.M)
@@ -74,13 +75,20 @@ def main(argv=None) -> int:
         stated = readme_numbers(open(args.readme, encoding="utf-8").read())
         run_dir = args.run_dir
         if args.run:
-            run_dir = os.path.join(ROOT, "runs", "main_job_check")
+            # a new folder of its own under runs/ (never config.overwrite: a runs/main_job_check the user keeps, or
+            # an earlier check, is not written over)
+            os.makedirs(os.path.join(ROOT, "runs"), exist_ok=True)
+            logdir = tempfile.mkdtemp(prefix="main_job_check_", dir=os.path.join(ROOT, "runs"))
+            run_dir = os.path.join(logdir, "main_job")
+            print(f"main_job_numbers: training the main job into {run_dir}", file=sys.stderr, flush=True)
             accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
             env = dict(os.environ)
             env.pop("OMP_NUM_THREADS", None)  # as README.md runs it: the launcher's one thread
             subprocess.run([accelerate, "launch", "-q", "--config_file", "config/accelerate.yaml", "scripts/train.py",
-                            "--config", "config/grpo.py:tiny", "--config.logdir=runs", "--config.run_name=main_job_check",
-                            "--config.overwrite=True"], cwd=ROOT, env=env, check=True)
+                            "--config", "config/grpo.py:tiny", f"--config.logdir={logdir}",
+                            "--config.run_name=main_job"], cwd=ROOT, env=env, check=True)
+            if not os.path.exists(os.path.join(run_dir, "finished.json")):
+                raise ValueError(f"the main job in {run_dir} did not finish (no finished.json)")
         if run_dir is None:
             raise ValueError("pass a run directory, or --run")
         lines, same = compare(stated, run_numbers(run_dir))

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/overhead.py --config tiny --epochs 2 \\
         --output benchmarks/results/overhead/tiny.json
 
-Runs `--epochs` epochs of a variant of config/grpo.py (a throw-away run directory under --logdir) with the per-phase
+Runs `--epochs` epochs of a variant of config/grpo.py (a throw-away run directory: a new --logdir/<variant>) with the per-phase
 accounting of ddpo_group/training/perf.py recording one copy of each model call's inputs, then replays the same
 calls bare, at the same shapes, with the run's final weights: for every (phase, model, input shapes) the run's
 number of calls, one after another, nothing else around them (--replays times, the least time counted):
@@ -34,7 +34,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_outputs import BenchmarkError, fresh_run_dir, require_finished  # noqa: E402
 from ddpo_group.training import perf  # noqa: E402
 
 REPLAYED = ("sampling", "decoding", "old_log_probs", "reference", "training", "evaluation")
@@ -91,22 +93,42 @@ def _compile_totals():
     return {"seconds": seconds, "graphs": int(counters["stats"].get("unique_graphs", 0))}
 
 
-def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="cpu"):
-    """Train `epochs` epochs of `variant` with recording accounting, then replay bare; returns the JSON dict.
-    The first `warmup` epochs are run but not counted."""
+def build_config(variant, epochs, overrides, logdir):
+    """The run's config: `variant` for `epochs` epochs into logdir/<variant>, per-phase accounting on, the
+    --set overrides last. Never config.overwrite: the run directory is a new one (`check`)."""
     from ddpo_group.config.fields import set_field
     from ddpo_group.config.grpo import get_config
-    from ddpo_group.training.trainer import Trainer
 
     config = get_config(variant)
     config.num_epochs = epochs
-    config.logdir = logdir or tempfile.mkdtemp(prefix="overhead_")
+    config.logdir = logdir
     config.run_name = variant
-    config.overwrite = True
     config.log_with = "none"
     config.perf.enabled = True
     for item in overrides:
         set_field(config, item)
+    return config
+
+
+def check(config):
+    """Before anything runs: the run directory is new (missing or empty: nothing a run would write over), and the
+    trainer's own checks (config/check.py's check_config, the run directory's) accept the config. Raises
+    BenchmarkError or ConfigError, one line each."""
+    from ddpo_group.config.check import check_config
+    from ddpo_group.runs.run_dir import RunDir
+
+    fresh_run_dir("--logdir", os.path.join(os.path.abspath(os.path.expanduser(config.logdir)), config.run_name))
+    check_config(config, num_processes=int(os.environ.get("WORLD_SIZE", 1)), has_gpu=torch.cuda.is_available())
+    RunDir.resolve(config)  # reads only
+
+
+def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="cpu"):
+    """Train `epochs` epochs of `variant` with recording accounting, then replay bare; returns the JSON dict.
+    The first `warmup` epochs are run but not counted. BenchmarkError when the run did not finish."""
+    from ddpo_group.training.trainer import Trainer
+
+    config = build_config(variant, epochs, overrides, logdir or tempfile.mkdtemp(prefix="overhead_"))
+    check(config)
     trainer = Trainer(config)
     accounting = trainer.perf
     accounting.record_inputs = True
@@ -125,8 +147,9 @@ def run(variant, epochs, overrides=(), logdir=None, warmup=0, repeats=2, clock="
 
     trainer.log_epoch = log_and_forget_warmup
     start = time.perf_counter()
-    trainer.run()
+    run_dir = trainer.run()
     wall = time.perf_counter() - start
+    require_finished(run_dir)  # a stopped run's seconds are not the epochs' (its rc would be 0 otherwise)
     compiled = _compile_totals()  # before the replay: its warm-up calls reuse the run's graphs
     accounting.detach()
     accounting.model_seconds_by_phase()
@@ -188,7 +211,8 @@ def main(argv=None):
     parser.add_argument("--config", default="tiny", help="a variant of config/grpo.py (tiny, tiny_sd3, tiny_scenes)")
     parser.add_argument("--epochs", type=int, default=2, help="epochs to run before the bare replay")
     parser.add_argument("--output", default="", help="JSON file to write (atomically); empty: print only")
-    parser.add_argument("--logdir", default="", help="where the run directory goes (default: a temporary one)")
+    parser.add_argument("--logdir", default="", help="where the run directory LOGDIR/<config> goes, which must not "
+                        "exist yet (default: a temporary folder)")
     parser.add_argument("--warmup-epochs", type=int, default=-1,
                         help="epochs run first and not counted (default: 1 when --epochs > 1, else 0)")
     parser.add_argument("--replays", type=int, default=2, help="bare replays; the least time of each phase counts")
@@ -204,18 +228,21 @@ def main(argv=None):
     warmup = args.warmup_epochs if args.warmup_epochs >= 0 else int(args.epochs > 1)
     if warmup >= args.epochs:
         parser.error(f"--warmup-epochs={warmup} leaves none of --epochs={args.epochs} to count")
-    if args.set:  # a misspelt field is one line before anything runs
-        from ddpo_group.config.fields import set_field
-        from ddpo_group.config.grpo import get_config
-        from ddpo_group.config.registry import ConfigError
+    from ddpo_group.config.registry import ConfigError
 
-        try:
-            config = get_config(args.config)
-            for item in args.set:
-                set_field(config, item)
-        except ConfigError as err:
-            parser.error(str(err))
-    result = run(args.config, args.epochs, args.set, args.logdir or None, warmup, args.replays, args.clock)
+    # Before anything runs: a misspelt field, a value the trainer refuses, a --logdir whose run directory exists
+    # (a finished run there is never written over) are one line, not a traceback after the models loaded.
+    logdir = args.logdir or tempfile.mkdtemp(prefix="overhead_")
+    try:
+        check(build_config(args.config, args.epochs, args.set, logdir))
+    except (ConfigError, BenchmarkError) as err:
+        if not args.logdir:
+            os.rmdir(logdir)  # the empty temporary folder made just above
+        parser.error(str(err))
+    try:
+        result = run(args.config, args.epochs, args.set, logdir, warmup, args.replays, args.clock)
+    except BenchmarkError as err:
+        parser.exit(1, f"{parser.prog}: error: {err}\n")
     print(table(result))
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

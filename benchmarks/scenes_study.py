@@ -1,11 +1,15 @@
 """Issue 42's study: the field's methods on the scenes world's shipped models, several seeds, GenEval's six tags
 on the held-out set (docs/scenes.md).
 
-    python benchmarks/scenes_study.py --methods flow_grpo --seeds 42,43,44      # one method, three seeds
-    python benchmarks/scenes_study.py --jobs 2                                  # every method, two runs at once
-    python benchmarks/scenes_study.py --collect                                 # the table and JSON from what ran
-    python benchmarks/scenes_study.py --eval-noise 1234,1,2,3,4,5,6,7           # the evaluation's own noise
-    python benchmarks/scenes_study.py --reevaluate 1234,1,2,3 --jobs 2          # finals again: one sampler, 8 images
+    python benchmarks/scenes_study.py --methods flow_grpo --seeds 42,43,44 --results R   # one method, three seeds
+    python benchmarks/scenes_study.py --jobs 2 --results R                              # every method, two at once
+    python benchmarks/scenes_study.py --collect --results R                             # the table and JSON from what ran
+    python benchmarks/scenes_study.py --eval-noise 1234,1,2,3,4,5,6,7 --results R       # the evaluation's own noise
+    python benchmarks/scenes_study.py --reevaluate 1234,1,2,3 --jobs 2 --results R      # finals again: one sampler
+
+The committed study is R = benchmarks/results/scenes_study, the default folder: a command that writes there
+must name it (--results benchmarks/results/scenes_study), since its committed runs are otherwise skipped as
+"finished" and its table rewritten as if this command had made them.
 
 Probes, each in a results directory of its own (docs/scenes.md says what they showed):
 
@@ -20,7 +24,10 @@ Each run is a variant of config/grpo.py (tiny_scenes on the flow model tiny-scen
 UNet tiny-scenes) with one method's fields changed, trained in a process of its own on one thread
 (OMP_NUM_THREADS=1) into RESULTS/runs/<method>/seed_<seed>/. A run whose directory holds finished.json is done
 and skipped, so the study runs in stages (a session at a time) and resumes where it stopped; an unfinished
-run is started again from scratch (its directory overwritten). Every method keeps its task's sampling work,
+run is started again from scratch (its directory overwritten: only a run of this command's fields). A run
+directory there of other fields (another seed, --epochs or --set value), finished or not, is refused before
+anything runs: a probe goes into a --results of its own. A run that fails ends the study with exit status 1,
+naming it and its log, without rewriting the table. Every method keeps its task's sampling work,
 learning rate, KL and evaluation: only its method's fields change (METHODS).
 
 From each run's metrics.jsonl:
@@ -58,7 +65,9 @@ import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))  # run_pool, shared with scenes_ladder.py
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))  # run_pool and bench_outputs, shared with the others
+
+from bench_outputs import BenchmarkError, fail, refuse_committed_default  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study")
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -163,7 +172,6 @@ def method_config(method, seed, run_dir, epochs=None, overrides=()):
     for item in overrides:
         set_field(config, item)
     config.logdir, config.run_name = os.path.dirname(run_dir), os.path.basename(run_dir)
-    config.overwrite = True
     config.save_freq = 0
     config.log_images_every = 0
     return config
@@ -176,7 +184,62 @@ def run_one(method, seed, run_dir, epochs, overrides=()):
     torch.set_num_threads(1)
     from ddpo_group.training.trainer import Trainer
 
-    Trainer(method_config(method, seed, run_dir, epochs, overrides)).run()
+    config = method_config(method, seed, run_dir, epochs, overrides)
+    # an unfinished run of this study's own (main checked it: `check_run_dirs`) starts again from scratch; never
+    # a folder it did not make, nor a finished run
+    config.overwrite = os.path.isdir(run_dir) and not os.path.exists(os.path.join(run_dir, "finished.json"))
+    Trainer(config).run()
+    if not os.path.exists(os.path.join(run_dir, "finished.json")):
+        sys.exit(f"{method} seed {seed}: the run stopped before its end ({run_dir})")
+
+
+def _plain(value):
+    """A config value as its config.json stores it (tuples as lists, ConfigDicts as dicts)."""
+    value = value.to_dict() if hasattr(value, "to_dict") else value
+    return json.loads(json.dumps(value))
+
+
+def run_differences(run_dir, method, seed, epochs, overrides):
+    """The fields this command sets (the seed, the epochs, each --set FIELD) on which the run stored in
+    `run_dir`/config.json differs from what the command would train: ["FIELD: stored X, this command Y"];
+    None when run_dir holds no config.json."""
+    stored = _read_json(os.path.join(run_dir, "config.json"))
+    if not isinstance(stored, dict):
+        return None
+    wanted = method_config(method, seed, run_dir, epochs, overrides)
+    fields = ["seed", "num_epochs"] + [item.partition("=")[0] for item in overrides]
+    differences = []
+    for field in dict.fromkeys(fields):
+        node_stored, node_wanted = stored, wanted
+        for part in field.split("."):
+            node_stored = node_stored.get(part) if isinstance(node_stored, dict) else None
+            node_wanted = node_wanted[part]
+        if node_stored != _plain(node_wanted):
+            differences.append(f"{field}: stored {json.dumps(node_stored)}, this command {json.dumps(_plain(node_wanted))}")
+    return differences
+
+
+def check_run_dirs(results, methods, seeds, epochs, overrides):
+    """Before any run starts: every run directory the command would skip (finished) or start again (unfinished)
+    holds a run of this command's fields; a finished run of other fields would be reported as this command's
+    result (a probe's --set that ran nothing), an unfinished one or a folder the study did not make would be
+    written over. BenchmarkError naming the first such directory and the fix."""
+    for method in methods:
+        for seed in seeds:
+            run_dir = os.path.join(results, "runs", method, f"seed_{seed}")
+            if not os.path.isdir(run_dir) or not os.listdir(run_dir):
+                continue
+            differences = run_differences(run_dir, method, seed, epochs, overrides)
+            finished = os.path.exists(os.path.join(run_dir, "finished.json"))
+            if differences is None:
+                raise BenchmarkError(
+                    f"{run_dir} holds no run of this study (no config.json) and would be written over; give another "
+                    "--results, or move it away")
+            if differences:
+                raise BenchmarkError(
+                    f"{run_dir} holds a {'finished' if finished else 'unfinished'} run of other fields "
+                    f"({'; '.join(differences)}): its results are not this command's; give --results a new folder "
+                    "for this probe")
 
 
 def read_rows(run_dir):
@@ -473,7 +536,9 @@ def main(argv=None):
     parser.add_argument("--seeds", default="42,43,44")
     parser.add_argument("--epochs", type=int, default=0, help="training epochs (0: the variant's, 40)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
-    parser.add_argument("--results", default=DEFAULT_RESULTS)
+    parser.add_argument("--results", default=None,
+                        help="the study's folder (default benchmarks/results/scenes_study, whose committed results "
+                             "are refused unless --results names it)")
     parser.add_argument("--collect", action="store_true", help="only build the table and JSON from finished runs")
     parser.add_argument("--target", type=float, default=None, help="overall target (default: best flow_grpo final)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -493,6 +558,11 @@ def main(argv=None):
     if args.run_one:
         method, seed, run_dir, epochs = args.run_one
         return run_one(method, int(seed), run_dir, int(epochs), args.set)
+    given, args.results = args.results is not None, args.results or DEFAULT_RESULTS
+    try:  # every mode writes into the results folder: the committed study only when --results names it
+        refuse_committed_default("--results", args.results, given)
+    except BenchmarkError as err:
+        parser.error(str(err))
     if args.eval_noise:
         return eval_noise([int(s) for s in args.eval_noise.split(",") if s.strip()], args.results)
     if args.reevaluate:
@@ -516,16 +586,27 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    if args.set:  # a misspelt field is one line here, not a traceback in every run's log
+    if (args.set or args.epochs) and not args.collect:
+        # a misspelt field, or a value the trainer's own check refuses for any method (--set sample.num_steps=3
+        # against mixgrpo's 4-step window), is one line here, not a traceback in every run's log
+        from ddpo_group.config.check import check_config
         from ddpo_group.config.registry import ConfigError
 
+        method = methods[0]
         try:
-            method_config(methods[0], seeds[0] if seeds else 0, os.path.join(args.results, "check"), None, args.set)
+            for method in methods:
+                check_config(method_config(method, seeds[0] if seeds else 0, os.path.join(args.results, "check"),
+                                           args.epochs, args.set), num_processes=1)
         except ConfigError as err:
-            parser.error(str(err))
+            parser.error(f"{err} (method {method})")
+    failures = []
     if not args.collect:
         from run_pool import run_pool
 
+        try:
+            check_run_dirs(args.results, methods, seeds, args.epochs, args.set)
+        except BenchmarkError as err:
+            parser.error(str(err))
         pending = [(m, s) for m in methods for s in seeds
                    if not os.path.exists(os.path.join(args.results, "runs", m, f"seed_{s}", "finished.json"))]
         tasks = []
@@ -534,7 +615,14 @@ def main(argv=None):
             tasks.append((f"{method} seed {seed}", [sys.executable, os.path.abspath(__file__), "--run-one", method,
                                                     str(seed), run_dir, str(args.epochs)]
                           + [f"--set={item}" for item in args.set], run_dir))
-        run_pool(tasks, args.jobs)
+        codes = run_pool(tasks, args.jobs)
+        for (label, _, run_dir) in tasks:
+            if codes.get(label) or not os.path.exists(os.path.join(run_dir, "finished.json")):
+                failures.append(f"{label} (exit {codes.get(label)}, log {run_dir}.log)")
+    if failures:  # the table would mix the finished runs with a failed study: --collect builds it when wanted
+        fail(parser.prog, f"{len(failures)} run{'s' if len(failures) > 1 else ''} failed: {', '.join(failures)}; "
+                          "the finished runs are kept (--collect builds the table from them); the study's summary "
+                          "and table are not rewritten", code=1)
     summary, table, target, metrics = collect(args.results, args.target)
     os.makedirs(args.results, exist_ok=True)
     write_json(os.path.join(args.results, "summary.json"), summary)

@@ -26,10 +26,11 @@ the same for the anchor V(x_k) = R(decode(x0_hat(x_k))) (critic_designs.py) and 
 V(x_k) = R(x_T of DDIM with eta 0 from x_k: T - k model calls, G2RPO's ODE completion); and the correlation over i of the
 per-step advantages V(x_{k+1}) - V(x_k) (V(x_T) = r) with the branch-measured ones r_i - mean of its branches.
 
-    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/variance_decomposition.py            # a few minutes
-    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/variance_decomposition.py --critic-epochs 30
+    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/variance_decomposition.py --output D.json --png D.png
+    OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/variance_decomposition.py --critic-epochs 30 --output ... --png ...
 
-writes benchmarks/results/variance_decomposition[_<others>].json and docs/images/variance_decomposition.png.
+writes --output and --png; their defaults, benchmarks/results/variance_decomposition[_<others>].json and
+docs/images/variance_decomposition[_<others>].png, hold the committed results and are written over only when named.
 """
 
 import argparse
@@ -44,8 +45,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "config"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import grpo  # noqa: E402  config/grpo.py
+from bench_outputs import BenchmarkError, refuse_committed_default  # noqa: E402
 
 from ddpo_group.config.check import load_config_prompts  # noqa: E402
 from ddpo_group.training.critic import ValueNetwork, compute_values  # noqa: E402
@@ -314,7 +317,7 @@ def draw(result, path):
     plt.close(fig)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", default="tiny")
     parser.add_argument("--per-prompt", type=int, default=4, help="base trajectories per prompt (G)")
@@ -330,7 +333,16 @@ def main():
     parser.add_argument("--output", default="")
     parser.add_argument("--png", default="")
     parser.add_argument("--markdown", default="", help="only print the tables of this result JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    suffix = "" if args.others == "fixed" else "_deterministic"
+    default_out = os.path.join(ROOT, "benchmarks", "results", f"variance_decomposition{suffix}.json")
+    default_png = os.path.join(ROOT, "docs", "images", f"variance_decomposition{suffix}.png")
+    try:  # before the minutes of sampling: the committed result and the docs' figure only when named
+        if not args.markdown:
+            refuse_committed_default("--output", default_out, bool(args.output))
+            refuse_committed_default("--png", default_png, bool(args.png))
+    except BenchmarkError as err:
+        parser.error(str(err))
     if args.critics is None:
         args.critics = "network,anchor,completion" if args.critic_epochs else ""
     if "network" in args.critics and not args.critic_epochs:
@@ -348,13 +360,12 @@ def main():
     if args.critics:
         result["critic"] = critic_study(task, args, base)
     result["seconds"] = time.perf_counter() - start
-    suffix = "" if args.others == "fixed" else "_deterministic"
-    out = args.output or os.path.join(ROOT, "benchmarks", "results", f"variance_decomposition{suffix}.json")
+    out = args.output or default_out
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
     os.replace(out + ".tmp", out)
-    png = args.png or os.path.join(ROOT, "docs", "images", f"variance_decomposition{suffix}.png")
+    png = args.png or default_png
     os.makedirs(os.path.dirname(png), exist_ok=True)
     draw(result, png)
     print(markdown(result))

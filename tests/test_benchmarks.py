@@ -386,3 +386,261 @@ def test_the_scenes_study_collects_without_flow_grpo_runs_and_its_table_rows_hav
     lines = [line for line in study.render(table, 0.5, summary).splitlines() if line.startswith("|")]
     cells = {line.count("|") for line in lines}
     assert len(cells) == 1, lines[:3]
+
+
+# Issue 54: a benchmark never writes over a folder it did not make, refuses the committed results' folder unless
+# told where to write, checks its flags with the trainer's own checks before anything runs, and exits non-zero
+# when a run it started failed.
+
+
+def _finished_run(run_dir, variant="tiny"):
+    """A finished run as the trainer leaves one: config.json, the library's mark, metrics.jsonl, finished.json."""
+    from ddpo_group.config.grpo import get_config
+    from ddpo_group.runs.run_dir import RunDir
+
+    config = get_config(variant)
+    config.logdir, config.run_name = os.path.dirname(str(run_dir)), os.path.basename(str(run_dir))
+    files = RunDir(str(run_dir))
+    files.start(config, 0)
+    files.append_metrics({"epoch": 0, "reward_mean": 0.5})
+    files.mark_finished(1, None)
+    files.release()
+    return {name: (run_dir / name).read_bytes() for name in os.listdir(run_dir)}
+
+
+def _last_error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    return err[-1] if err else ""
+
+
+def test_overhead_never_writes_over_a_finished_run_in_its_logdir(tmp_path, capsys):
+    """It forced config.overwrite, so `--logdir DIR` deleted the finished run DIR/tiny (rc 0)."""
+    overhead = load_script("benchmarks/overhead.py")
+    before = _finished_run(tmp_path / "tiny")
+    with pytest.raises(SystemExit) as exit_info:
+        overhead.main(["--config", "tiny", "--epochs", "1", "--logdir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    line = _last_error_line(capsys)
+    assert "--logdir" in line and str(tmp_path / "tiny") in line and "Traceback" not in line
+    assert {name: (tmp_path / "tiny" / name).read_bytes() for name in os.listdir(tmp_path / "tiny")} == before
+
+
+def test_overhead_refuses_a_set_value_the_trainers_check_refuses_in_one_line_before_anything_runs(tmp_path, capsys):
+    """`--set sample.num_steps=-1` passed the script's own check (an int field) and ended in the trainer's
+    ConfigError traceback after the models were built."""
+    overhead = load_script("benchmarks/overhead.py")
+    with pytest.raises(SystemExit) as exit_info:
+        overhead.main(["--config", "tiny", "--epochs", "1", "--logdir", str(tmp_path), "--set", "sample.num_steps=-1"])
+    assert exit_info.value.code == 2
+    assert "sample.num_steps" in _last_error_line(capsys)
+    assert os.listdir(tmp_path) == []  # nothing was created
+
+
+def test_overhead_refuses_a_logdir_that_is_a_file_or_holds_a_folder_not_a_run(tmp_path, capsys):
+    """A --logdir that is a file, or whose <variant> folder holds the user's files: the trainer's ConfigError
+    traceback; now one line naming --logdir and the path."""
+    overhead = load_script("benchmarks/overhead.py")
+    (tmp_path / "a_file").write_text("mine")
+    (tmp_path / "mine" / "tiny").mkdir(parents=True)
+    (tmp_path / "mine" / "tiny" / "notes.txt").write_text("mine")
+    for logdir, named in ((tmp_path / "a_file", tmp_path / "a_file"), (tmp_path / "mine", tmp_path / "mine" / "tiny")):
+        with pytest.raises(SystemExit) as exit_info:
+            overhead.main(["--config", "tiny", "--epochs", "1", "--logdir", str(logdir)])
+        assert exit_info.value.code == 2
+        line = _last_error_line(capsys)
+        assert ": error: --logdir" in line and str(named) in line
+    assert (tmp_path / "a_file").read_text() == "mine" and os.listdir(tmp_path / "mine" / "tiny") == ["notes.txt"]
+
+
+def test_the_scenes_study_refuses_its_committed_folder_unless_results_names_it(monkeypatch, capsys):
+    """`--set ...` without --results ran nothing (the committed runs were "finished"), printed the committed table
+    as the probe's and rewrote the committed study.json and metrics, rc 0."""
+    study = load_script("benchmarks/scenes_study.py")
+
+    def no_write(*args, **kwargs):
+        raise AssertionError("the committed study's files were written")
+
+    monkeypatch.setattr(study, "write_json", no_write)
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--methods", "flow_grpo", "--seeds", "42", "--set", "train.learning_rate=1e-3"])
+    assert exit_info.value.code == 2
+    line = _last_error_line(capsys)
+    assert "--results" in line and "committed" in line and "benchmarks/results/scenes_study" in line
+
+
+def test_the_scenes_study_refuses_a_finished_run_of_other_fields_in_its_results(tmp_path, capsys):
+    """A probe (--set train.learning_rate=1e-3) whose --results holds finished runs of the default learning rate
+    reported those as its own; now refused before anything runs, naming the field, both values and the run."""
+    import shutil
+
+    committed = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study", "runs", "flow_grpo", "seed_42")
+    shutil.copytree(committed, tmp_path / "runs" / "flow_grpo" / "seed_42")
+    study = load_script("benchmarks/scenes_study.py")
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--methods", "flow_grpo", "--seeds", "42", "--set", "train.learning_rate=1e-3",
+                    "--results", str(tmp_path)])
+    assert exit_info.value.code == 2
+    line = _last_error_line(capsys)
+    assert "train.learning_rate: stored 0.0002, this command 0.001" in line
+    assert str(tmp_path / "runs" / "flow_grpo" / "seed_42") in line
+    assert not (tmp_path / "study.json").exists()
+
+
+def test_a_finished_run_of_the_commands_own_fields_is_not_refused():
+    """The committed flow_grpo runs are the default command's (seed, 40 epochs): the study resumes past them."""
+    study = load_script("benchmarks/scenes_study.py")
+    results = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study")
+    study.check_run_dirs(results, ["flow_grpo"], [42, 43, 44], 0, [])
+    lr = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study_lr1e-3")
+    study.check_run_dirs(lr, ["flow_grpo"], [42], 80, ["train.learning_rate=1e-3"])
+
+
+def _failing_python(tmp_path):
+    """An interpreter stand-in whose every run fails at once (exit 3): a run process that crashed."""
+    path = tmp_path / "failing_python"
+    path.write_text("#!/bin/sh\necho 'a run that failed' >&2\nexit 3\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_scenes_study_exits_non_zero_when_its_runs_fail(tmp_path, monkeypatch, capsys):
+    """Every run failing ended in exit 0 and a table of nothing."""
+    import sys
+
+    study = load_script("benchmarks/scenes_study.py")
+    monkeypatch.setattr(study.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(sys, "executable", _failing_python(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--methods", "flow_grpo", "--seeds", "42,43", "--jobs", "2", "--results", str(tmp_path / "r")])
+    assert exit_info.value.code == 1
+    line = _last_error_line(capsys)
+    assert "2 runs failed" in line and "flow_grpo seed 42 (exit 3" in line and "flow_grpo seed 43 (exit 3" in line
+    assert not (tmp_path / "r" / "study.json").exists()
+
+
+def test_bench_training_never_removes_a_runs_folder_it_did_not_make(tmp_path, capsys):
+    """It removed OUTPUT_DIR/runs/<mode>/<method> with shutil.rmtree, whatever was there."""
+    mine = tmp_path / "runs" / "quick" / "ddpo"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--model", "tiny", "--quick", "--epochs", "1", "--num-steps", "2", "--sample-batch-size", "8",
+                    "--num-batches", "1", "--methods", "ddpo", "--no-warmup", "--output-dir", str(tmp_path)])
+    assert exit_info.value.code == 1
+    line = _last_error_line(capsys)
+    assert "--output-dir" in line and str(tmp_path / "runs") in line and "not made by bench_training.py" in line
+    assert (mine / "notes.txt").read_text() == "mine"
+
+
+def test_bench_training_refuses_the_committed_full_results_as_its_default_output(capsys):
+    """The full run's default output, benchmarks/results/bench_full.json, is committed: only --output-dir naming it
+    replaces it; --quick's bench_quick.json there is not committed and stays the default."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args([])
+    assert exit_info.value.code == 2
+    line = _last_error_line(capsys)
+    assert "--output-dir" in line and "bench_full" in line
+    assert bench.parse_args(["--quick"]).output_dir == os.path.join(REPO_ROOT, "benchmarks", "results")
+    named = os.path.join(REPO_ROOT, "benchmarks", "results")
+    assert bench.parse_args(["--output-dir", named]).output_dir == named
+
+
+def test_bench_training_exits_non_zero_without_a_summary_when_a_parallel_training_fails(tmp_path, monkeypatch, capsys):
+    """A --jobs training that failed was left out and the rest summarized as the study, exit 0."""
+    import sys
+
+    monkeypatch.setattr(sys, "executable", _failing_python(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--model", "tiny", "--seeds", "2", "--epochs", "1", "--jobs", "2", "--methods", "ddpo",
+                    "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 1
+    line = _last_error_line(capsys)
+    assert "2 of 2 trainings failed" in line and "ddpo seed 42 (exit 3" in line
+    assert not (tmp_path / "out" / "bench_seeds.json").exists()
+
+
+def test_async_rollout_refuses_its_committed_default_output_and_a_logdir_run_before_any_run(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Without --output it wrote over the committed result.json; a --logdir holding a run ended in the trainer's
+    ConfigError traceback."""
+    script = load_script("benchmarks/async_rollout.py")
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(script, "run_once", no_run)
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--epochs", "1", "--seeds", "0", "--modes", "sync"])
+    assert exit_info.value.code == 2
+    line = _last_error_line(capsys)
+    assert "--output" in line and "benchmarks/results/async_rollout/result.json" in line
+    _finished_run(tmp_path / "sync_seed0")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--epochs", "1", "--seeds", "0", "--modes", "sync", "--logdir", str(tmp_path),
+                     "--output", str(tmp_path / "out.json")])
+    assert exit_info.value.code == 2
+    assert "--logdir" in _last_error_line(capsys) and (tmp_path / "sync_seed0" / "finished.json").exists()
+
+
+def test_variance_decomposition_refuses_its_committed_defaults(capsys):
+    """Its defaults are the committed result and the docs' figure: written over by any run without --output."""
+    script = load_script("benchmarks/variance_decomposition.py")
+    for argv, option in (([], "--output"), (["--output", "/nonexistent/x.json"], "--png")):
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(argv)
+        assert exit_info.value.code == 2
+        assert f": error: {option} defaults to" in _last_error_line(capsys)
+
+
+def test_main_job_numbers_trains_into_a_new_folder_never_overwriting(tmp_path, monkeypatch):
+    """--run passed --config.overwrite=True on runs/main_job_check, a folder it may not have made."""
+    script = load_script("benchmarks/main_job_numbers.py")
+    (tmp_path / "runs" / "main_job_check").mkdir(parents=True)
+    (tmp_path / "runs" / "main_job_check" / "notes.txt").write_text("mine")
+    commands = []
+
+    def fake_run(command, **kwargs):  # the launcher: a run that finishes at once with no metrics
+        commands.append(command)
+        logdir = next(a.split("=", 1)[1] for a in command if a.startswith("--config.logdir="))
+        os.makedirs(os.path.join(logdir, "main_job"))
+        open(os.path.join(logdir, "main_job", "finished.json"), "w").close()
+
+    monkeypatch.setattr(script, "ROOT", str(tmp_path))
+    monkeypatch.setattr(script.subprocess, "run", fake_run)
+    assert script.main(["--run", "--readme", os.path.join(REPO_ROOT, "docs", "results.md")]) == 2  # no metrics.jsonl
+    (command,) = commands
+    assert not any("overwrite" in a for a in command)
+    logdir = next(a.split("=", 1)[1] for a in command if a.startswith("--config.logdir="))
+    assert os.path.dirname(logdir) == str(tmp_path / "runs") and logdir != str(tmp_path / "runs" / "main_job_check")
+    assert (tmp_path / "runs" / "main_job_check" / "notes.txt").read_text() == "mine"
+
+
+def test_a_benchmark_run_that_did_not_finish_is_an_error_naming_it(tmp_path):
+    outputs = load_script("benchmarks/bench_outputs.py")
+    (tmp_path / "failed.json").write_text("{}")
+    with pytest.raises(outputs.BenchmarkError, match="did not finish.*failed.json"):
+        outputs.require_finished(str(tmp_path))
+    (tmp_path / "finished.json").write_text("{}")
+    outputs.require_finished(str(tmp_path))
+
+
+def test_a_committed_default_is_refused_and_a_named_or_uncommitted_one_is_not(tmp_path):
+    outputs = load_script("benchmarks/bench_outputs.py")
+    committed = os.path.join(REPO_ROOT, "benchmarks", "results", "overhead", "tiny.json")
+    with pytest.raises(outputs.BenchmarkError, match="--output defaults to benchmarks/results/overhead/tiny.json"):
+        outputs.refuse_committed_default("--output", committed, given=False)
+    outputs.refuse_committed_default("--output", committed, given=True)
+    outputs.refuse_committed_default("--output", str(tmp_path / "new.json"), given=False)
+
+
+def test_the_scenes_study_refuses_a_set_value_the_trainer_refuses_for_one_of_its_methods(tmp_path, capsys):
+    """--set sample.num_steps=3 passed the study's own check (an int field) and failed every mixgrpo run (its
+    4-step SDE window) in its log; now one line naming the field and the method before any run starts."""
+    study = load_script("benchmarks/scenes_study.py")
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--methods", "flow_grpo,mixgrpo", "--seeds", "42", "--set", "sample.num_steps=3",
+                    "--results", str(tmp_path)])
+    assert exit_info.value.code == 2
+    line = _last_error_line(capsys)
+    assert "sample.sde_window_size=4" in line and "sample.num_steps=3" in line and "(method mixgrpo)" in line
+    assert os.listdir(tmp_path) == []
