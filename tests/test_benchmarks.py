@@ -508,7 +508,9 @@ def test_the_scenes_study_exits_non_zero_when_its_runs_fail(tmp_path, monkeypatc
     import sys
 
     study = load_script("benchmarks/scenes_study.py")
-    monkeypatch.setattr(study.time, "sleep", lambda seconds: None)
+    import run_pool  # the study's launcher (benchmarks/run_pool.py, on the path the study put it on)
+
+    monkeypatch.setattr(run_pool.time, "sleep", lambda seconds: None)
     monkeypatch.setattr(sys, "executable", _failing_python(tmp_path))
     with pytest.raises(SystemExit) as exit_info:
         study.main(["--methods", "flow_grpo", "--seeds", "42,43", "--jobs", "2", "--results", str(tmp_path / "r")])
