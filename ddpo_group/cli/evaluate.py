@@ -40,7 +40,7 @@ import re
 import sys
 import time
 
-from ddpo_group.cli.common import OneLineArgumentParser, cpu_threads, debug, one_line
+from ddpo_group.cli.common import OneLineArgumentParser, cpu_threads, debug, inside_package, one_line
 
 PROG = "evaluate.py"  # the command's name in its messages (scripts/evaluate.py's); `ddpo-group evaluate` passes its own
 CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
@@ -281,6 +281,8 @@ def main(argv=None, prog=PROG):
     from ddpo_group.runs.run_dir import write_json_atomic
 
     threads = cpu_threads()  # one thread per process (or $OMP_NUM_THREADS), as scripts/train.py under accelerate launch
+    if args.output and inside_package(args.output, "--output"):
+        raise EvaluateError(inside_package(args.output, "--output"))
     if args.output:
         check_output(args.output, prog=prog)
     run, checkpoint, run_dir = {}, None, None
@@ -359,7 +361,12 @@ def evaluate_protocol(args):
     try:
         return _evaluate_protocol(args)
     except (ProtocolError, GenEvalFormatError) as err:
-        raise EvaluateError(" ".join(str(err).split())) from None
+        message = " ".join(str(err).split())
+        if "is not one the detector finds" in message and not any(
+                option.replace(" ", "").startswith("detector=") for option in args.protocol_option):
+            message += ("; the shapes and scenes worlds' prompt sets (geneval_scenes.jsonl, geneval_shapes*.jsonl) "
+                        "are scored by their exact detector: add --protocol-option detector=shapes")
+        raise EvaluateError(message) from None
 
 
 def _evaluate_protocol(args):
@@ -377,6 +384,9 @@ def _evaluate_protocol(args):
     )
 
     threads = cpu_threads()
+    for option, path in (("--output", args.output), ("--save-images", args.save_images)):
+        if path and inside_package(path, option):
+            raise EvaluateError(inside_package(path, option))
     if args.output:
         check_output(args.output, protocol=True, prog=args.prog)
     if args.images and (args.checkpoint or args.save_images):
