@@ -267,6 +267,9 @@ def main(argv=None, prog=PROG):
                         help="with --protocol: also write the sampled images in GenEval's layout (a new directory)")
     args = parser.parse_args(argv)
     args.prog = prog
+    for option, path in (("--output", args.output), ("--save-images", args.save_images)):
+        if path and inside_package(path, option):  # the package's shipped files are never written over
+            raise EvaluateError(inside_package(path, option))
     if args.protocol:
         return evaluate_protocol(args)
     if args.protocol_option or args.images or args.save_images:
@@ -281,8 +284,6 @@ def main(argv=None, prog=PROG):
     from ddpo_group.runs.run_dir import write_json_atomic
 
     threads = cpu_threads()  # one thread per process (or $OMP_NUM_THREADS), as scripts/train.py under accelerate launch
-    if args.output and inside_package(args.output, "--output"):
-        raise EvaluateError(inside_package(args.output, "--output"))
     if args.output:
         check_output(args.output, prog=prog)
     run, checkpoint, run_dir = {}, None, None
@@ -384,9 +385,6 @@ def _evaluate_protocol(args):
     )
 
     threads = cpu_threads()
-    for option, path in (("--output", args.output), ("--save-images", args.save_images)):
-        if path and inside_package(path, option):
-            raise EvaluateError(inside_package(path, option))
     if args.output:
         check_output(args.output, protocol=True, prog=args.prog)
     if args.images and (args.checkpoint or args.save_images):
