@@ -309,3 +309,23 @@ def test_the_end_of_run_summary_gives_genevals_overall_beside_the_partial_score(
                         "(epoch 1); best 0.4000 (epoch 1)")
     assert lines[2] == ("eval geneval overall (GenEval's score of the held-out prompts, eval/geneval/overall): "
                         "0.1000 (epoch 0) -> 0.1250 (epoch 1); best 0.1250 (epoch 1)")
+
+
+@pytest.mark.parametrize("option", ["--output", "--steps-png"])
+def test_an_inspect_output_inside_the_package_is_refused_in_one_line(tmp_path, capsys, option):
+    path = str(_package_paths(tmp_path)["symlink"]) + (".png" if option == "--steps-png" else ".html")
+    assert main(["inspect", str(tmp_path), option, path]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ddpo-group inspect: error: {option}") and "inside the package" \
+        in lines[0], lines
+
+
+@pytest.mark.parametrize("option", ["--output-dir", "--state-dir"])
+def test_a_pretrain_folder_under_a_file_is_refused_when_parsed(pretrain, tmp_path, capsys, option):
+    # makedirs failed only after the whole pretraining
+    (tmp_path / "a_file").write_text("x")
+    path = str(tmp_path / "a_file" / "out")
+    with pytest.raises(SystemExit):
+        pretrain.parse_args(["--world", "scenes", option, path])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and option in lines[0] and "is a file" in lines[0], lines

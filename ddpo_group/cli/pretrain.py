@@ -196,6 +196,14 @@ def parse_args(argv=None, prog=None):
         if problem:
             parser.error("argument " + problem + (" (--replace-shipped re-creates the shipped model)"
                                                   if name == "output_dir" else ""))
+    for name in ("output_dir", "state_dir"):  # a folder that can be made: found out before the pretraining
+        path = getattr(args, name)
+        existing = os.path.abspath(path) if path is not None else None
+        while existing is not None and not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if existing is not None and (not os.path.isdir(existing) or not os.access(existing, os.W_OK)):
+            parser.error(f"argument --{name.replace('_', '-')}: {path} cannot be made ({existing} is "
+                         f"{'a file' if not os.path.isdir(existing) else 'not writable'}); give another folder")
     if args.samples_path is not None:  # found out before the pretraining, not after it
         folder = os.path.dirname(os.path.abspath(args.samples_path))
         if os.path.isdir(args.samples_path) or not os.path.isdir(folder):
