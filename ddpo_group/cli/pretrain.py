@@ -167,7 +167,9 @@ def parse_args(argv=None, prog=None):
     parser.add_argument("--threads", type=number(int, 0), default=1,
                         help="torch threads; 1 (default) reproduces the shipped model and avoids oversubscription "
                              "on a shared CPU; 0 keeps torch's default")
-    parser.add_argument("--quick", action="store_true", help="seconds-long smoke run (tiny step counts)")
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds-long smoke run (tiny step counts); written, without --output-dir, to a new "
+                             "folder runs/pretrain_WORLD[_ARCH]_quick_TIME")
     args = parser.parse_args(argv)
     args.prog = parser.prog
     scenes = args.world == "scenes"
@@ -446,6 +448,7 @@ def main(argv=None, prog=None) -> dict:
     """The command (module docstring); returns the log written. Every error is one line naming the command as it
     was called (DDPO_GROUP_DEBUG=1: the traceback)."""
     args = parse_args(argv, prog)
+    print(f"{args.prog}: the pipeline goes to {args.output_dir}")
     _import_torch()
     previous_threads = torch.get_num_threads()
     if args.threads:
