@@ -183,7 +183,8 @@ def test_pretrain_log_is_written_when_the_evaluation_fails(pretrain, tmp_path, m
     output = tmp_path / "out"
     with pytest.raises(SystemExit) as stop:
         main(["pretrain", "--quick", "--dataset-size", "8", "--output-dir", str(output)])
-    assert str(stop.value.code) == "ddpo-group pretrain: error: OSError: disk full (DDPO_GROUP_DEBUG=1 shows the traceback)"
+    assert str(stop.value.code) == ("ddpo-group pretrain: error: OSError: disk full (DDPO_GROUP_DEBUG=1 shows the "
+                                    "traceback)")
     log = json.loads((output / "pretrain_log.json").read_text())
     assert log["unet"]["steps"] == 3 and log["evaluation"] == {"error": "OSError: disk full (DDPO_GROUP_DEBUG=1 shows "
                                                                         "the traceback)"}

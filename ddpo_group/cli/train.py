@@ -407,7 +407,8 @@ def train_main(argv: Sequence[str] | None = None) -> None:
 
         file = _user_config_file(argv[1:])
         problem = _stray_arguments(positional[1:]) or (_config_file_problem(flags.FLAGS.config, file) if file else None)
-        problem = problem or _set_reward_kwargs(flags.FLAGS.config, reward_kwargs) or _logdir_problem(flags.FLAGS.config)
+        problem = (problem or _set_reward_kwargs(flags.FLAGS.config, reward_kwargs)
+                   or _logdir_problem(flags.FLAGS.config))
         if problem:
             sys.exit(f"{_PROG}: error: {problem}")
 

@@ -196,8 +196,8 @@ class MetricsLog:
             lines.append(trend("eval reward" + (" (the reward's mean: GenEval's partial score)" if self.overalls
                                                  else ""), self.evals))
         for reward, evals in self.overalls.items():
-            lines.append(trend(f"eval {reward} overall (GenEval's score of the held-out prompts, eval/{reward}/overall)",
-                               evals))
+            label = f"eval {reward} overall (GenEval's score of the held-out prompts, eval/{reward}/overall)"
+            lines.append(trend(label, evals))
         weights = "lora" if config.use_lora else "the trained model"
         quoted = shlex.quote(path)  # the commands paste into a shell whole, whatever the path holds
         lines += [
