@@ -806,7 +806,8 @@ def _check_model(model):
         if not (TINY_SHAPES_DIR / "model_index.json").is_file():
             raise SystemExit(
                 f"--model tiny-shapes: the shipped model is missing from {TINY_SHAPES_DIR}; create it with "
-                "`python scripts/pretrain_tiny.py` or benchmark the random-weight model with --model tiny"
+                "`python scripts/pretrain_tiny.py --replace-shipped` or benchmark the random-weight model with "
+                "--model tiny"
             )
 
 

@@ -1,8 +1,9 @@
 """Pretrain the tiny offline models (shapes world: tiny-shapes; scenes world: tiny-scenes, tiny-scenes-sd3) on a CPU:
 `ddpo-group pretrain` from a checkout (its code, docstring and --help: ddpo_group/cli/pretrain.py).
 
-    python scripts/pretrain_tiny.py                       # 12-25 min on a CPU -> ddpo_group/assets/tiny_shapes
+    python scripts/pretrain_tiny.py                       # 12-25 min on a CPU -> a new folder runs/pretrain_shapes_TIME
     python scripts/pretrain_tiny.py --quick --output-dir /tmp/tiny   # seconds: smoke test
+    python scripts/pretrain_tiny.py --replace-shipped     # re-create the shipped ddpo_group/assets/tiny_shapes
 """
 
 import os

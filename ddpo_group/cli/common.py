@@ -37,6 +37,21 @@ def cpu_threads() -> int:
     return int(threads)
 
 
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the installed ddpo_group/
+
+
+def inside_package(path: str, option: str) -> str | None:
+    """A one-line refusal when `path` resolves (symlinks, `..`, `~`, relative or absolute) to the package's own
+    folder or anything in it (its shipped models, prompt sets, code), which no command writes over; None otherwise.
+    `option` names where the path came from (--output-dir, config.logdir, ...)."""
+    package = os.path.realpath(PACKAGE_DIR)
+    target = os.path.realpath(os.path.expanduser(path))
+    if os.path.commonpath([package, target]) != package:
+        return None
+    return (f"{option} {path}: resolves to {target}, inside the package's own folder {package} (its shipped models "
+            f"and files, which no command writes over); give {option} a path outside it")
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose errors are one line naming the flag (not its usage block), exit code 2;
     `help_command`: the command that lists the flags (default: PROG --help)."""

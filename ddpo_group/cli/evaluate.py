@@ -40,7 +40,7 @@ import re
 import sys
 import time
 
-from ddpo_group.cli.common import OneLineArgumentParser, cpu_threads, debug, one_line
+from ddpo_group.cli.common import OneLineArgumentParser, cpu_threads, debug, inside_package, one_line
 
 PROG = "evaluate.py"  # the command's name in its messages (scripts/evaluate.py's); `ddpo-group evaluate` passes its own
 CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
@@ -267,6 +267,9 @@ def main(argv=None, prog=PROG):
                         help="with --protocol: also write the sampled images in GenEval's layout (a new directory)")
     args = parser.parse_args(argv)
     args.prog = prog
+    for option, path in (("--output", args.output), ("--save-images", args.save_images)):
+        if path and inside_package(path, option):  # the package's shipped files are never written over
+            raise EvaluateError(inside_package(path, option))
     if args.protocol:
         return evaluate_protocol(args)
     if args.protocol_option or args.images or args.save_images:
@@ -359,7 +362,12 @@ def evaluate_protocol(args):
     try:
         return _evaluate_protocol(args)
     except (ProtocolError, GenEvalFormatError) as err:
-        raise EvaluateError(" ".join(str(err).split())) from None
+        message = " ".join(str(err).split())
+        if "is not one the detector finds" in message and not any(
+                option.replace(" ", "").startswith("detector=") for option in args.protocol_option):
+            message += ("; the shapes and scenes worlds' prompt sets (geneval_scenes.jsonl, geneval_shapes*.jsonl) "
+                        "are scored by their exact detector: add --protocol-option detector=shapes")
+        raise EvaluateError(message) from None
 
 
 def _evaluate_protocol(args):

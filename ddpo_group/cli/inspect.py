@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from ddpo_group.cli.common import OneLineArgumentParser
+from ddpo_group.cli.common import OneLineArgumentParser, inside_package
 
 
 def inspect_main(argv: Sequence[str] | None = None, prog: str = "ddpo-group-inspect") -> int:
@@ -44,6 +44,11 @@ def inspect_main(argv: Sequence[str] | None = None, prog: str = "ddpo-group-insp
                         help="labels of the runs in order, e.g. --names A,B (default 'A: <variant>', 'B: <variant>'); "
                         "with --steps-png: column titles")
     args = parser.parse_args(argv)
+    for option, path in (("--output", args.output), ("--steps-png", args.steps_png)):
+        problem = path and inside_package(path, option)  # the package's shipped files are never written over
+        if problem:
+            print(f"{prog}: error: {problem}", file=sys.stderr)
+            return 2
     if args.names and len(args.names) == 1 and "," in args.names[0]:
         args.names = [name.strip() for name in args.names[0].split(",")]  # --names A,B (docs/design.md §13)
 

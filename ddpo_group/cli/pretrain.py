@@ -1,10 +1,19 @@
 """Pretrain the tiny Stable Diffusion pipeline on the shapes world, on a CPU, offline.
 
-    python scripts/pretrain_tiny.py                       # 12-25 min on a CPU -> ddpo_group/assets/tiny_shapes
-    python scripts/pretrain_tiny.py --quick --output-dir /tmp/tiny   # seconds: smoke test
-    ddpo-group pretrain [the same flags]                  # the same command (scripts/pretrain_tiny.py wraps this module)
+    ddpo-group pretrain                       # 12-25 min on a CPU -> a new folder runs/pretrain_shapes_TIME
+    ddpo-group pretrain --quick               # seconds: smoke test -> a new folder runs/pretrain_shapes_quick_TIME
+    ddpo-group pretrain --output-dir DIR      # -> DIR (never inside the package)
+    ddpo-group pretrain --replace-shipped     # re-create the shipped ddpo_group/assets/tiny_shapes (asked for by name)
+    python scripts/pretrain_tiny.py [the same flags]      # the same command from a checkout (it wraps this module)
 
-One file, as it was as scripts/pretrain_tiny.py: the shapes and scenes worlds' pretraining share their steps.
+Nothing writes into the package unless --replace-shipped says so: a smoke run or a try of other options must not
+replace the shipped model that the main jobs fine-tune.
+
+One room, past the ~600 lines a module gets before it is split: the shapes and scenes worlds' pretraining share their
+steps (the VAE step, the learning-rate schedule, the EMA, the denoiser losses, the saved log) and one option parser
+whose defaults depend on the world, and every function here is a stage of that one command; split, each part would
+import the others' internals. Heavy modules (torch, diffusers, the rewards) are imported when a pretraining starts,
+not for --help.
 
 The architecture is ``ddpo_group.diffusion.tiny.build_tiny_pipeline`` (32x32 images,
 VAE scale factor 4, 4x8x8 latents, ~0.8M-parameter UNet, tiny CLIP text encoder). Data
@@ -32,7 +41,7 @@ prompts and scored with ``shapes_alignment``; the directory gets the diffusers f
 (``save_pretrained``, safetensors) and ``pretrain_log.json`` (seconds per stage, final
 losses, steps, seed, evaluation). Seeded: the same seed and thread count give the same model.
 
-The shipped ``ddpo_group/assets/tiny_shapes`` is this script with its defaults (seed 0, 1500
+The shipped ``ddpo_group/assets/tiny_shapes`` is this script with its defaults and --replace-shipped (seed 0, 1500
 VAE steps, 3000 UNet steps, 1 thread): 456 s + 952 s on a shared 2-core machine, final
 VAE mse 0.0065, UNet loss 0.108, mean ``shapes_alignment`` 0.56 (DDIM 50 steps, guidance 5,
 eta 1), deliberately short of 1 so that RL fine-tuning has headroom.
@@ -41,6 +50,7 @@ eta 1), deliberately short of 1 so that RL fine-tuning has headroom.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -48,19 +58,38 @@ import platform
 import time
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from ddpo_group.diffusion.tiny import build_tiny_pipeline
-from ddpo_group.rewards.registry import resolve_reward
-from ddpo_group.data.shapes import sample_dataset, shapes_prompts
+from ddpo_group.cli.common import debug, inside_package, one_line
 
-shapes_alignment = resolve_reward("shapes_alignment")
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT_DIR = os.path.dirname(PACKAGE_DIR)
 ASSETS_DIR = os.path.join(PACKAGE_DIR, "assets")
 DEFAULT_OUTPUT_DIR = os.path.join(ASSETS_DIR, "tiny_shapes")
+
+
+def _import_torch() -> None:
+    """torch, torch.nn.functional (F) and tqdm as this module's globals, imported when a pretraining (or a function
+    of it) runs: `ddpo-group pretrain --help` imports none of them and answers in a fraction of a second."""
+    global torch, F, tqdm
+    import torch
+    import torch.nn.functional as F
+    from tqdm.auto import tqdm
+
+
+def no_grad(fn):
+    """torch.no_grad() as a decorator, torch imported when `fn` is called (not when this module is)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        _import_torch()
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+class PretrainError(ValueError):
+    """A bad input of this command (a state file, a path); the message names it and the fix."""
 
 
 def number(kind, low=None, high=None, low_open=False, high_open=False):
@@ -93,8 +122,13 @@ def parse_args(argv=None, prog=None):
     parser.add_argument("--arch", choices=("sd", "sd3"), default="sd",
                         help="sd: UNet + DDIM (StableDiffusionPipeline); sd3: MMDiT flow matching (scenes world only)")
     parser.add_argument("--output-dir", default=None,
-                        help="where the pipeline directory is written (default: ddpo_group/assets/tiny_shapes, "
-                             "tiny_scenes or tiny_scenes_sd3)")
+                        help="where the pipeline directory is written, never inside the package (default: a new "
+                             "folder runs/pretrain_WORLD[_ARCH][_quick]_TIME under the current directory; the "
+                             "shipped models are replaced only with --replace-shipped)")
+    parser.add_argument("--replace-shipped", action="store_true",
+                        help="write over the shipped model of the world and arch (ddpo_group/assets/tiny_shapes, "
+                             "tiny_scenes or tiny_scenes_sd3) that the main jobs fine-tune: what re-creating it "
+                             "takes; not with --quick or --output-dir")
     parser.add_argument("--state-dir", default=None,
                         help="scenes world: where the resumable state goes (default runs/pretrain_scenes_ARCH)")
     parser.add_argument("--max-minutes", type=number(float, 0), default=0.0,
@@ -145,15 +179,51 @@ def parse_args(argv=None, prog=None):
     parser.add_argument("--threads", type=number(int, 0), default=1,
                         help="torch threads; 1 (default) reproduces the shipped model and avoids oversubscription "
                              "on a shared CPU; 0 keeps torch's default")
-    parser.add_argument("--quick", action="store_true", help="seconds-long smoke run (tiny step counts)")
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds-long smoke run (tiny step counts); written, without --output-dir, to a new "
+                             "folder runs/pretrain_WORLD[_ARCH]_quick_TIME")
     args = parser.parse_args(argv)
+    args.prog = parser.prog
     scenes = args.world == "scenes"
+    # the options the command line gives, whatever their value: one given at its default is still given
+    not_given = object()
+    given = {name for name, value in vars(parser.parse_args(
+        argv, namespace=argparse.Namespace(**{name: not_given for name in vars(args)}))).items()
+        if value is not not_given}
+    if not scenes:  # the scenes world's options on the shapes world: refused, never ignored
+        for name in SCENES_ONLY:
+            if name in given:
+                parser.error(f"argument --{name.replace('_', '-')}: the scenes world's (--world scenes); the shapes "
+                             "world's pretraining runs to its end in one go, with no state to stop or resume")
     if args.vae_crop % 4:
         parser.error(f"argument --vae-crop: must be a multiple of 4 (the VAE's scale factor), got {args.vae_crop}")
     for name in ("output_dir", "state_dir"):  # found out before the pretraining, not after it
         path = getattr(args, name)
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             parser.error(f"argument --{name.replace('_', '-')}: {path} is a file; give a directory")
+    if args.replace_shipped and (args.quick or args.output_dir is not None):
+        parser.error("argument --replace-shipped: not with " + ("--quick (a smoke run's weights would replace the "
+                     "shipped model)" if args.quick else "--output-dir (it writes the shipped model's own folder)"))
+    for name in ("output_dir", "state_dir", "samples_path"):  # the package's files are never written over
+        path = getattr(args, name)
+        problem = path is not None and inside_package(path, "--" + name.replace("_", "-"))
+        if problem:
+            parser.error("argument " + problem + (" (--replace-shipped re-creates the shipped model)"
+                                                  if name == "output_dir" else ""))
+    for name in ("output_dir", "state_dir"):  # a folder that can be made: found out before the pretraining
+        path = getattr(args, name)
+        existing = os.path.abspath(path) if path is not None else None
+        while existing is not None and not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if existing is not None and (not os.path.isdir(existing) or not os.access(existing, os.W_OK)):
+            parser.error(f"argument --{name.replace('_', '-')}: {path} cannot be made ({existing} is "
+                         f"{'a file' if not os.path.isdir(existing) else 'not writable'}); give another folder")
+    if args.samples_path is not None:  # found out before the pretraining, not after it
+        folder = os.path.dirname(os.path.abspath(args.samples_path))
+        if os.path.isdir(args.samples_path) or not os.path.isdir(folder):
+            parser.error(f"argument --samples-path: {args.samples_path} "
+                         + ("is a directory; give a PNG file path" if os.path.isdir(args.samples_path) else
+                            f"is in a folder that does not exist ({folder}); create it or give another path"))
     if args.vae_from is not None and not os.path.isdir(os.path.join(args.vae_from, "vae")):
         parser.error(f"argument --vae-from: {args.vae_from} has no vae/ folder; give a pipeline directory this "
                      "script wrote (e.g. ddpo_group/assets/tiny_scenes_sd3)")
@@ -162,21 +232,41 @@ def parse_args(argv=None, prog=None):
                      f"inside the warmup), got {args.warmup_steps}")
     if args.arch == "sd3" and not scenes:
         parser.error("--arch sd3 is for --world scenes (the shapes world's tiny-shapes is a UNet)")
-    given = {name for name, value in vars(args).items() if value != parser.get_default(name)}
-    if scenes:  # the scenes world's defaults where the shapes world's were not overridden
+    if scenes:  # the scenes world's defaults where the shapes world's were not given
         for name, value in SCENES_DEFAULTS[args.arch].items():
             if name not in given:
                 setattr(args, name, value)
+    if args.replace_shipped:
+        args.output_dir = os.path.join(ASSETS_DIR, SCENES_DEFAULT_OUTPUT[args.arch]) if scenes else DEFAULT_OUTPUT_DIR
     elif args.output_dir is None:
-        args.output_dir = DEFAULT_OUTPUT_DIR
+        args.output_dir = new_output_dir(args)
     if args.quick:  # tiny step counts, except where an option was given
         for name, value in QUICK.items():
             if name not in given:
                 setattr(args, name, value)
+    if args.samples_path is not None and args.eval_steps == 0:
+        parser.error(f"argument --samples-path: the samples are the evaluation's, and --eval-steps 0 skips it; "
+                     "give --eval-steps N or no --samples-path")
     return args
 
 
 AUTO_STEPS_PROBE = 50  # steps timed to set the denoiser's step count from --denoiser-minutes
+
+# Options of the scenes world alone: on the shapes world they are refused.
+SCENES_ONLY = ("state_dir", "max_minutes", "checkpoint_every", "stop_at_step", "vae_from", "vae_crop")
+
+
+def new_output_dir(args) -> str:
+    """The default --output-dir: a folder that does not exist yet, runs/pretrain_WORLD[_ARCH][_quick]_TIME under the
+    current directory (a second one in the same second gets _2, _3, ...)."""
+    name = "_".join(["pretrain", args.world] + ([args.arch] if args.world == "scenes" else [])
+                    + (["quick"] if args.quick else []) + [time.strftime("%Y%m%d-%H%M%S")])
+    path, n = os.path.abspath(os.path.join("runs", name)), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.abspath(os.path.join("runs", f"{name}_{n}"))
+    return path
+
 
 # --quick: a seconds-long smoke run.
 QUICK = {"dataset_size": 64, "vae_steps": 3, "unet_steps": 3, "vae_batch_size": 8, "batch_size": 8, "warmup_steps": 1,
@@ -205,7 +295,7 @@ def lr_lambda(warmup_steps: int, total_steps):
     return factor
 
 
-@torch.no_grad()
+@no_grad
 def ema_update(ema_params, params, decay: float, step: int) -> None:
     """theta_ema <- d theta_ema + (1 - d) theta, with d = min(decay, (1 + step) / (10 + step))."""
     d = min(decay, (1 + step) / (10 + step))
@@ -250,7 +340,7 @@ def train_vae(vae, images: torch.Tensor, args, generator: torch.Generator) -> di
     return {**smooth, "seconds": time.time() - start, "steps": args.vae_steps}
 
 
-@torch.no_grad()
+@no_grad
 def encode_dataset(vae, images: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Posterior mean and std of every image: (N, 4, h, w) each."""
     means, stds = [], []
@@ -311,9 +401,13 @@ def train_unet(pipeline, latent_mean, latent_std, prompt_index, prompt_ids, args
     return {"loss": smooth, "seconds": time.time() - start, "steps": args.unet_steps}
 
 
-@torch.no_grad()
+@no_grad
 def evaluate(pipeline, args) -> dict:
     """Mean shapes_alignment of DDIM samples (eval_steps, guidance_scale, eta) over the 108 prompts."""
+    from ddpo_group.data.shapes import shapes_prompts
+    from ddpo_group.rewards.registry import resolve_reward
+
+    shapes_alignment = resolve_reward("shapes_alignment")
     records = shapes_prompts()
     prompts = [r["prompt"] for r in records for _ in range(args.eval_images_per_prompt)]
     generator = torch.Generator().manual_seed(args.seed + 1)
@@ -372,17 +466,52 @@ def save_grid(images: torch.Tensor, path: str, columns: int) -> None:
 
 
 def main(argv=None, prog=None) -> dict:
+    """The command (module docstring); returns the log written. Every error is one line naming the command as it
+    was called (DDPO_GROUP_DEBUG=1: the traceback)."""
     args = parse_args(argv, prog)
+    print(f"{args.prog}: the pipeline goes to {args.output_dir}")
+    _import_torch()
     previous_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         return _pretrain_scenes(args) if args.world == "scenes" else _pretrain(args)
+    except KeyboardInterrupt:
+        raise SystemExit(f"{args.prog}: interrupted (Ctrl-C)") from None
+    except Exception as err:
+        if debug():
+            raise
+        raise SystemExit(f"{args.prog}: error: {err if isinstance(err, PretrainError) else one_line(err)}") from None
     finally:
         torch.set_num_threads(previous_threads)
 
 
+def write_log(output_dir: str, log: dict) -> None:
+    """pretrain_log.json in `output_dir`, atomically (a temporary beside it, then renamed)."""
+    path = os.path.join(output_dir, "pretrain_log.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(log, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def evaluate_into_log(output_dir: str, log: dict, run_evaluation) -> None:
+    """log["evaluation"] = run_evaluation(), pretrain_log.json written before it (the training's numbers are kept
+    when the evaluation fails: its error is logged, then raised) and after it."""
+    log["evaluation"] = None
+    write_log(output_dir, log)
+    try:
+        log["evaluation"] = run_evaluation()
+    except BaseException as err:
+        log["evaluation"] = {"error": one_line(err)}
+        write_log(output_dir, log)
+        raise
+    write_log(output_dir, log)
+
+
 def _pretrain(args) -> dict:
+    from ddpo_group.data.shapes import sample_dataset, shapes_prompts
+    from ddpo_group.diffusion.tiny import build_tiny_pipeline
+
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     pipeline = build_tiny_pipeline(seed=args.seed)
@@ -410,7 +539,6 @@ def _pretrain(args) -> dict:
 
     os.makedirs(args.output_dir, exist_ok=True)
     pipeline.save_pretrained(args.output_dir, safe_serialization=True)
-    evaluation = evaluate(pipeline, args) if args.eval_steps > 0 else None
     log = {
         "seed": args.seed,
         "quick": args.quick,
@@ -421,10 +549,9 @@ def _pretrain(args) -> dict:
         "scaling_factor": scaling_factor,
         "unet": {**unet_stats, "batch_size": args.batch_size, "lr": args.unet_lr, "cond_dropout": args.cond_dropout,
                  "ema_decay": args.ema_decay},
-        "evaluation": evaluation,
     }
-    with open(os.path.join(args.output_dir, "pretrain_log.json"), "w") as f:
-        json.dump(log, f, indent=2)
+    evaluate_into_log(args.output_dir, log, lambda: evaluate(pipeline, args) if args.eval_steps > 0 else None)
+    evaluation = log["evaluation"]
     summary = f"vae {vae_stats['seconds']:.0f}s mse {vae_stats['mse']:.4f} | unet {unet_stats['seconds']:.0f}s loss {unet_stats['loss']:.4f}"
     if evaluation is not None:
         summary += f" | shapes_alignment {evaluation['shapes_alignment_mean']:.3f}"
@@ -527,7 +654,7 @@ def check_recorded_options(args, state_dir: str) -> None:
         if not isinstance(recorded, dict):
             raise ValueError(f"a JSON {type(recorded).__name__}, not an object")
     except (OSError, ValueError) as err:
-        raise SystemExit(f"pretrain_tiny.py: error: --state-dir {state_dir}: its {OPTIONS_FILE} cannot be read "
+        raise SystemExit(f"{args.prog}: error: --state-dir {state_dir}: its {OPTIONS_FILE} cannot be read "
                          f"({err}); give another --state-dir to start afresh") from None
     for name in RECORDED_OPTIONS:
         if name not in recorded:  # an option added after the state was made: the state was made at its default
@@ -542,7 +669,7 @@ def check_recorded_options(args, state_dir: str) -> None:
             given = ("not with " if options[name] else "not without ") + option
         else:
             made, given = f"with {option} {recorded[name]}", f"not {options[name]}"
-        raise SystemExit(f"pretrain_tiny.py: error: {option}: the state in --state-dir {state_dir} was made {made}, "
+        raise SystemExit(f"{args.prog}: error: {option}: the state in --state-dir {state_dir} was made {made}, "
                          f"{given}; resume {made}, or give another --state-dir to start afresh (the state's options: "
                          f"{path})")
 
@@ -553,8 +680,14 @@ def _scenes_data(args, state_dir, pipeline):
 
     path = os.path.join(state_dir, "data.npz")
     if os.path.exists(path):
-        data = np.load(path, allow_pickle=False)
-        return data["images"], torch.from_numpy(data["rows"]), [str(p) for p in data["prompts"]]
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                images, rows, prompts = data["images"], data["rows"], [str(p) for p in data["prompts"]]
+            if images.ndim != 4 or len(images) != len(rows):
+                raise ValueError(f"images {images.shape} for {len(rows)} prompt rows")
+        except Exception as err:
+            raise damaged_state(path, err, "remove it (it is rendered again, the same from the same --seed)") from None
+        return images, torch.from_numpy(rows), prompts
     images, prompts = sample_dataset(args.dataset_size, seed=args.seed, workers=args.render_workers)
     unique = sorted(set(prompts))
     row_of = {p: i for i, p in enumerate(unique)}
@@ -565,9 +698,23 @@ def _scenes_data(args, state_dir, pipeline):
     return images, torch.from_numpy(rows), unique
 
 
+def damaged_state(path: str, err: BaseException, fix: str) -> PretrainError:
+    """The one-line error for a state file that is cut or damaged (a stop mid-copy, a full disk, another file)."""
+    return PretrainError(f"the state file {path} is cut or damaged ({one_line(err)}); {fix}, or give another "
+                         "--state-dir to start afresh")
+
+
 def _load_state(state_dir):
     path = os.path.join(state_dir, "state.pt")
-    return torch.load(path, weights_only=True) if os.path.exists(path) else None
+    if not os.path.exists(path):
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+        if not isinstance(state, dict) or state.get("stage") not in ("vae", "denoiser"):
+            raise ValueError(f"a {type(state).__name__} without the stage 'vae' or 'denoiser'")
+    except Exception as err:
+        raise damaged_state(path, err, "remove it to start the training over (the rendered data.npz is kept)") from None
+    return state
 
 
 def _train_scenes_vae(pipeline, images, args, state_dir, deadline) -> dict:
@@ -612,7 +759,7 @@ def _train_scenes_vae(pipeline, images, args, state_dir, deadline) -> dict:
     return {**smooth, "seconds": seconds + time.time() - began, "steps": args.vae_steps, "crop": crop}
 
 
-@torch.no_grad()
+@no_grad
 def _scenes_latents(vae, images, chunk=64):
     """Posterior mean and std (N, 4, h, w) of every image, on the CPU (encoded on the VAE's device)."""
     device = vae.device
@@ -647,7 +794,7 @@ def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir,
             for module, weights in zip(modules, previous["modules"]):
                 module.load_state_dict(weights)
         except RuntimeError as err:  # another --arch (a state from before options.json recorded it)
-            raise SystemExit(f"pretrain_tiny.py: error: --arch {args.arch}: the state in --state-dir {state_dir} "
+            raise SystemExit(f"{args.prog}: error: --arch {args.arch}: the state in --state-dir {state_dir} "
                              f"does not fit it ({str(err).splitlines()[0]}); resume with the --arch it was made "
                              "with, or give another --state-dir to start afresh") from None
         for ema, saved in zip(ema_params, previous["ema"]):
@@ -720,7 +867,7 @@ def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir,
 FRESH_SCENES = 1024  # scenes of the held-out loss (held_out_loss)
 
 
-@torch.no_grad()
+@no_grad
 def held_out_loss(pipeline, args, images=None, prompts=None) -> float:
     """The denoiser's loss (denoiser_loss, the EMA weights) on FRESH_SCENES scenes, the same draws of noise and
     time for any model: `images` (uint8 (N, 64, 64, 3), e.g. the first training scenes) and their `prompts`, or,
@@ -747,7 +894,7 @@ def held_out_loss(pipeline, args, images=None, prompts=None) -> float:
     return total / count
 
 
-@torch.no_grad()
+@no_grad
 def evaluate_scenes(pipeline, args) -> dict:
     """GenEval's six-tag table of the pipeline on the held-out set (assets/prompts/geneval_scenes.jsonl),
     ``eval_images_per_prompt`` images per record, the exact shapes-world detector."""
@@ -814,7 +961,14 @@ def _pretrain_scenes(args) -> dict:
             vae_stats = _train_scenes_vae(pipeline, images, args, state_dir, deadline)
         latents_path = os.path.join(state_dir, "latents.pt")
         if os.path.exists(latents_path) and state is not None and state["stage"] == "denoiser":
-            latent_mean, latent_std = torch.load(latents_path, weights_only=True)
+            try:
+                latent_mean, latent_std = torch.load(latents_path, weights_only=True)
+                if latent_mean.shape != latent_std.shape or len(latent_mean) != len(images):
+                    raise ValueError(f"latents {tuple(latent_mean.shape)} and {tuple(latent_std.shape)} for "
+                                     f"{len(images)} images")
+            except Exception as err:
+                raise damaged_state(latents_path, err, "remove it (the images are encoded again with the state's "
+                                    "VAE, and the denoiser starts over from its step 0)") from None
         else:
             latent_mean, latent_std = _scenes_latents(pipeline.vae, images)
             atomic_save((latent_mean, latent_std), latents_path)
@@ -838,7 +992,6 @@ def _pretrain_scenes(args) -> dict:
     losses = {"train_scenes": held_out_loss(pipeline, args, train_images,
                                             [unique_prompts[int(r)] for r in rows[:FRESH_SCENES]]),
               "fresh_scenes": held_out_loss(pipeline, args, None)} if args.eval_steps > 0 else None
-    evaluation = evaluate_scenes(pipeline, args) if args.eval_steps > 0 else None
     log = {
         "world": "scenes", "arch": args.arch, "size": args.size, "seed": args.seed, "quick": args.quick,
         "device": str(args.device), "render_workers": args.render_workers,
@@ -850,12 +1003,8 @@ def _pretrain_scenes(args) -> dict:
         "scaling_factor": pipeline.vae.config.scaling_factor, "shift_factor": pipeline.vae.config.shift_factor,
         "denoiser": {**unet_stats, "batch_size": args.batch_size, "lr": args.unet_lr, "cond_dropout": args.cond_dropout,
                      "ema_decay": args.ema_decay},
-        "evaluation": evaluation,
     }
-    tmp = os.path.join(output_dir, "pretrain_log.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(log, f, indent=2)
-    os.replace(tmp, os.path.join(output_dir, "pretrain_log.json"))
+    evaluate_into_log(output_dir, log, lambda: evaluate_scenes(pipeline, args) if args.eval_steps > 0 else None)
     print(f"saved to {output_dir}")
     return log
 

@@ -22,4 +22,18 @@ def serve_main(argv: Sequence[str] | None = None, prog: str = PROG) -> None:
         sys.exit(2)  # argparse's status for a command-line error
     from ddpo_group.rewards.server import main  # uvicorn is imported only when it serves
 
-    main(argv, prog=prog, help_command=f"{prog} --help")
+    if named or not {"-h", "--help"} & set(argv):
+        main(argv, prog=prog, help_command=f"{prog} --help")
+        return
+    # --help of the documented form: the reward is the first argument, not a required --serve
+    import contextlib
+    import io
+
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            main(argv, prog=prog, help_command=f"{prog} --help")
+    finally:
+        print(text.getvalue().replace(f"{prog} [-h] --serve REWARD_NAME", f"{prog} REWARD [-h]", 1).replace(
+            "--serve REWARD_NAME   registered", "REWARD, --serve REWARD_NAME\n                        registered", 1),
+            end="")

@@ -30,8 +30,10 @@ def _variant_lines() -> list[str]:
     def first_line(fn):  # a variant the docstring does not list: its function's docstring's first line
         return (fn.__doc__ or "").strip().splitlines()[0] if (fn.__doc__ or "").strip() else ""
 
+    # in the docstring's order, where "the same ..." follows the variant it means; the others after them
+    names = list(described) + [name for name in grpo.VARIANTS if name not in described]
     width = max(len(name) for name in grpo.VARIANTS)
-    return [f"  {name:<{width}}  {described.get(name) or first_line(grpo.VARIANTS[name])}" for name in grpo.VARIANTS]
+    return [f"  {name:<{width}}  {described.get(name) or first_line(grpo.VARIANTS[name])}" for name in names]
 
 
 def train_help() -> str:
@@ -42,7 +44,7 @@ def train_help() -> str:
     config_dir = os.path.dirname(os.path.abspath(grpo.__file__))
     return "\n".join(
         [
-            "usage: ddpo-group train [--config CONFIG] [--config.FIELD=VALUE ...]   (or ddpo-group-train)",
+            "usage: ddpo-group train [VARIANT | --config CONFIG] [--config.FIELD=VALUE ...]   (or ddpo-group-train)",
             "       accelerate launch [--multi_gpu --num_processes N] scripts/train.py [same arguments]",
             "",
             "Fine-tune a text-to-image diffusion model with RL (GRPO, DDPO, RLOO, GAE, Group-PPO), one epoch at",
@@ -50,6 +52,7 @@ def train_help() -> str:
             "",
             "  --config CONFIG        a built-in variant NAME, or FILE.py[:ARG] whose get_config(ARG) returns an",
             "                         ml_collections.ConfigDict (default: tiny, the offline shapes-world run)",
+            "  VARIANT                the same as --config VARIANT, given first (ddpo-group train tiny_scenes)",
             "  --config.FIELD=VALUE   override one field, e.g. --config.train.beta=0.01 --config.num_epochs=10",
             "",
             f"built-in variants (listed in {os.path.join(config_dir, 'grpo.py')}, defined in "
@@ -311,6 +314,44 @@ def _without_traceback(message: str) -> str:
     return " ".join(message.split())
 
 
+def _leading_variant(argv: list[str]) -> tuple[list[str], str | None]:
+    """(argv, None) with a first argument VARIANT (`ddpo-group train tiny_scenes`) read as --config VARIANT; a one-line
+    error when it names no built-in variant, or when --config is given too (two configs: which one is meant?)."""
+    import difflib
+
+    from ddpo_group.config import grpo
+
+    if len(argv) < 2 or argv[1].startswith("-"):
+        return argv, None
+    name = argv[1]
+    if name not in grpo.VARIANTS:
+        hint = difflib.get_close_matches(name, list(grpo.VARIANTS), n=1)
+        return argv, (f"unexpected argument {name!r}: the first argument is a built-in variant" + (
+            f" (did you mean {hint[0]!r}?)" if hint else "") + "; a config file goes with --config FILE.py[:ARG] "
+            "(ddpo-group-train --help lists the variants)")
+    if _config_value(argv[2:]) is not None:
+        return argv, (f"the variant {name!r} and --config {_config_value(argv[2:])} both name a config; give one")
+    return [argv[0], "--config", name, *argv[2:]], None
+
+
+def _stray_arguments(positional: Sequence[str]) -> str | None:
+    """A one-line error for arguments that are no flag (absl leaves them unparsed; they were ignored), else None."""
+    if not positional:
+        return None
+    return (f"unexpected argument {positional[0]!r}: a variant goes first or with --config NAME, a field with "
+            "--config.FIELD=VALUE (ddpo-group-train --help)")
+
+
+def _logdir_problem(config) -> str | None:
+    """A one-line error when the run directory (config.logdir / run_name) resolves inside the package, whose
+    shipped files no run writes over; None otherwise."""
+    from ddpo_group.cli.common import inside_package
+
+    logdir = str(config.get("logdir") or "")
+    run_dir = os.path.join(logdir, str(config.get("run_name") or ""))
+    return inside_package(logdir, "--config.logdir") or inside_package(run_dir, "--config.logdir/run_name")
+
+
 # the program name the errors start with: `ddpo-group train` when the dispatcher called it so, else ddpo-group-train
 _PROG = "ddpo-group-train"
 
@@ -334,6 +375,9 @@ def train_main(argv: Sequence[str] | None = None) -> None:
         print(train_help())
         sys.exit(0)
     debug = os.environ.get("DDPO_GROUP_DEBUG", "").lower() in ("1", "true", "yes")
+    argv, problem = _leading_variant(argv)
+    if problem:
+        sys.exit(f"{_PROG}: error: {problem}")
     overrides = _override_fields(argv[1:])
     problem = _missing_config_file(argv[1:]) or _unknown_variant(argv[1:]) or _unknown_override(overrides)
     if problem:
@@ -358,16 +402,17 @@ def train_main(argv: Sequence[str] | None = None) -> None:
     else:  # defined by an earlier call in this process (tests): its overrides are this call's
         flags.FLAGS["config"]._sys_argv = absl_argv
 
-    def main(_):
+    def main(positional):
         import json
 
-        from ddpo_group.training.trainer import STOPPED_FILE, train
-
         file = _user_config_file(argv[1:])
-        problem = _config_file_problem(flags.FLAGS.config, file) if file else None
-        problem = problem or _set_reward_kwargs(flags.FLAGS.config, reward_kwargs)
+        problem = _stray_arguments(positional[1:]) or (_config_file_problem(flags.FLAGS.config, file) if file else None)
+        problem = (problem or _set_reward_kwargs(flags.FLAGS.config, reward_kwargs)
+                   or _logdir_problem(flags.FLAGS.config))
         if problem:
             sys.exit(f"{_PROG}: error: {problem}")
+
+        from ddpo_group.training.trainer import STOPPED_FILE, train
         try:
             run_dir = train(flags.FLAGS.config, overrides=overrides)
         except Exception as err:

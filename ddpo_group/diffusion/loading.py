@@ -30,7 +30,7 @@ def shipped_dir(model: str) -> Path:
     if not (path / "model_index.json").is_file():
         arch = "sd3" if model.endswith("sd3") else "sd"
         raise ValueError(f"model {model!r}: the pretrained scenes model is missing from {path}; create it with "
-                         f"`python scripts/pretrain_tiny.py --world scenes --arch {arch}`")
+                         f"`python scripts/pretrain_tiny.py --world scenes --arch {arch} --replace-shipped`")
     return path
 
 
@@ -88,7 +88,8 @@ def load_pipeline(model, revision=None, torch_dtype=torch.float32, local_files_o
         if not (TINY_SHAPES_DIR / "model_index.json").is_file():
             raise ValueError(
                 f"model 'tiny-shapes': the pretrained tiny model is missing from {TINY_SHAPES_DIR}; "
-                "create it with `python scripts/pretrain_tiny.py`, or use model 'tiny' (random weights)."
+                "create it with `python scripts/pretrain_tiny.py --replace-shipped`, or use model 'tiny' "
+                "(random weights)."
             )
         return _finish(_from_pretrained(str(TINY_SHAPES_DIR), torch_dtype, local_files_only=True), torch_dtype)
     if model == "tiny-scenes":

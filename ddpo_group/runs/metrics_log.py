@@ -95,6 +95,7 @@ class MetricsLog:
         self.run_dir = run_dir
         self.phase_seconds = {}  # time/<phase> summed over the rows this process wrote
         self.evals = []  # (epoch, eval reward mean) of the rows written
+        self.overalls = {}  # tagged prompts (GenEval): reward -> [(epoch, eval/<reward>/overall)] of the rows written
 
     @property
     def tracking(self):
@@ -118,6 +119,9 @@ class MetricsLog:
                 self.phase_seconds[key[5:]] = self.phase_seconds.get(key[5:], 0.0) + value
         if "eval/reward_mean" in metrics:
             self.evals.append((metrics["epoch"], metrics["eval/reward_mean"]))
+        for key, value in metrics.items():
+            if key.startswith("eval/") and key.endswith("/overall"):
+                self.overalls.setdefault(key[len("eval/"):-len("/overall")], []).append((metrics["epoch"], value))
         if self.tracking:
             self.accelerator.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["epoch"])
             self._log_grids(metrics)
@@ -182,11 +186,18 @@ class MetricsLog:
         path, config = self.run_dir.path, self.config
         phases = phase_text(self.phase_seconds)
         lines = [f"run ended at epoch {epoch} of {config.num_epochs} after {seconds:.0f} s" + (f" ({phases})" if phases else "")]
-        if self.evals:
-            (first_epoch, first), (last_epoch, last) = self.evals[0], self.evals[-1]
-            best_epoch, best = max(self.evals, key=lambda pair: pair[1])
-            lines.append(f"eval reward: {first:.4f} (epoch {first_epoch}) -> {last:.4f} (epoch {last_epoch}); "
-                         f"best {best:.4f} (epoch {best_epoch})")
+        def trend(label, evals):
+            (first_epoch, first), (last_epoch, last) = evals[0], evals[-1]
+            best_epoch, best = max(evals, key=lambda pair: pair[1])
+            return (f"{label}: {first:.4f} (epoch {first_epoch}) -> {last:.4f} (epoch {last_epoch}); "
+                    f"best {best:.4f} (epoch {best_epoch})")
+
+        if self.evals:  # with tagged prompts the reward's mean is its partial score; the overall is GenEval's number
+            lines.append(trend("eval reward" + (" (the reward's mean: GenEval's partial score)" if self.overalls
+                                                 else ""), self.evals))
+        for reward, evals in self.overalls.items():
+            label = f"eval {reward} overall (GenEval's score of the held-out prompts, eval/{reward}/overall)"
+            lines.append(trend(label, evals))
         weights = "lora" if config.use_lora else "the trained model"
         quoted = shlex.quote(path)  # the commands paste into a shell whole, whatever the path holds
         lines += [
