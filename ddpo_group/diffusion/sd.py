@@ -510,6 +510,25 @@ class StableDiffusionPolicy(DiffusionPolicy):
             negative_added_cond=negative_added_cond,
         )
 
+    def step_dt(self, batch, rows, step_index):
+        """(b,) float32 length of DDIM steps in flow time: x_t / (sqrt(a) + sqrt(1 - a)) is the flow latent at
+        sigma = sqrt(1 - a) / (sqrt(a) + sqrt(1 - a)) (a = alphas_cumprod), and the DDIM ODE that flow's, so a
+        step from a_t to a_prev has dt = sigma(a_t) - sigma(a_prev) (the scheduler's own a_prev, `ddim`)."""
+        from ddpo_group.diffusion.ddim import _scheduler_alphas
+
+        scheduler = self.pipeline.scheduler
+        steps = batch.timesteps.shape[1]
+        if scheduler.num_inference_steps != steps:
+            scheduler.set_timesteps(steps)
+        ar = torch.arange(len(rows), device=batch.timesteps.device)
+        timesteps = batch.timesteps[rows][ar, step_index.to(batch.timesteps.device)]
+        alpha, alpha_prev = _scheduler_alphas(scheduler, timesteps, len(rows), step_index.device, torch.float64)
+
+        def sigma(a):
+            return (1 - a).sqrt() / (a.sqrt() + (1 - a).sqrt())
+
+        return (sigma(alpha) - sigma(alpha_prev)).float()
+
     def save_trainable(self, module, output_dir, use_lora, state_dict=None):
         """LoRA: diffusers format (`pipe.load_lora_weights(output_dir/'lora')`); full fine-tuning: unet/."""
         if use_lora:
