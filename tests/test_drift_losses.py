@@ -284,6 +284,19 @@ def test_a_drift_loss_trains_a_ddim_and_a_flow_family(tmp_path, variant, loss):
     assert os.path.isdir(run_dir)
 
 
+@pytest.mark.parametrize("sde_type", ["cps", "dance"])
+@pytest.mark.parametrize("loss", ["dppo", "grpo_guard"])
+def test_a_drift_loss_trains_every_flow_sde_type(tmp_path, sde_type, loss):
+    # the Gaussian step's mean and std come from the SDE type's step ("sde" is tiny_sd3's own, trained above)
+    config = make_config(tmp_path, variant="tiny_sd3", **cheap(train__policy_loss=loss, sample__sde_type=sde_type,
+                                                               log_images_every=0))
+    row = read_metrics(train(config))[-1]
+    trained = [k for k, on in enumerate(row["steps/trained"]) if on]
+    assert math.isfinite(row["loss"]) and row["train/skipped_steps"] == 0
+    assert trained and all(math.isfinite(row["steps/kl_old"][k]) for k in trained)
+    assert max(row["steps/kl_old"][k] for k in trained) > 0
+
+
 @pytest.mark.parametrize("variant", ["tiny_dppo", "tiny_grpo_guard"])
 def test_the_main_job_variants_train_an_epoch(tmp_path, variant):
     # the shipped shapes-world model with the variant's method, at test size (4 trajectories, 2 steps, 2 updates)
