@@ -8,14 +8,13 @@ import os
 import pytest
 import torch
 
-from ddpo_group.algos.losses import (
+from ddpo_group.algos.drift_losses import (
     StepDrift,
     compute_policy_loss_dppo,
     compute_policy_loss_grpo_guard,
-    gaussian_kl,
-    get_policy_loss,
     guard_log_ratio,
 )
+from ddpo_group.algos.losses import gaussian_kl, get_policy_loss
 from ddpo_group.algos.stepwise import column_loss, grpo_loss
 from ddpo_group.config.check import ConfigError, check_config
 from ddpo_group.diffusion.policy import policy_for

@@ -25,7 +25,8 @@ Pure math: no trainer, no I/O.
 
 import torch
 
-from ddpo_group.algos.losses import StepDrift, agg_loss
+from ddpo_group.algos.drift_losses import StepDrift
+from ddpo_group.algos.losses import agg_loss
 
 
 def grpo_loss(policy_loss, loss_config, old_log_probs, log_probs, advantages, mask, kl=None, beta=0.0, drift=None):

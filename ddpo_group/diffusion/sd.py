@@ -35,7 +35,7 @@ from ddpo_group.diffusion.base import (
     noise_levels,
     register_family,
 )
-from ddpo_group.diffusion.ddim import ddim_step_with_logprob, ddim_x0_hat
+from ddpo_group.diffusion.ddim import ddim_step_with_logprob, ddim_x0_hat, flow_time_step
 from ddpo_group.diffusion.flow_policy import load_pretrained
 from ddpo_group.diffusion.loading import load_pipeline
 from ddpo_group.diffusion.lora import add_lora
@@ -511,23 +511,10 @@ class StableDiffusionPolicy(DiffusionPolicy):
         )
 
     def step_dt(self, batch, rows, step_index):
-        """(b,) float32 length of DDIM steps in flow time: x_t / (sqrt(a) + sqrt(1 - a)) is the flow latent at
-        sigma = sqrt(1 - a) / (sqrt(a) + sqrt(1 - a)) (a = alphas_cumprod), and the DDIM ODE that flow's, so a
-        step from a_t to a_prev has dt = sigma(a_t) - sigma(a_prev) (the scheduler's own a_prev, `ddim`)."""
-        from ddpo_group.diffusion.ddim import _scheduler_alphas
-
-        scheduler = self.pipeline.scheduler
-        steps = batch.timesteps.shape[1]
-        if scheduler.num_inference_steps != steps:
-            scheduler.set_timesteps(steps)
+        """(b,) the DDIM steps' length in flow time (``ddim.flow_time_step``): grpo_guard's weight is 1 / dt."""
         ar = torch.arange(len(rows), device=batch.timesteps.device)
-        timesteps = batch.timesteps[rows][ar, step_index.to(batch.timesteps.device)]
-        alpha, alpha_prev = _scheduler_alphas(scheduler, timesteps, len(rows), step_index.device, torch.float64)
-
-        def sigma(a):
-            return (1 - a).sqrt() / (a.sqrt() + (1 - a).sqrt())
-
-        return (sigma(alpha) - sigma(alpha_prev)).float()
+        timesteps = batch.timesteps[rows][ar, step_index.to(ar.device)]
+        return flow_time_step(self.pipeline.scheduler, timesteps, batch.timesteps.shape[1]).to(step_index.device)
 
     def save_trainable(self, module, output_dir, use_lora, state_dict=None):
         """LoRA: diffusers format (`pipe.load_lora_weights(output_dir/'lora')`); full fine-tuning: unet/."""

@@ -136,7 +136,7 @@ class StepAccumulator:
                 self.kl = torch.zeros(self.num_steps, dtype=torch.float64)
             self.kl.index_add_(0, steps, kl.detach().to(torch.float64).cpu().flatten() * valid)
         if drift is not None:
-            from ddpo_group.algos.losses import StepDrift, guard_log_ratio
+            from ddpo_group.algos.drift_losses import StepDrift, guard_log_ratio
 
             if self.drift is None:
                 self.drift = torch.zeros(5, self.num_steps, dtype=torch.float64)

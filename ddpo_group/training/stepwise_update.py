@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ddpo_group.algos.losses import StepDrift, agg_loss, gaussian_kl, kl_penalty
+from ddpo_group.algos.drift_losses import StepDrift
+from ddpo_group.algos.losses import agg_loss, gaussian_kl, kl_penalty
 from ddpo_group.algos.stepwise import column_loss, grpo_loss
 from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
 from ddpo_group.training import perf
