@@ -296,6 +296,16 @@ def test_a_drift_loss_trains_every_flow_sde_type(tmp_path, sde_type, loss):
     assert max(row["steps/kl_old"][k] for k in trained) > 0
 
 
+def test_grpo_guard_trains_wan_moe_whose_contract_is_elsewhere(tmp_path):
+    # wan_moe (two experts, its own step function; tests/test_wan22_moe.py holds its contract): mean, std and dt
+    config = make_config(tmp_path, variant="tiny_wan22_moe", **cheap(train__policy_loss="grpo_guard", use_lora=True,
+                                                                     lora_rank=2, log_images_every=0))
+    row = read_metrics(train(config))[-1]
+    trained = [k for k, on in enumerate(row["steps/trained"]) if on]
+    assert math.isfinite(row["loss"]) and row["train/skipped_steps"] == 0
+    assert trained and all(math.isfinite(row["steps/norm_log_ratio_std"][k]) for k in trained)
+
+
 @pytest.mark.parametrize("variant", ["tiny_dppo", "tiny_grpo_guard"])
 def test_the_main_job_variants_train_an_epoch(tmp_path, variant):
     # the shipped shapes-world model with the variant's method, at test size (4 trajectories, 2 steps, 2 updates)
