@@ -123,6 +123,14 @@ def test_dppo_needs_a_drift_and_a_positive_threshold():
         compute_policy_loss_dppo(old, new, adv, mask, config, drift)
 
 
+@pytest.mark.parametrize("fn", [compute_policy_loss_dppo, compute_policy_loss_grpo_guard])
+def test_a_drift_of_another_shape_is_an_error_naming_it(fn):
+    old, new, adv, mask, drift = tensors()
+    bad = StepDrift(drift.kl[:, :2], drift.std, drift.dt)
+    with pytest.raises(ValueError, match="drift.kl must have the shape of log_prob"):
+        fn(old, new, adv, mask, Config(), bad)
+
+
 # ---- grpo_guard ----
 
 
