@@ -24,6 +24,7 @@ WHERE = {
     "check_seeds": ("fields", "ddpo_group.config.fields"),
     "check_adv_estimator": ("algorithm", "ddpo_group.algos.advantages"),
     "check_loss_fields": ("algorithm", "ddpo_group.algos.losses"),
+    "check_drift_losses": ("algorithm", "ddpo_group.algos.drift_losses"),
     "check_objective": ("algorithm", "ddpo_group.algos.forward"),
     "check_sampling": ("sampling", "ddpo_group.training.rollout"),
     "check_group_noise": ("sampling", "ddpo_group.training.rollout"),

@@ -15,6 +15,9 @@ The contract, one test per clause, each parametrised over the rows of ROWS:
    family's own loader, both sampling what the trained policy samples (to 1e-5), not what the untrained one does;
 5. (rows with resume=True) the run resumed from that checkpoint restores the adapters, goes on from its step, and
    ends with the LoRA weights and epoch-1 loss of a run made straight through, bit for bit.
+6. the policy losses that read each step's exact KL to pi_old's Gaussian step (train.policy_loss "dppo" and
+   "grpo_guard": the step's mean and std from the family's step function, grpo_guard's 1 / dt from its step_dt)
+   train an epoch with an off-policy micro-batch, finite, the drift measured at every trained step.
 
 A family's own quirks (its text conditioning, sigma grid, CFG form, decode) stay in its own test file.
 
@@ -491,3 +494,16 @@ def test_lora_exports_and_a_resumed_run_ends_where_a_straight_one_does(tiny, tmp
     end, again = lora(straight), lora(run_dir)
     assert set(end) == set(again) and all(torch.equal(end[k], again[k]) for k in end)
     assert read_metrics(straight)[1]["loss"] == rows[1]["loss"]
+
+
+@pytest.mark.parametrize("loss", ["dppo", "grpo_guard"])
+@pytest.mark.parametrize("name", list(ROWS))
+def test_the_drift_losses_train_on_the_family(tmp_path, name, loss):
+    # the row's variant at test size (two micro-batches, one optimizer step each: the second is off-policy), LoRA
+    config = make_config(tmp_path, variant=ROWS[name].variant, **cheap(
+        train__policy_loss=loss, use_lora=True, lora_rank=2, log_images_every=0, save_freq=0))
+    row = read_metrics(train(config))[-1]
+    assert math.isfinite(row["loss"]) and row["train/skipped_steps"] == 0 and row["train/global_step"] >= 2
+    trained = [k for k, on in enumerate(row["steps/trained"]) if on]
+    assert trained and all(math.isfinite(row["steps/kl_old"][k]) for k in trained)
+    assert all(math.isfinite(row["steps/norm_log_ratio_std"][k]) for k in trained)

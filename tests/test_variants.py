@@ -40,6 +40,9 @@ DECLARED = {
     # forward-process objectives without KL; AWM's lr 1e-4 from its sweep
     "tiny_nft": {"train.objective", "forward.num_timesteps"} | NO_KL,
     "tiny_awm": {"train.objective", "forward.num_timesteps", "train.learning_rate"} | NO_KL,
+    # Flow-DPPO's trust region / GRPO-Guard's normalised clip in place of PPO's clip; KL and lr as the main job
+    "tiny_dppo": {"train.policy_loss"},
+    "tiny_grpo_guard": {"train.policy_loss"},
 }
 # issue 33's task presets: each is sd35 (Flow-GRPO's settings) with only its task's fields changed.
 TASK_PRESETS = {
@@ -130,12 +133,21 @@ def test_a_learning_rate_other_than_the_main_jobs_is_named_in_the_docstring():
 SCENES_TASKS = {"tiny_scenes", "tiny_scenes_sd"}
 # A full-size preset's tiny twin that carries its preset's recipe (SDE window, KL), not the main job's method.
 PRESET_TWINS = {"tiny_zimage_turbo"}
+# A family's tiny pipeline with another policy loss (smoke runs of the loss on that family, not the main job's task).
+FAMILY_LOSS_TWINS = {"tiny_sd3_dppo", "tiny_sd3_grpo_guard"}
+
+
+def test_family_loss_twins_change_only_the_policy_loss():
+    for name in FAMILY_LOSS_TWINS:
+        loss = name.removeprefix("tiny_sd3_")
+        assert changed(flat(grpo.get_config(name)), flat(grpo.tiny_sd3())) - {"variant"} == {"train.policy_loss"}
+        assert grpo.get_config(name).train.policy_loss == loss
 
 
 def test_every_tiny_variant_that_changes_the_method_is_declared():
     tiny = flat(grpo.tiny())
     for name in grpo.VARIANTS:
-        if name.startswith("tiny_") and name not in DECLARED and name not in SCENES_TASKS | PRESET_TWINS:
+        if name.startswith("tiny_") and name not in DECLARED and name not in SCENES_TASKS | PRESET_TWINS | FAMILY_LOSS_TWINS:
             method_changes = [f for f in changed(flat(grpo.get_config(name)), tiny) if ALGORITHM_FIELDS.match(f)]
             assert not method_changes, f"{name} changes {method_changes}: declare it in DECLARED"
 

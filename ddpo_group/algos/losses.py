@@ -16,6 +16,10 @@ with `config` any object (or mapping) with the fields
     clip_ratio_c     float > 1, dual-clip bound (vanilla only; missing: 3.0)
     loss_agg_mode    one of AGG_MODES (missing: "token-mean")
 
+A loss registered with `reads_drift=True` (dppo, grpo_guard: ddpo_group/algos/drift_losses.py, registered when
+that module loads: the config checks and the trainer import it) also takes `drift`, a `StepDrift` of (B, T) tensors: the exact KL of each current Gaussian step
+to the sampling policy's step and the step's std and length (the trainer fills it; `fn.reads_drift` tells it to).
+
 `loss` is a 0-dim tensor carrying the gradient; `metrics` maps "clipfrac", "approx_kl"
 and "clipfrac_lower" to detached 0-dim tensors (no host sync, so the caller can average
 them over micro-batches and gather them across processes; call `.item()` to log).
@@ -198,12 +202,17 @@ def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor | 
     return kl.reshape(batch_size, -1).mean(dim=1)
 
 
-def register_policy_loss(name: str, couples_steps: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
+def register_policy_loss(
+    name: str, couples_steps: bool = False, reads_drift: bool = False
+) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator: register `fn(old_log_prob, log_prob, advantages, mask, config) -> (loss, metrics)`.
 
     couples_steps: True when one step's loss depends on the other steps' current log-probs (a
     sequence-level ratio, as in gspo and geo_mean). The trainer back-propagates one step at a
     time and must then evaluate every step first; it reads this as `fn.couples_steps`.
+    reads_drift: True when fn takes a fifth argument `drift` (a `StepDrift`): the exact Gaussian KL of
+    each current step to the sampling policy's step, which needs pi_old's step mean (dppo, grpo_guard);
+    the trainer reads this as `fn.reads_drift`.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_policy_loss: name must be a non-empty string, got {name!r}")
@@ -216,6 +225,7 @@ def register_policy_loss(name: str, couples_steps: bool = False) -> Callable[[Po
                 f"({previous.__module__}.{previous.__qualname__}); choose another name"
             )
         fn.couples_steps = bool(couples_steps)
+        fn.reads_drift = bool(reads_drift)
         POLICY_LOSS_REGISTRY[name] = fn
         return fn
 

@@ -244,8 +244,17 @@ def get_config():
     train.timestep_selection = "all"
     # Steps trained with timestep_selection="early".
     train.early_steps = 2
-    # Policy loss: "vanilla" (PPO, asymmetric + dual clip), "gspo", "geo_mean" (GMPO).
+    # Policy loss: "vanilla" (PPO, asymmetric + dual clip), "gspo", "geo_mean" (GMPO), "dppo" (Flow-DPPO: a trust
+    # region on the exact per-step KL to pi_old's Gaussian step in place of the ratio clip), "grpo_guard"
+    # (GRPO-Guard: the clip on a per-step normalised ratio, timestep gradient reweighting). dppo and grpo_guard
+    # need train.old_log_probs="recompute" (ddpo_group/algos/losses.py; docs/concepts.md).
     train.policy_loss = "vanilla"
+    # dppo: the trust region delta > 0 on KL(pi_theta step || pi_old step) = mean over the latent's dimensions of
+    # (mu - mu_old)^2 / (2 s^2); a step outside it whose update pushes further out gets no gradient. 1e-5:
+    # verl-omni's Flow-DPPO recipe (kl_mask_threshold, the same KL).
+    train.dppo_kl_max = 1e-5
+    # grpo_guard: the timestep gradient weight, "dt" (1 / the step's length in flow time, the paper's) or "none".
+    train.guard_reweight = "dt"
     # Loss aggregation over (sample, step) tokens: "token-mean", "seq-mean-token-sum",
     # "seq-mean-token-mean", "seq-mean-token-sum-norm".
     train.loss_agg_mode = "token-mean"

@@ -7,6 +7,7 @@ fix it. Where each check lives:
 
     fields       config/fields.py          unknown or renamed fields, non-finite numbers, num_epochs, precision, seeds
     algorithm    algos/advantages.py       the estimator;  algos/losses.py: KL type, aggregation, policy loss, clips
+                 algos/drift_losses.py     dppo's trust region, grpo_guard's reweighting, their pi_old recompute
                  algos/forward.py          train.objective and the forward-process objectives (nft, awm)
     sampling     training/rollout.py       config.sample: batch and groups, step noise, time grid, SDE window
     family       diffusion/policy.py       the family's own `DiffusionPolicy.check_config` (SD: DDIM only)
@@ -55,7 +56,7 @@ def check_config(config, num_processes=1, has_gpu=None):
     for check in registered_checks("fields"):
         check(config, machine)
     # The modules that register checks, top-down (docs/architecture.md); importing one registers its checks.
-    from ddpo_group.algos import advantages, forward, grouping, losses, stat_tracking  # noqa: F401
+    from ddpo_group.algos import advantages, drift_losses, forward, grouping, losses, stat_tracking  # noqa: F401
     from ddpo_group.diffusion import policy  # noqa: F401
     from ddpo_group.evaluation import evaluator  # noqa: F401
     from ddpo_group.rewards import checks  # noqa: F401

@@ -405,6 +405,14 @@ class DiffusionPolicy:
             "steps with DDIM: use train.kl_type='gaussian'"
         )
 
+    def step_dt(self, batch, rows, step_index):
+        """(b,) the length in flow time of trajectories `rows`' steps `step_index`, sigma_t - sigma_{t+1} > 0
+        (train.policy_loss="grpo_guard" weighs a step's gradient by 1 / dt)."""
+        raise ValueError(
+            f"config.train.guard_reweight='dt' needs the step length of the {self.family} family, which it does not "
+            "define: use train.guard_reweight='none'"
+        )
+
     def save_trainable(self, module, output_dir, use_lora, state_dict=None):
         raise NotImplementedError
 

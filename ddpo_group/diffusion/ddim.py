@@ -54,6 +54,23 @@ def _scheduler_alphas(scheduler, timestep, batch_size, device, dtype):
     return alpha_prod_t.to(device=device, dtype=dtype), alpha_prod_t_prev.to(device=device, dtype=dtype)
 
 
+def flow_time_step(scheduler, timesteps, num_inference_steps):
+    """(B,) float32 length in flow time of DDIM steps from `timesteps` (B,) on a T = num_inference_steps grid.
+
+    x_t / (sqrt(a) + sqrt(1 - a)) is the flow-matching latent at sigma(a) = sqrt(1 - a) / (sqrt(a) + sqrt(1 - a))
+    (a = alphas_cumprod) and the DDIM ODE is that latent's flow ODE, so a step from a_t to a_prev (the scheduler's
+    own, as `ddim_step_with_logprob` takes it) has dt = sigma(a_t) - sigma(a_prev) > 0.
+    """
+    if scheduler.num_inference_steps != num_inference_steps:
+        scheduler.set_timesteps(num_inference_steps)
+    alpha, alpha_prev = _scheduler_alphas(scheduler, timesteps, len(timesteps), "cpu", torch.float64)
+
+    def sigma(a):
+        return (1 - a).sqrt() / (a.sqrt() + (1 - a).sqrt())
+
+    return (sigma(alpha) - sigma(alpha_prev)).float()
+
+
 def ddim_step_with_logprob(
     scheduler,
     model_output,

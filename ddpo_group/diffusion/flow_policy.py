@@ -355,6 +355,13 @@ class FlowMatchingPolicy(DiffusionPolicy):
         dt = (grid[ar, step_index] - grid[ar, step_index + 1]).to(std.dtype)
         return std / dt.sqrt().reshape((-1,) + (1,) * (std.dim() - 1))
 
+    def step_dt(self, batch, rows, step_index):
+        """(b,) float32 sigma_t - sigma_{t+1} of the trajectories' own grid (batch.sigmas) at their steps."""
+        grid = batch.sigmas[rows]
+        ar = torch.arange(len(rows), device=grid.device)
+        step_index = step_index.to(grid.device)
+        return (grid[ar, step_index] - grid[ar, step_index + 1]).float()
+
     def _decode(self, latents):
         vae = self.pipeline.vae
         latents = latents / vae.config.scaling_factor + vae.config.shift_factor

@@ -35,7 +35,7 @@ from ddpo_group.diffusion.base import (
     noise_levels,
     register_family,
 )
-from ddpo_group.diffusion.ddim import ddim_step_with_logprob, ddim_x0_hat
+from ddpo_group.diffusion.ddim import ddim_step_with_logprob, ddim_x0_hat, flow_time_step
 from ddpo_group.diffusion.flow_policy import load_pretrained
 from ddpo_group.diffusion.loading import load_pipeline
 from ddpo_group.diffusion.lora import add_lora
@@ -509,6 +509,12 @@ class StableDiffusionPolicy(DiffusionPolicy):
             added_cond=added_cond,
             negative_added_cond=negative_added_cond,
         )
+
+    def step_dt(self, batch, rows, step_index):
+        """(b,) the DDIM steps' length in flow time (``ddim.flow_time_step``): grpo_guard's weight is 1 / dt."""
+        ar = torch.arange(len(rows), device=batch.timesteps.device)
+        timesteps = batch.timesteps[rows][ar, step_index.to(ar.device)]
+        return flow_time_step(self.pipeline.scheduler, timesteps, batch.timesteps.shape[1]).to(step_index.device)
 
     def save_trainable(self, module, output_dir, use_lora, state_dict=None):
         """LoRA: diffusers format (`pipe.load_lora_weights(output_dir/'lora')`); full fine-tuning: unet/."""

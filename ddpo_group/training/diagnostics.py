@@ -15,6 +15,11 @@ step had nothing to measure: no density, not trained, no critic):
     steps/clipfrac                    share of those pairs whose ratio r = exp(new - old) the PPO clip cuts:
                                       A > 0 and r > 1 + clip_high, or A < 0 and r < 1 - clip_low
     steps/ratio_std                   population std of r over those pairs
+    steps/log_ratio_mean, _std        with a loss that reads each step's drift from pi_old (dppo, grpo_guard): mean
+                                      and population std over the trained pairs of the log-ratio log pi - log pi_old
+    steps/norm_log_ratio_mean, _std   the same of GRPO-Guard's normalised log-ratio (log-ratio + D) * s (the
+                                      ratio grpo_guard clips; losses.guard_log_ratio): before / after RatioNorm
+    steps/kl_old                      the mean exact KL D of the trained pairs' steps to pi_old's (dppo's trust region)
     steps/grad_share                  share of the policy gradient's norm that step t's backward contributes:
                                       sum over micro-batches of ||grad of column t's loss||, divided by the sum
                                       over steps (the loss includes the KL term where there is one)
@@ -44,7 +49,8 @@ __all__ = ["StepAccumulator", "GradShare", "advantage_step_stats", "value_step_s
 
 STEP_KEYS = (
     "steps/adv_mean", "steps/adv_std", "steps/trained", "steps/approx_kl", "steps/kl", "steps/clipfrac", "steps/ratio_std",
-    "steps/grad_share", "steps/value_error", "steps/explained_variance", "steps/step_reward", "steps/step_gain",
+    "steps/log_ratio_mean", "steps/log_ratio_std", "steps/norm_log_ratio_mean", "steps/norm_log_ratio_std",
+    "steps/kl_old", "steps/grad_share", "steps/value_error", "steps/explained_variance", "steps/step_reward", "steps/step_gain",
 )
 
 
@@ -96,12 +102,13 @@ def step_reward_stats(step_rewards, rewards):
 class StepAccumulator:
     """Sums over an epoch's micro-batches, per denoising step, of what the policy's ratio did.
 
-    ``add(step_idx, old_log_probs, log_probs, advantages, mask, kl=None)`` takes one micro-batch's (b, K)
-    tensors: step_idx the denoising step of each column, the log-probs of pi_old and of the current policy (the
-    value of the forward that back-propagated), the advantages, the mask of the trained pairs and (with a
-    reference model) the KL of each pair to the reference.
-    ``metrics()`` returns steps/trained, steps/approx_kl, steps/clipfrac, steps/ratio_std and, when a KL was
-    given, steps/kl (module docstring).
+    ``add(step_idx, old_log_probs, log_probs, advantages, mask, kl=None, drift=None)`` takes one micro-batch's
+    (b, K) tensors: step_idx the denoising step of each column, the log-probs of pi_old and of the current policy
+    (the value of the forward that back-propagated), the advantages, the mask of the trained pairs, (with a
+    reference model) the KL of each pair to the reference and (dppo, grpo_guard) the StepDrift of each pair.
+    ``metrics()`` returns steps/trained, steps/approx_kl, steps/clipfrac, steps/ratio_std, when a KL was
+    given steps/kl and when a drift was, steps/log_ratio_*, steps/norm_log_ratio_* and steps/kl_old (module
+    docstring).
     """
 
     def __init__(self, num_steps, clip_low, clip_high):
@@ -111,8 +118,9 @@ class StepAccumulator:
         self.count, self.neg_log_ratio, self.clipped = zeros.clone(), zeros.clone(), zeros.clone()
         self.ratio, self.ratio_sq = zeros.clone(), zeros.clone()
         self.kl = None  # sum of the KL to the reference per step, once one is given
+        self.drift = None  # sums of the log-ratio, its square, the normalised ones and D, once a drift is given
 
-    def add(self, step_idx, old_log_probs, log_probs, advantages, mask, kl=None):
+    def add(self, step_idx, old_log_probs, log_probs, advantages, mask, kl=None, drift=None):
         valid = (mask.detach() > 0).to(torch.float64).cpu().flatten()
         steps = step_idx.detach().to(torch.int64).cpu().flatten()
         log_ratio = (log_probs.detach().to(torch.float64) - old_log_probs.detach().to(torch.float64)).cpu().flatten()
@@ -127,6 +135,15 @@ class StepAccumulator:
             if self.kl is None:
                 self.kl = torch.zeros(self.num_steps, dtype=torch.float64)
             self.kl.index_add_(0, steps, kl.detach().to(torch.float64).cpu().flatten() * valid)
+        if drift is not None:
+            from ddpo_group.algos.drift_losses import StepDrift, guard_log_ratio
+
+            if self.drift is None:
+                self.drift = torch.zeros(5, self.num_steps, dtype=torch.float64)
+            drift64 = StepDrift(*(getattr(drift, n).detach().to(torch.float64).cpu().flatten() for n in ("kl", "std", "dt")))
+            normalised = guard_log_ratio(log_ratio, drift64)
+            for row, value in enumerate((log_ratio, log_ratio**2, normalised, normalised**2, drift64.kl)):
+                self.drift[row].index_add_(0, steps, value * valid)
 
     def metrics(self):
         count = self.count
@@ -141,6 +158,12 @@ class StepAccumulator:
         }
         if self.kl is not None:
             metrics["steps/kl"] = _listed(self.kl / denominator, count)
+        if self.drift is not None:
+            mean = self.drift / denominator
+            for name, (first, second) in (("log_ratio", (0, 1)), ("norm_log_ratio", (2, 3))):
+                metrics[f"steps/{name}_mean"] = _listed(mean[first], count)
+                metrics[f"steps/{name}_std"] = _listed((mean[second] - mean[first] ** 2).clamp(min=0).sqrt(), count)
+            metrics["steps/kl_old"] = _listed(mean[4], count)
         return metrics
 
 

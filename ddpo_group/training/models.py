@@ -16,6 +16,7 @@ import torch
 
 from ddpo_group.training import sharding as sharding_lib
 from ddpo_group.algos import advantages as adv_lib
+from ddpo_group.algos import drift_losses  # noqa: F401  (registers the policy losses dppo, grpo_guard)
 from ddpo_group.algos.losses import get_policy_loss
 from ddpo_group.config.registry import ConfigError, check_positive, register_config_check
 from ddpo_group.training.critic import ValueNetwork

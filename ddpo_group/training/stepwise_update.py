@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ddpo_group.algos.drift_losses import StepDrift
 from ddpo_group.algos.losses import agg_loss, gaussian_kl, kl_penalty
 from ddpo_group.algos.stepwise import column_loss, grpo_loss
 from ddpo_group.config.registry import ConfigError, check_choice, check_positive, register_config_check
@@ -35,7 +36,8 @@ class MicroBatch:
 
     rows (b,) int64; step_idx (b, K) step index of each column; step_mask (b, K) 1 where that step
     has a density; advantages (b, K); old_log_probs (b, K) float32 log pi_old of those steps;
-    layout_noise: max |recomputed - sampled| log-prob when pi_old was recomputed, else None.
+    layout_noise: max |recomputed - sampled| log-prob when pi_old was recomputed, else None;
+    old_means: (b, K, ...) pi_old's step means, kept for a loss that reads the drift (dppo, grpo_guard), else None.
     """
 
     rows: torch.Tensor
@@ -44,6 +46,7 @@ class MicroBatch:
     advantages: torch.Tensor
     old_log_probs: torch.Tensor
     layout_noise: float | None = None
+    old_means: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -55,16 +58,21 @@ class LossConfig:
     clip_ratio_high: float
     clip_ratio_c: float
     loss_agg_mode: str
+    dppo_kl_max: float = 1e-5
+    guard_reweight: str = "dt"
 
     @classmethod
     def from_config(cls, train):
-        """From config.train: clip_range, clip_ratio_low / high (None: clip_range), clip_ratio_c, loss_agg_mode."""
+        """From config.train: clip_range, clip_ratio_low / high (None: clip_range), clip_ratio_c, loss_agg_mode,
+        dppo_kl_max, guard_reweight."""
         return cls(
             clip_ratio=train.clip_range,
             clip_ratio_low=train.clip_ratio_low if train.clip_ratio_low is not None else train.clip_range,
             clip_ratio_high=train.clip_ratio_high if train.clip_ratio_high is not None else train.clip_range,
             clip_ratio_c=train.clip_ratio_c,
             loss_agg_mode=train.loss_agg_mode,
+            dppo_kl_max=train.dppo_kl_max,
+            guard_reweight=train.guard_reweight,
         )
 
 
@@ -146,12 +154,13 @@ class UpdateStats:
         if self.grad_share is not None:
             self.grad_share.close_column()
 
-    def micro_batch(self, mb, live, kl, before_first_step, sampled):
+    def micro_batch(self, mb, live, kl, before_first_step, sampled, drift=None):
         """A micro-batch done: `live` (b, K) the log-probs its backward used, `kl` (b, K) to the reference,
-        `sampled` the log-probs stored at sampling when pi_old was taken from this forward (else None)."""
+        `sampled` the log-probs stored at sampling when pi_old was taken from this forward (else None), `drift`
+        the StepDrift (b, K) of a loss that reads it (else None)."""
         tr, t = self.trainer, self.trainer.config.train
         self.steps.add(mb.step_idx, mb.old_log_probs, live, mb.advantages, mb.step_mask,
-                       kl=kl if tr.reference is not None else None)
+                       kl=kl if tr.reference is not None else None, drift=drift)
         if before_first_step:
             self.on_policy_ratio.append(max_abs_diff(live, mb.old_log_probs, mb.step_mask))
         if sampled is not None:
@@ -159,15 +168,14 @@ class UpdateStats:
         with torch.no_grad():
             loss, policy_loss, loss_metrics = grpo_loss(
                 tr.policy_loss, tr.loss_config, mb.old_log_probs, live, mb.advantages, mb.step_mask,
-                kl=kl if t.use_kl_loss else None, beta=t.beta,
+                kl=kl if t.use_kl_loss else None, beta=t.beta, drift=drift,
             )
             kl_value = agg_loss(kl, mb.step_mask, t.loss_agg_mode) if tr.reference is not None else torch.zeros(())
         self.info["policy_loss"].append(float(policy_loss))
         self.info["kl"].append(float(kl_value))
         self.info["loss"].append(float(loss))
-        for key in ("clipfrac", "approx_kl", "clipfrac_lower"):
-            if key in loss_metrics:
-                self.info[key].append(float(loss_metrics[key]))
+        for key, value in loss_metrics.items():  # clipfrac, approx_kl, clipfrac_lower and a loss's own (dppo/...)
+            self.info.setdefault(key, []).append(float(value))
 
     def optimizer_step(self, step):
         if step["grad_norm"] is not None:
@@ -256,6 +264,8 @@ class StepwiseUpdate:
             base = self.sequence_base(samples, mb, on_policy) if tr.loss_couples_steps else mb.old_log_probs
             live = base.clone()
             kl = torch.zeros_like(mb.old_log_probs)
+            drift = (StepDrift(*(torch.zeros_like(mb.old_log_probs) for _ in range(3)))
+                     if tr.policy_loss.reads_drift else None)
             num_columns = mb.step_idx.shape[1]
             for k in range(num_columns):
                 # DDP all-reduces on the last backward of the window only; forward and backward both run
@@ -263,13 +273,16 @@ class StepwiseUpdate:
                 sync = closes_window and k == num_columns - 1
                 stats.column_starts(mb, k)
                 with contextlib.nullcontext() if sync else acc.no_sync(tr.model):
-                    log_prob, kl_k, finite = self.train_column(samples, mb, k, base, window_len, on_policy)
+                    log_prob, kl_k, drift_k, finite = self.train_column(samples, mb, k, base, window_len, on_policy)
                 stats.column_ends()
                 bad = bad or not finite
                 live[:, k] = log_prob
                 if kl_k is not None:
                     kl[:, k] = kl_k
-            stats.micro_batch(mb, live, kl, n < first_window, sampled)
+                if drift is not None:
+                    for name in ("kl", "std", "dt"):
+                        getattr(drift, name)[:, k] = getattr(drift_k, name)
+            stats.micro_batch(mb, live, kl, n < first_window, sampled, drift)
             if closes_window:
                 stats.optimizer_step(tr._optimizer_step(bad))
                 bad = False
@@ -277,7 +290,8 @@ class StepwiseUpdate:
     def train_column(self, samples, mb, k, base, window_len, on_policy):
         """Forward and backward of step column k of micro-batch `mb`.
 
-        Returns its detached log-prob (b,), KL to the reference (b,) or None, and whether the loss was finite.
+        Returns its detached log-prob (b,), KL to the reference (b,) or None, its detached StepDrift of (b,)
+        columns (a loss that reads the drift) or None, and whether the loss was finite.
 
         The loss is the micro-batch's whole loss with column k live and the other columns detached
         (`base`), scaled by 1 / window_len (micro-batches in this accumulation window). On-policy
@@ -292,6 +306,7 @@ class StepwiseUpdate:
         if on_policy:
             mb.old_log_probs[:, k] = log_prob.detach()
             base[:, k] = log_prob.detach()
+        drift = self.column_drift(samples, mb, k, mean, std, valid, on_policy) if tr.policy_loss.reads_drift else None
         kl = None
         if tr.reference is not None:
             with torch.no_grad(), perf.phase("reference"):
@@ -306,11 +321,33 @@ class StepwiseUpdate:
             kl = torch.where(valid, kl, torch.zeros_like(kl))
         loss = column_loss(
             tr.policy_loss, tr.loss_config, mb.old_log_probs, base, k, log_prob, mb.advantages, mb.step_mask,
-            kl=kl if t.use_kl_loss else None, beta=t.beta,
+            kl=kl if t.use_kl_loss else None, beta=t.beta, drift=drift,
         )
         with perf.model_time():  # the backward's seconds are model seconds (perf.py)
             tr.accelerator.backward(loss / window_len)
-        return log_prob.detach(), None if kl is None else kl.detach(), bool(torch.isfinite(loss))
+        if drift is not None:
+            drift = StepDrift(drift.kl.detach(), drift.std, drift.dt)
+        return log_prob.detach(), None if kl is None else kl.detach(), drift, bool(torch.isfinite(loss))
+
+    def column_drift(self, samples, mb, k, mean, std, valid, on_policy):
+        """Column k's StepDrift (b,): the exact KL of this forward's Gaussian step (mean with its graph, std) to
+        pi_old's (its mean from the recompute pass, or this forward's own on-policy), the step's std and length."""
+        tr, t = self.trainer, self.trainer.config.train
+        mean = mean.float()
+        if on_policy:
+            if mb.old_means is None:
+                mb.old_means = torch.zeros((mean.shape[0], mb.step_idx.shape[1]) + mean.shape[1:], device=mean.device)
+            mb.old_means[:, k] = mean.detach()
+        std = std.float()
+        kl = gaussian_kl(mean, mb.old_means[:, k], std)
+        kl = torch.where(valid, kl, torch.zeros_like(kl))
+        row_std = std.reshape(std.shape[0], -1)[:, 0] if std.dim() else std.expand(mean.shape[0])
+        row_std = torch.where(valid, row_std.detach(), torch.zeros_like(row_std))
+        if t.guard_reweight == "dt" and t.policy_loss == "grpo_guard":
+            dt = tr.policy.step_dt(samples, mb.rows, mb.step_idx[:, k]).to(kl.device).float()
+        else:
+            dt = torch.ones_like(kl)
+        return StepDrift(kl, row_std, torch.where(valid, dt, torch.zeros_like(dt)))
 
     def sequence_base(self, samples, mb, on_policy):
         """For a loss that couples the steps (gspo, geo_mean): every column's current log-prob, without gradients
@@ -380,14 +417,20 @@ class StepwiseUpdate:
         """
         trainable = self.trainer.trainable_module
         model = trainable if model is None else model.train(trainable.training)
+        keep_means = self.trainer.policy_loss.reads_drift  # dppo, grpo_guard: pi_old's step means as well
         for mb in micro_batches:
-            columns = []
+            columns, means = [], []
             for k in range(mb.step_idx.shape[1]):
                 # detached in the same statement: no name keeps this forward's graph (its activations) alive
                 # while the next column's forward builds its own, so the pass peaks at one forward's memory
                 with torch.enable_grad():
-                    columns.append(self.step(model, samples, mb.rows, mb.step_idx[:, k])[0]
-                                   .detach().float())
+                    log_prob, mean, _ = self.step(model, samples, mb.rows, mb.step_idx[:, k])
+                    columns.append(log_prob.detach().float())
+                    if keep_means:
+                        means.append(mean.detach().float())
+                    del log_prob, mean
+            if keep_means:
+                mb.old_means = torch.stack(means, 1)
             recomputed = torch.stack(columns, 1)
             mb.layout_noise = max_abs_diff(recomputed, mb.old_log_probs, mb.step_mask)
             mb.old_log_probs = torch.where(mb.step_mask > 0, recomputed, mb.old_log_probs)

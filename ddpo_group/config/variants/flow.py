@@ -105,6 +105,20 @@ def tiny_sd3():
     return _tiny_flow("tiny-sd3")
 
 
+def tiny_sd3_dppo():
+    """tiny_sd3 with Flow-DPPO's loss (train.policy_loss "dppo"): tests and smoke runs."""
+    config = tiny_sd3()
+    config.train.policy_loss = "dppo"
+    return config
+
+
+def tiny_sd3_grpo_guard():
+    """tiny_sd3 with GRPO-Guard's loss (train.policy_loss "grpo_guard"): tests and smoke runs."""
+    config = tiny_sd3()
+    config.train.policy_loss = "grpo_guard"
+    return config
+
+
 def tiny_flux():
     """A random-weight tiny FLUX pipeline (tiny CLIP and T5 built in memory), seconds: tests and smoke runs."""
     config = _tiny_flow("tiny-flux")

@@ -3,7 +3,7 @@ prompt sets (tiny_all, tiny_squares, tiny_one_prompt, tiny_hacking) and its algo
 random-weight tiny pipeline the tests run.
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
-tiny_early_window, tiny_window4, tiny_nft, tiny_awm) are `tiny()` with only their method's fields changed
+tiny_early_window, tiny_window4, tiny_nft, tiny_awm, tiny_dppo, tiny_grpo_guard) are `tiny()` with only their method's fields changed
 (tests/test_variants.py checks the changed fields).
 """
 
@@ -196,6 +196,23 @@ def tiny_awm():
     config.forward.num_timesteps = 4
     config.forward.weighting = "uniform"
     config.train.learning_rate = 1e-4
+    return config
+
+
+def tiny_dppo():
+    """The main job (GRPO + KL, lr 2e-4, no sweep) with Flow-DPPO's loss: no ratio clip, a trust region of
+    train.dppo_kl_max 1e-5 (verl-omni's recipe) on each step's exact Gaussian KL to pi_old's step (the main job's
+    4 optimizer steps an epoch put the later micro-batches off-policy, where it acts)."""
+    config = tiny()
+    config.train.policy_loss = "dppo"
+    return config
+
+
+def tiny_grpo_guard():
+    """The main job (GRPO + KL, lr 2e-4, clip range 1e-2, no sweep) with GRPO-Guard's loss: the clip on each step's
+    normalised ratio exp((log-ratio + D) * s), every step's loss weighted by 1 / dt (train.guard_reweight "dt")."""
+    config = tiny()
+    config.train.policy_loss = "grpo_guard"
     return config
 
 
