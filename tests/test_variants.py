@@ -40,6 +40,11 @@ DECLARED = {
     # forward-process objectives without KL; AWM's lr 1e-4 from its sweep
     "tiny_nft": {"train.objective", "forward.num_timesteps"} | NO_KL,
     "tiny_awm": {"train.objective", "forward.num_timesteps", "train.learning_rate"} | NO_KL,
+    # the preference objectives: a frozen reference (no KL term on it), sampling with the policy (decay 0)
+    "tiny_dgpo": {"train.objective", "forward.num_timesteps", "forward.old_decay_rate", "forward.old_decay_max",
+                  "train.use_kl_loss", "train.beta"},
+    "tiny_dpo": {"train.objective", "forward.num_timesteps", "forward.old_decay_rate", "forward.old_decay_max",
+                 "train.use_kl_loss", "train.beta"},
 }
 # issue 33's task presets: each is sd35 (Flow-GRPO's settings) with only its task's fields changed.
 TASK_PRESETS = {
@@ -130,12 +135,24 @@ def test_a_learning_rate_other_than_the_main_jobs_is_named_in_the_docstring():
 SCENES_TASKS = {"tiny_scenes", "tiny_scenes_sd"}
 # A full-size preset's tiny twin that carries its preset's recipe (SDE window, KL), not the main job's method.
 PRESET_TWINS = {"tiny_zimage_turbo"}
+# A method's twin on the tiny flow family: tiny_sd3 with only the method's fields changed (tests and smoke runs).
+SD3_TWINS = {
+    "tiny_sd3_dgpo": {"train.objective", "forward.num_timesteps", "forward.old_decay_rate", "forward.old_decay_max",
+                      "train.use_kl_loss", "train.beta", "sample.eta"},  # DGPO samples with the flow ODE (eta 0)
+    "tiny_sd3_dpo": {"train.objective", "forward.num_timesteps", "forward.old_decay_rate", "forward.old_decay_max",
+                     "train.use_kl_loss", "train.beta"},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(SD3_TWINS))
+def test_a_tiny_sd3_twin_differs_from_tiny_sd3_only_in_its_methods_fields(variant):
+    assert changed(flat(grpo.get_config(variant)), flat(grpo.tiny_sd3())) - {"variant"} == SD3_TWINS[variant]
 
 
 def test_every_tiny_variant_that_changes_the_method_is_declared():
     tiny = flat(grpo.tiny())
     for name in grpo.VARIANTS:
-        if name.startswith("tiny_") and name not in DECLARED and name not in SCENES_TASKS | PRESET_TWINS:
+        if name.startswith("tiny_") and name not in DECLARED and name not in SCENES_TASKS | PRESET_TWINS | set(SD3_TWINS):
             method_changes = [f for f in changed(flat(grpo.get_config(name)), tiny) if ALGORITHM_FIELDS.match(f)]
             assert not method_changes, f"{name} changes {method_changes}: declare it in DECLARED"
 

@@ -8,7 +8,7 @@ tiny_early_window, tiny_window4, tiny_nft, tiny_awm) are `tiny()` with only thei
 """
 
 from ddpo_group.config import base
-from ddpo_group.config.variants._methods import _algorithm2_group_ppo, _diffusion_nft, _learning_group_ppo
+from ddpo_group.config.variants._methods import _algorithm2_group_ppo, _diffusion_nft, _dgpo, _dpo, _learning_group_ppo
 
 
 def _tiny_common(config):
@@ -197,6 +197,22 @@ def tiny_awm():
     config.forward.weighting = "uniform"
     config.train.learning_rate = 1e-4
     return config
+
+
+def tiny_dgpo():
+    """DGPO (docs/forward.md) on the main job's prompts, sampler and evaluation: each group's preference of its
+    positive over its negative samples (GRPO's advantages as weights) on the matching loss against the frozen
+    initial model, beta 100 (the reference code's), 4 of 10 timesteps per sample, no KL term, the main job's
+    learning rate (not swept). The sampler stays the main job's (DDIM eta 1, CFG 3) so that the evaluation is the
+    same; DGPO's own deterministic sampler is --config.sample.eta=0."""
+    return _dgpo(tiny())
+
+
+def tiny_dpo():
+    """Diffusion-DPO (docs/forward.md) with online pairs on the main job's prompts, sampler and evaluation: the
+    best and the worst sample of each group of 8 against the frozen initial model, beta T 5000 (the paper's for
+    SD 1.5), 4 of 10 timesteps per pair, no KL term, the main job's learning rate (not swept)."""
+    return _dpo(tiny())
 
 
 def test():
