@@ -134,10 +134,11 @@ def _preference_config(tmp_path, variant, objective, **overrides):
 @pytest.mark.parametrize("objective", ["dgpo", "dpo"])
 def test_a_preference_objective_trains_a_step_on_each_tiny_family(tmp_path, variant, objective):
     row = read_metrics(train(_preference_config(tmp_path, variant, objective, sample__eta=0.0)))[0]
-    assert row["train/global_step"] == 2 and row["train/skipped_steps"] == 0
+    # the test twins sample 4 images in groups of 2 (one group of 4 where both draw the same prompt); a micro-batch of
+    # 2 images holds one group or one pair, one optimizer step each
+    units = row[f"preference/{'groups' if objective == 'dgpo' else 'pairs'}"]
+    assert units in (1, 2) and row["train/global_step"] == units and row["train/skipped_steps"] == 0
     assert math.isfinite(row["loss"]) and row["grad_norm"] > 0
-    # the test twins sample 4 images in groups of 2: two groups, or two pairs (random weights tie seldom)
-    assert row[f"preference/{'groups' if objective == 'dgpo' else 'pairs'}"] == 2
 
 
 @pytest.mark.parametrize("variant", ["tiny_sd3_dgpo", "tiny_sd3_dpo"])
