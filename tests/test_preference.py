@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from ddpo_group.algos.preference import dgpo_loss, diffusion_dpo_loss
+from ddpo_group.algos.preference import dgpo_clip_mask, dgpo_loss, diffusion_dpo_loss
 from ddpo_group.config.check import ConfigError, check_config
 from ddpo_group.training.preference_training import best_worst_pairs, group_units, load_preference_pairs
 from ddpo_group.training.trainer import train
@@ -141,6 +141,11 @@ def test_a_preference_objective_trains_a_step_on_each_tiny_family(tmp_path, vari
     assert math.isfinite(row["loss"]) and row["grad_norm"] > 0
 
 
+def test_dgpo_with_its_clip_trains_and_logs_the_clipped_share(tmp_path):
+    row = read_metrics(train(_preference_config(tmp_path, "tiny_sd3", "dgpo", forward__dgpo_clip_range=1e-3)))[0]
+    assert row["train/skipped_steps"] == 0 and math.isfinite(row["loss"]) and 0.0 <= row["clipfrac"] <= 1.0
+
+
 @pytest.mark.parametrize("variant", ["tiny_sd3_dgpo", "tiny_sd3_dpo"])
 def test_the_tiny_sd3_twins_train_an_epoch(tmp_path, variant):
     row = read_metrics(train(make_config(tmp_path, variant=variant, num_epochs=1, log_images_every=0)))[0]
@@ -164,6 +169,7 @@ def test_the_main_job_twins_train_an_epoch(tmp_path, variant):
     [
         (dict(train__use_reference_model=False), "train.use_reference_model"),
         (dict(forward__dgpo_beta=0.0), "forward.dgpo_beta"),
+        (dict(forward__dgpo_clip_range=-1e-3), "forward.dgpo_clip_range"),
         (dict(train__objective="dpo", forward__dpo_beta=-1.0), "forward.dpo_beta"),
         (dict(train__objective="dpo", forward__dpo_pairs="both"), "forward.dpo_pairs"),
         (dict(train__objective="dpo", forward__dpo_pairs="offline"), "forward.preference_file"),
@@ -229,3 +235,25 @@ def test_offline_pairs_of_generated_pngs_train(tmp_path, variant):
     # two pairs, one pair (two images) a micro-batch: two optimizer steps
     assert row["preference/pairs"] == 2 and row["train/global_step"] == 2
     assert row["train/skipped_steps"] == 0 and math.isfinite(row["loss"]) and row["grad_norm"] > 0
+
+
+def test_dgpos_clip_never_acts_at_the_sampling_model_and_stops_a_sample_that_moved_far_enough():
+    old, reference, target = (_fixed(60 + i, 4, 6) for i in range(3))
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    groups = torch.zeros(4, dtype=torch.int64)
+    # at prediction = old every ratio is exactly 1: nothing is clipped, the loss is the unclipped one
+    assert not dgpo_clip_mask(old, old, target, advantages, 1e-3).any()
+    # sample 0 (A > 0) denoised much better than the sampling model: ratio exp(e_old - e) > 1 + c, clipped;
+    # sample 1 (A < 0) moved the same way (against its advantage) is not
+    prediction = old.clone()
+    prediction[:2] = target[:2] + 0.1 * (old[:2] - target[:2])
+    e_old, e_new = _mse(old, target), _mse(prediction, target)
+    ratio = torch.exp(e_old - e_new)
+    assert ratio[0] > 1.01 and ratio[1] > 1.01
+    clipped = dgpo_clip_mask(prediction, old, target, advantages, 1e-2)
+    assert clipped.tolist() == [True, False, False, False]
+    prediction.requires_grad_(True)
+    loss = dgpo_loss(prediction, reference, target, advantages, groups, 5.0, clipped)
+    torch.testing.assert_close(loss, dgpo_loss(prediction.detach(), reference, target, advantages, groups, 5.0))
+    loss.sum().backward()
+    assert prediction.grad[0].abs().max() == 0 and prediction.grad[1].abs().max() > 0

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from ddpo_group.algos.forward import squared_error
 
-__all__ = ["reference_gap", "diffusion_dpo_loss", "dgpo_loss"]
+__all__ = ["reference_gap", "diffusion_dpo_loss", "dgpo_clip_mask", "dgpo_loss"]
 
 
 def reference_gap(prediction, reference_prediction, target):
@@ -72,7 +72,20 @@ def diffusion_dpo_loss(prediction_w, reference_w, target_w, prediction_l, refere
     return F.softplus(0.5 * beta * gap)  # -log sigmoid(-x) = softplus(x)
 
 
-def dgpo_loss(prediction, reference_prediction, target, advantages, groups, beta):
+def dgpo_clip_mask(prediction, old_prediction, target, advantages, clip_range):
+    """The samples whose matching loss left DGPO's trust region around the sampling model, (B,) bool.
+
+    The reference code's PPO-style clip (Luo-Yihong/DGPO; not part of the paper's loss): with the ratio
+    rho = exp(||old - target||^2 - ||prediction - target||^2) of the surrogate likelihoods (AWM's), a sample
+    with A > 0 is clipped once rho > 1 + clip_range, one with A < 0 once rho < 1 - clip_range: it has moved far
+    enough the way its advantage asks. Its matching loss then carries no gradient (``dgpo_loss(clipped=...)``).
+    """
+    with torch.no_grad():
+        ratio = torch.exp(squared_error(old_prediction, target) - squared_error(prediction, target))
+        return torch.where(advantages.to(ratio.device) > 0, ratio > 1.0 + clip_range, ratio < 1.0 - clip_range)
+
+
+def dgpo_loss(prediction, reference_prediction, target, advantages, groups, beta, clipped=None):
     """DGPO's loss of each group, (G,): softplus(beta / |g| sum_{i in g} A_i D(x_i)) / beta (module docstring).
 
     Args:
@@ -80,10 +93,15 @@ def dgpo_loss(prediction, reference_prediction, target, advantages, groups, beta
         advantages: (B,) the samples' outcome advantages (GRPO's: they sum to 0 over each whole group).
         groups: (B,) int64 group index of each row, 0 .. G-1 (every index used).
         beta: > 0, DGPO's beta (the reference code's beta_dpo).
+        clipped: optional (B,) bool, the rows whose matching loss is detached (``dgpo_clip_mask``): the value is
+            unchanged, their gradient 0.
     """
     if not beta > 0:
         raise ValueError(f"beta (DGPO's beta) must be > 0, got {beta}")
-    gap = reference_gap(prediction, reference_prediction, target)
+    error = squared_error(prediction, target)
+    if clipped is not None:
+        error = torch.where(clipped.to(error.device), error.detach(), error)
+    gap = error - squared_error(reference_prediction.detach(), target)
     groups = groups.to(gap.device)
     num_groups = int(groups.max()) + 1
     sizes = torch.bincount(groups, minlength=num_groups).to(gap.dtype)

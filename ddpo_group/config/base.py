@@ -298,6 +298,9 @@ def get_config():
     # reference's (train.use_reference_model=True; docs/forward.md). DGPO's beta (> 0; its reference code's
     # beta_dpo, 10-100 with a frozen reference): sharpness of the group preference's sigmoid; the loss is divided by it.
     forward.dgpo_beta = 100.0
+    # DGPO's reference code's PPO-style clip (0: off): a sample's matching loss stops carrying gradient once its ratio
+    # exp(||v_old - v||^2 - ||v_theta - v||^2) to the sampling model passes 1 + clip (A > 0) or 1 - clip (A < 0).
+    forward.dgpo_clip_range = 0.0
     # Diffusion-DPO's beta T (> 0; its released code's beta_dpo, 5000 for SD 1.5 / SDXL): L = -log sigmoid(-beta/2 *
     # ((||e_w - e_theta||^2 - ||e_w - e_ref||^2) - (the same for the loser))).
     forward.dpo_beta = 5000.0

@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from ddpo_group.algos.preference import dgpo_loss, diffusion_dpo_loss
+from ddpo_group.algos.preference import dgpo_clip_mask, dgpo_loss, diffusion_dpo_loss
 from ddpo_group.algos.forward import squared_error
 from ddpo_group.config.registry import ConfigError, check_choice, register_config_check
 from ddpo_group.training import perf
@@ -99,6 +99,9 @@ def check_preference_objective(config, machine):
     if train.objective == "dgpo":
         if not forward.dgpo_beta > 0:
             raise ConfigError(f"config.forward.dgpo_beta={forward.dgpo_beta} must be > 0 (DGPO's beta; 100 in its code)")
+        if not forward.dgpo_clip_range >= 0:
+            raise ConfigError(f"config.forward.dgpo_clip_range={forward.dgpo_clip_range} must be >= 0 (0: no clip; "
+                              "DGPO's code: 1e-3)")
         if config.sample.group_size < 2:
             raise ConfigError(f"config.sample.group_size={config.sample.group_size}: DGPO compares the samples of a "
                               "group; use 2 or more")
@@ -190,7 +193,7 @@ class PreferenceUpdate(ForwardUpdate):
         for _ in range(t.num_inner_epochs):
             perm = torch.randperm(len(units), generator=generator).tolist()
             plan += [[units[i] for i in perm[j : j + per_batch]] for j in range(0, len(units), per_batch)]
-        info = {key: [] for key in ("loss", "policy_loss", "kl", "reward_margin", "accuracy")}
+        info = {key: [] for key in ("loss", "policy_loss", "kl", "reward_margin", "accuracy", "clipfrac")}
         window = t.gradient_accumulation_steps
         bad = False
         calls = 0
@@ -218,7 +221,7 @@ class PreferenceUpdate(ForwardUpdate):
         self.old.mixup(alpha=1.0 - decay)  # the next epoch's sampler (d = 0: the policy itself)
         for key, values in info.items():
             if values:
-                name = key if key in ("loss", "policy_loss", "kl", "grad_norm") else f"preference/{key}"
+                name = key if key in ("loss", "policy_loss", "kl", "clipfrac", "grad_norm") else f"preference/{key}"
                 metrics[name] = float(np.mean(values))
         metrics[f"preference/{'groups' if self.objective == 'dgpo' else 'pairs'}"] = len(units)
         metrics["forward/old_decay"] = decay
@@ -272,14 +275,19 @@ class PreferenceUpdate(ForwardUpdate):
         noise = torch.randn((len(batch),) + tuple(x0.shape[1:]), generator=generator).to(x0.device)[unit.to(x0.device)]
         x_t, target, _ = policy.forward_noise(x0, noise, timesteps)
         guidance = self._guidance()
+        clip = self.objective == "dgpo" and f.dgpo_clip_range > 0
         with tr.accelerator.autocast():
             prediction = policy.predict(tr.model, x_t, timesteps, cond, rows, guidance).float()
             with torch.no_grad():
                 reference = policy.predict(tr.reference, x_t, timesteps, cond, rows, guidance).float()
+                old = policy.predict(self.old, x_t, timesteps, cond, rows, guidance).float() if clip else None
         stats = {}
         if self.objective == "dgpo":
             advantages = samples.advantages[rows, 0].float()
-            policy_loss = dgpo_loss(prediction, reference, target, advantages, unit, f.dgpo_beta).mean()
+            clipped = dgpo_clip_mask(prediction, old, target, advantages, f.dgpo_clip_range) if clip else None
+            policy_loss = dgpo_loss(prediction, reference, target, advantages, unit, f.dgpo_beta, clipped).mean()
+            if clip:
+                stats["clipfrac"] = float(clipped.float().mean())
         else:
             p = len(batch)
             pair_losses = diffusion_dpo_loss(prediction[:p], reference[:p], target[:p],
