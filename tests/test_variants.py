@@ -42,7 +42,7 @@ DECLARED = {
     "tiny_awm": {"train.objective", "forward.num_timesteps", "train.learning_rate"} | NO_KL,
     # the preference objectives: a frozen reference (no KL term on it), sampling with the policy (decay 0)
     "tiny_dgpo": {"train.objective", "forward.num_timesteps", "forward.old_decay_rate", "forward.old_decay_max",
-                  "train.use_kl_loss", "train.beta"},
+                  "train.use_kl_loss", "train.beta", "train.learning_rate"},
     "tiny_dpo": {"train.objective", "forward.num_timesteps", "forward.old_decay_rate", "forward.old_decay_max",
                  "train.use_kl_loss", "train.beta"},
 }
