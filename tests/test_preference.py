@@ -257,3 +257,21 @@ def test_dgpos_clip_never_acts_at_the_sampling_model_and_stops_a_sample_that_mov
     torch.testing.assert_close(loss, dgpo_loss(prediction.detach(), reference, target, advantages, groups, 5.0))
     loss.sum().backward()
     assert prediction.grad[0].abs().max() == 0 and prediction.grad[1].abs().max() > 0
+
+
+@pytest.mark.parametrize("objective", ["dgpo", "dpo"])
+def test_a_preference_run_resumes_to_the_weights_of_a_run_that_never_stopped(tmp_path, objective):
+    import os
+
+    from safetensors.torch import load_file
+
+    def weights(run):
+        return load_file(os.path.join(run, "checkpoints", "checkpoint_2", "transformer", "diffusion_pytorch_model.safetensors"))
+
+    straight = train(_preference_config(tmp_path, "tiny_sd3", objective, num_epochs=2, save_freq=1, run_name="straight"))
+    stopped = train(_preference_config(tmp_path, "tiny_sd3", objective, num_epochs=1, save_freq=1, run_name="stopped"))
+    resumed = train(_preference_config(tmp_path, "tiny_sd3", objective, num_epochs=2, save_freq=1, run_name="stopped",
+                                       resume_from=stopped))
+    end, again = weights(straight), weights(resumed)
+    assert set(end) == set(again) and all(torch.equal(end[k], again[k]) for k in end)
+    assert read_metrics(resumed)[1]["loss"] == read_metrics(straight)[1]["loss"]
