@@ -128,6 +128,24 @@ METHODS = {
             "train.beta": 0.0, "forward.num_timesteps": 4, "forward.weighting": "uniform",
         },
     ),
+    "dgpo": (
+        "DGPO: each group's preference of its positive over its negative samples on the matching loss against a "
+        "frozen reference, no log-probs (docs/forward.md)",
+        "tiny_dgpo", "sd15", {
+            "train.objective": "dgpo", "train.use_reference_model": True, "train.use_kl_loss": False,
+            "train.beta": 0.0, "forward.num_timesteps": 4, "forward.dgpo_beta": 100.0,
+            "forward.old_decay_rate": 0.0, "forward.old_decay_max": 0.0,
+        },
+    ),
+    "dpo": (
+        "Diffusion-DPO with online pairs (each group's best and worst sample) against a frozen reference, no "
+        "log-probs (docs/forward.md)",
+        "tiny_dpo", "sd15", {
+            "train.objective": "dpo", "train.use_reference_model": True, "train.use_kl_loss": False,
+            "train.beta": 0.0, "forward.num_timesteps": 4, "forward.dpo_beta": 5000.0, "forward.dpo_pairs": "online",
+            "forward.old_decay_rate": 0.0, "forward.old_decay_max": 0.0,
+        },
+    ),
     "sde_window2": (
         "GRPO + KL with noise only in the first 2 steps (an SDE window; ODE steps elsewhere), trained there",
         "tiny", "sd15", {"sample.sde_window_size": 2},

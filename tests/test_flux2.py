@@ -181,7 +181,9 @@ def test_two_epochs_train_and_the_first_ratio_is_one(tmp_path, variant):
     dict(algorithm__adv_estimator="gae"),
     dict(train__objective="nft", train__use_reference_model=False, forward__num_timesteps=2),
     dict(train__objective="awm", train__clip_range=0.2, forward__num_timesteps=2),
-], ids=["gae", "nft", "awm"])
+    dict(train__objective="dgpo", train__use_reference_model=True, forward__num_timesteps=2),
+    dict(train__objective="dpo", train__use_reference_model=True, forward__num_timesteps=2),
+], ids=["gae", "nft", "awm", "dgpo", "dpo"])
 def test_every_objective_trains_tiny_flux2_klein(tmp_path, overrides):
     row = read_metrics(train(make_config(tmp_path, variant="tiny_flux2_klein", **cheap(**overrides))))[0]
     assert row["train/skipped_steps"] == 0 and math.isfinite(row["loss"])

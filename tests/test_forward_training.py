@@ -163,7 +163,7 @@ def test_deterministic_sampling_is_allowed_for_forward_objectives_only(tmp_path)
         (dict(forward__nft_beta=0.0), "forward.nft_beta"),
         (dict(forward__weighting="huber"), "forward.weighting"),
         (dict(forward__old_decay_max=1.0), "forward.old_decay_max"),
-        (dict(train__objective="dpo"), "train.objective"),
+        (dict(train__objective="sft"), "train.objective"),
     ],
 )
 def test_bad_forward_settings_are_named(tmp_path, overrides, field):

@@ -183,3 +183,11 @@ def test_a_forward_objective_trains_tiny_qwen_image(tmp_path, objective):
     row = read_metrics(train(make_config(tmp_path, variant="tiny_qwen_image", **overrides)))[0]
     assert row["train/global_step"] == 2 and row["train/skipped_steps"] == 0
     assert row["forward/first_window_max_abs_deviation"] == 0.0 and math.isfinite(row["loss"])
+
+
+@pytest.mark.parametrize("objective", ["dgpo", "dpo"])
+def test_a_preference_objective_trains_tiny_qwen_image(tmp_path, objective):
+    overrides = dict(num_epochs=1, log_images_every=0, train__objective=objective, train__use_reference_model=True,
+                     train__use_kl_loss=False, train__beta=0.0, forward__num_timesteps=2, train__learning_rate=1e-3)
+    row = read_metrics(train(make_config(tmp_path, variant="tiny_qwen_image", **overrides)))[0]
+    assert row["train/global_step"] >= 1 and row["train/skipped_steps"] == 0 and math.isfinite(row["loss"])

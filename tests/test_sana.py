@@ -96,6 +96,8 @@ def test_the_text_condition_and_the_guidance(pipe):
     dict(train__objective="nft", forward__num_timesteps=2), dict(train__objective="awm", forward__num_timesteps=2),
     dict(algorithm__adv_estimator="gae"), dict(sample__flow_grid="dance", sample__sde_type="dance"),
     dict(train__use_reference_model=True, train__use_kl_loss=True, train__beta=0.01, train__kl_type="flow_grpo"),
+    dict(train__objective="dgpo", train__use_reference_model=True, forward__num_timesteps=2),
+    dict(train__objective="dpo", train__use_reference_model=True, forward__num_timesteps=2),
 ])
 def test_every_objective_trains_sana(tmp_path, overrides):
     row = read_metrics(train(make_config(tmp_path, variant="tiny_sana", **cheap(**overrides))))[0]

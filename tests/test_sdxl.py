@@ -133,6 +133,8 @@ def test_two_epochs_of_tiny_sdxl_train_and_the_first_is_exactly_on_policy(tmp_pa
     dict(algorithm__adv_estimator="group_ppo", train__timestep_selection="segment_start"),
     dict(train__objective="nft", forward__num_timesteps=2),
     dict(train__objective="awm", forward__num_timesteps=2, train__clip_range=0.2),
+    dict(train__objective="dgpo", train__use_reference_model=True, forward__num_timesteps=2),
+    dict(train__objective="dpo", train__use_reference_model=True, forward__num_timesteps=2),
 ])
 def test_every_algorithm_trains_tiny_sdxl(tmp_path, overrides):
     row = read_metrics(train(make_config(tmp_path, variant="tiny_sdxl", **cheap(**overrides))))[0]

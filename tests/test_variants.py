@@ -43,6 +43,11 @@ DECLARED = {
     # Flow-DPPO's trust region / GRPO-Guard's normalised clip in place of PPO's clip; KL and lr as the main job
     "tiny_dppo": {"train.policy_loss"},
     "tiny_grpo_guard": {"train.policy_loss"},
+    # the preference objectives: a frozen reference (no KL term on it), sampling with the policy (decay 0)
+    "tiny_dgpo": {"train.objective", "forward.num_timesteps", "forward.old_decay_rate", "forward.old_decay_max",
+                  "train.use_kl_loss", "train.beta", "train.learning_rate"},
+    "tiny_dpo": {"train.objective", "forward.num_timesteps", "forward.old_decay_rate", "forward.old_decay_max",
+                 "train.use_kl_loss", "train.beta"},
 }
 # issue 33's task presets: each is sd35 (Flow-GRPO's settings) with only its task's fields changed.
 TASK_PRESETS = {
@@ -144,10 +149,24 @@ def test_family_loss_twins_change_only_the_policy_loss():
         assert grpo.get_config(name).train.policy_loss == loss
 
 
+# A method's twin on the tiny flow family: tiny_sd3 with only the method's fields changed (tests and smoke runs).
+SD3_TWINS = {
+    "tiny_sd3_dgpo": {"train.objective", "forward.num_timesteps", "forward.old_decay_rate", "forward.old_decay_max",
+                      "train.use_kl_loss", "train.beta", "sample.eta"},  # DGPO samples with the flow ODE (eta 0)
+    "tiny_sd3_dpo": {"train.objective", "forward.num_timesteps", "forward.old_decay_rate", "forward.old_decay_max",
+                     "train.use_kl_loss", "train.beta"},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(SD3_TWINS))
+def test_a_tiny_sd3_twin_differs_from_tiny_sd3_only_in_its_methods_fields(variant):
+    assert changed(flat(grpo.get_config(variant)), flat(grpo.tiny_sd3())) - {"variant"} == SD3_TWINS[variant]
+
+
 def test_every_tiny_variant_that_changes_the_method_is_declared():
     tiny = flat(grpo.tiny())
     for name in grpo.VARIANTS:
-        if name.startswith("tiny_") and name not in DECLARED and name not in SCENES_TASKS | PRESET_TWINS | FAMILY_LOSS_TWINS:
+        if name.startswith("tiny_") and name not in DECLARED and name not in SCENES_TASKS | PRESET_TWINS | FAMILY_LOSS_TWINS | set(SD3_TWINS):
             method_changes = [f for f in changed(flat(grpo.get_config(name)), tiny) if ALGORITHM_FIELDS.match(f)]
             assert not method_changes, f"{name} changes {method_changes}: declare it in DECLARED"
 

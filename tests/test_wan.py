@@ -293,6 +293,13 @@ def test_a_forward_objective_trains_tiny_wan(tmp_path, objective):
     assert row["forward/first_window_max_abs_deviation"] == 0.0 and math.isfinite(row["loss"])
 
 
+@pytest.mark.parametrize("objective", ["dgpo", "dpo"])
+def test_a_preference_objective_trains_tiny_wan(tmp_path, objective):
+    row = read_metrics(train(make_config(tmp_path, variant="tiny_wan", **cheap(
+        train__objective=objective, train__use_reference_model=True, forward__num_timesteps=2))))[0]
+    assert row["train/global_step"] >= 1 and row["train/skipped_steps"] == 0 and math.isfinite(row["loss"])
+
+
 @pytest.mark.parametrize("estimator", ["group_ppo", "gae"])
 def test_a_critic_run_trains_tiny_wan(tmp_path, estimator):
     row = read_metrics(train(make_config(tmp_path, variant="tiny_wan", **cheap(

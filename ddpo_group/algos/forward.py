@@ -129,12 +129,12 @@ def matching_log_prob(prediction, target, x0_scale=None, weighting="uniform"):
 
 
 # train.objective: the reverse-process update (training/stepwise_update.py) or the forward-process ones (this module).
-OBJECTIVES = ("stepwise", "nft", "awm")
+OBJECTIVES = ("stepwise", "nft", "awm", "dgpo", "dpo")  # dgpo, dpo: algos/preference.py
 
 
 @register_config_check("algorithm")
 def check_objective(config, machine):
-    """config.train.objective is known; the forward-process objectives ('nft' / 'awm'): what they use, and what
+    """config.train.objective is known; the forward-process objectives (nft, awm, dgpo, dpo): what they use, and what
     they cannot."""
     from ddpo_group.algos.advantages import get_adv_estimator
     from ddpo_group.algos.losses import get_policy_loss

@@ -282,13 +282,14 @@ def get_config():
     train.eval_micro_batch_size = 0
 
     # What the update optimises. "stepwise": the policy losses on reverse-process steps above (GRPO, DDPO,
-    # Group-PPO: log-probs of the sampled steps). "nft" (DiffusionNFT) and "awm" (advantage-weighted matching):
+    # Group-PPO: log-probs of the sampled steps). "nft" (DiffusionNFT), "awm" (advantage-weighted matching),
+    # "dgpo" (DGPO's group preferences) and "dpo" (Diffusion-DPO's pairs, online or offline):
     # forward-process objectives trained on the clean samples with the family's matching loss, no log-probs;
     # sampling keeps no per-step latents and may be deterministic (sample.eta 0). Settings: config.forward;
     # docs/forward.md. The stepwise-only fields (timestep_selection, old_log_probs, kl_type, ...) do not apply.
     train.objective = "stepwise"
 
-    ###### Forward-process objectives (train.objective "nft" / "awm"; docs/forward.md) ######
+    ###### Forward-process objectives (train.objective "nft" / "awm" / "dgpo" / "dpo"; docs/forward.md) ######
     config.forward = forward = ml_collections.ConfigDict()
     # Timesteps of the sampling grid trained per sample per inner epoch, drawn without replacement with fresh
     # noise each (0: all of them). DiffusionNFT trains int(0.99 * num_steps) of them.
@@ -305,6 +306,22 @@ def get_config():
     # adapter weights only) and is checkpointed.
     forward.old_decay_rate = 0.001
     forward.old_decay_max = 0.5
+    # The preference objectives (train.objective "dgpo" / "dpo") compare the policy's matching loss with a frozen
+    # reference's (train.use_reference_model=True; docs/forward.md). DGPO's beta (> 0; its reference code's
+    # beta_dpo, 10-100 with a frozen reference): sharpness of the group preference's sigmoid; the loss is divided by it.
+    forward.dgpo_beta = 100.0
+    # DGPO's reference code's PPO-style clip (0: off): a sample's matching loss stops carrying gradient once its ratio
+    # exp(||v_old - v||^2 - ||v_theta - v||^2) to the sampling model passes 1 + clip (A > 0) or 1 - clip (A < 0).
+    forward.dgpo_clip_range = 0.0
+    # Diffusion-DPO's beta T (> 0; its released code's beta_dpo, 5000 for SD 1.5 / SDXL): L = -log sigmoid(-beta/2 *
+    # ((||e_w - e_theta||^2 - ||e_w - e_ref||^2) - (the same for the loser))).
+    forward.dpo_beta = 5000.0
+    # Where DPO's pairs come from: "online" (the best and the worst sample of each group of the epoch's own samples;
+    # a group whose samples all have one advantage gives none) or "offline" (forward.preference_file).
+    forward.dpo_pairs = "online"
+    # The offline pairs: a JSON-lines file, one pair a line, {"prompt": str, "chosen": image path, "rejected": image
+    # path} (paths relative to the file); the images are resized to the sampling resolution and encoded by the VAE.
+    forward.preference_file = ""
 
     ###### Algorithm ######
     config.algorithm = algorithm = ml_collections.ConfigDict()

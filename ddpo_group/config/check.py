@@ -9,6 +9,7 @@ fix it. Where each check lives:
     algorithm    algos/advantages.py       the estimator;  algos/losses.py: KL type, aggregation, policy loss, clips
                  algos/drift_losses.py     dppo's trust region, grpo_guard's reweighting, their pi_old recompute
                  algos/forward.py          train.objective and the forward-process objectives (nft, awm)
+                 training/preference_training.py   the preference objectives (dgpo, dpo) and the preference file
     sampling     training/rollout.py       config.sample: batch and groups, step noise, time grid, SDE window
     family       diffusion/policy.py       the family's own `DiffusionPolicy.check_config` (SD: DDIM only)
     training     training/stepwise_update.py   the update's batches and which steps train;
@@ -62,7 +63,7 @@ def check_config(config, num_processes=1, has_gpu=None):
     from ddpo_group.rewards import checks  # noqa: F401
     from ddpo_group.runs import metrics_log, run_dir  # noqa: F401
     from ddpo_group.training import async_rollout, critic, critic_designs, models, reference, rollout, sharding  # noqa: F401
-    from ddpo_group.training import stepwise_update  # noqa: F401
+    from ddpo_group.training import preference_training, stepwise_update  # noqa: F401
 
     for section, check in registered_checks():
         if section != "fields":

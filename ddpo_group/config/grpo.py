@@ -20,6 +20,8 @@ their map. A variant is read against the ones it derives from (tiny_* from tiny,
     tiny_awm        advantage-weighted matching (forward process, PPO ratio of matching losses) on the main job's task
     tiny_dppo       the main job with Flow-DPPO's loss: a trust region on each step's exact KL to pi_old's, no ratio clip
     tiny_grpo_guard the main job with GRPO-Guard's loss: the clip on a per-step normalised ratio, 1/dt step weights
+    tiny_dgpo       DGPO (group preferences on the matching loss against a frozen reference) on the main job's task
+    tiny_dpo        Diffusion-DPO with online pairs (each group's best and worst) on the main job's task
     tiny_group_ppo_sampled  tiny_group_ppo_alg2 training one random step per segment (weighted) instead of its endpoint
     tiny_early_window  the main job trained only at the 2 noisiest steps (Flow-GRPO-Fast / MixGRPO style)
     tiny_window4    the main job with noise and training in a 4-step SDE window, lr 5e-5 (issue 35's best critic-free arm)
@@ -30,6 +32,8 @@ their map. A variant is read against the ones it derives from (tiny_* from tiny,
     sd35_nft        DiffusionNFT on SD3.5-Medium with the paper's settings (CFG-free, deterministic sampler), one GPU
     tiny_sd3        a random-weight tiny SD3 pipeline (flow matching), seconds; tests and smoke checks
     tiny_sd3_dppo, tiny_sd3_grpo_guard  tiny_sd3 with the dppo / grpo_guard policy loss; tests and smoke checks
+    tiny_sd3_dgpo   tiny_sd3 trained with DGPO on flow-ODE samples, seconds
+    tiny_sd3_dpo    tiny_sd3 trained with Diffusion-DPO's online pairs, seconds
     tiny_flux       a random-weight tiny FLUX pipeline (flow matching), seconds; tests and smoke checks
     qwen_image      GRPO on Qwen-Image (flow matching, true CFG) with LoRA r64, Flow-Factory / verl settings, one GPU
     tiny_qwen_image  a random-weight tiny Qwen-Image pipeline (Qwen2.5-VL text, true CFG), seconds; tests and smoke checks
@@ -74,7 +78,7 @@ their map. A variant is read against the ones it derives from (tiny_* from tiny,
     tiny_ltx2       a random-weight tiny LTX-2 making video with audio (rewards get the audio), 5 frames, seconds
 
 The tiny_* algorithm variants (tiny_ddpo, tiny_gae, tiny_group_ppo, tiny_group_ppo_alg2, tiny_group_ppo_sampled,
-tiny_early_window, tiny_window4, tiny_nft, tiny_awm, tiny_dppo, tiny_grpo_guard) are `tiny()` with only their method's fields changed: the main job's
+tiny_early_window, tiny_window4, tiny_nft, tiny_awm, tiny_dppo, tiny_grpo_guard, tiny_dgpo, tiny_dpo) are `tiny()` with only their method's fields changed: the main job's
 prompts, sampler steps, group size, epochs and evaluation, so their evaluations compare with the main job's
 (tests/test_variants.py checks the changed fields; docs/configs.md gives each one's measured result). A learning
 rate differs from the main job's 2e-4 only where a measured sweep chose it, and the variant's docstring says so.
@@ -98,6 +102,8 @@ from ddpo_group.config.variants.flow import (  # noqa: F401
     tiny_sd3,
     tiny_sd3_dppo,
     tiny_sd3_grpo_guard,
+    tiny_sd3_dgpo,
+    tiny_sd3_dpo,
     tiny_zimage,
     tiny_zimage_turbo,
     zimage,
@@ -130,6 +136,8 @@ from ddpo_group.config.variants.tiny import (  # noqa: F401
     tiny,
     tiny_all,
     tiny_awm,
+    tiny_dgpo,
+    tiny_dpo,
     tiny_ddpo,
     tiny_dppo,
     tiny_early_window,
@@ -182,6 +190,8 @@ VARIANTS = {
     "tiny_awm": tiny_awm,
     "tiny_dppo": tiny_dppo,
     "tiny_grpo_guard": tiny_grpo_guard,
+    "tiny_dgpo": tiny_dgpo,
+    "tiny_dpo": tiny_dpo,
     "tiny_group_ppo_sampled": tiny_group_ppo_sampled,
     "tiny_early_window": tiny_early_window,
     "tiny_hacking": tiny_hacking,
@@ -192,6 +202,8 @@ VARIANTS = {
     "tiny_sd3": tiny_sd3,
     "tiny_sd3_dppo": tiny_sd3_dppo,
     "tiny_sd3_grpo_guard": tiny_sd3_grpo_guard,
+    "tiny_sd3_dgpo": tiny_sd3_dgpo,
+    "tiny_sd3_dpo": tiny_sd3_dpo,
     "tiny_flux": tiny_flux,
     "qwen_image": qwen_image,
     "tiny_qwen_image": tiny_qwen_image,

@@ -182,6 +182,22 @@ def default_prompt_ids(prompts):
     return torch.tensor([first_index.setdefault(prompt, i) for i, prompt in enumerate(prompts)], dtype=torch.int64)
 
 
+def conditioning_only(prompts, cond, extra_cond=None):
+    """Trajectories of `prompts` holding only their conditioning (``cond``: prompt_embeds, negative_prompt_embeds and
+    the pooled ones where a family has them); latents, log-probs, timesteps and mask are empty (B, 0), images too.
+    ``DiffusionPolicy.conditioning`` returns one: ``predict`` reads nothing else."""
+    prompts = list(prompts)
+    device = cond["prompt_embeds"].device
+    empty = torch.zeros(len(prompts), 0, device=device)
+    return Trajectories(
+        images=empty, latents=empty, log_probs=empty, timesteps=empty, mask=empty,
+        prompt_embeds=cond["prompt_embeds"], negative_prompt_embeds=cond.get("negative_prompt_embeds"),
+        prompts=prompts, prompt_ids=default_prompt_ids(prompts),
+        pooled_prompt_embeds=cond.get("pooled_prompt_embeds"),
+        negative_pooled_prompt_embeds=cond.get("negative_pooled_prompt_embeds"), extra_cond=extra_cond or None,
+    )
+
+
 def execution_device(pipeline):
     """The device a pipeline's models run on: ``pipeline.device`` when no component carries an offloading hook
     (accelerate's ``_hf_hook``, diffusers' ``_diffusers_hook``), else diffusers' ``pipeline._execution_device``.
@@ -391,6 +407,16 @@ class DiffusionPolicy:
 
     def forward_noise(self, x0, noise, timesteps):
         raise NotImplementedError
+
+    def encode_images(self, images):
+        """Clean latents (B, C, h, w) float32 of images (B, 3, H, W) in [0, 1]: the inverse of ``decode`` (the VAE's
+        posterior mean), for training on images the policy did not sample (Diffusion-DPO's offline pairs)."""
+        raise NotImplementedError(f"{type(self).__name__} does not encode images (offline preference pairs)")
+
+    def conditioning(self, prompts, guidance_scale):
+        """A Trajectories holding only the text conditioning of `prompts` (its latents and steps empty), for
+        ``predict`` on latents that were not sampled (Diffusion-DPO's offline pairs)."""
+        raise NotImplementedError(f"{type(self).__name__} does not condition unsampled latents (offline preference pairs)")
 
     def predict(self, model, x_t, timesteps, batch, rows, guidance_scale):
         raise NotImplementedError

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from ddpo_group.diffusion.base import (
     DiffusionPolicy,
     Trajectories,
+    conditioning_only,
     default_prompt_ids,
     execution_device,
     final_latents_only,
@@ -322,6 +323,26 @@ class FlowMatchingPolicy(DiffusionPolicy):
         """Images (B, 3, H, W) in [0, 1] float32 of clean latents (videos for a video family), as sampling decodes
         x_T (``_decode``)."""
         return self._decode(latents)
+
+    @torch.no_grad()
+    def encode_images(self, images):
+        """Clean latents (B, C, h, w) float32 of images (B, 3, H, W) in [0, 1]: ``_decode`` inverted,
+        (posterior mean - shift_factor) * scaling_factor (an image family's unpacked latent layout)."""
+        if self.video or self.conditions_on_images:
+            raise NotImplementedError(f"{type(self).__name__} does not encode offline images: an image family does")
+        vae = self.pipeline.vae
+        pixels = (images.to(execution_device(self.pipeline), torch.float32) * 2 - 1).to(vae.dtype)
+        latents = vae.encode(pixels).latent_dist.mean.float()
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    @torch.no_grad()
+    def conditioning(self, prompts, guidance_scale):
+        """The text conditioning of `prompts` as sampling encodes it (``conditioning_only``)."""
+        if self.conditions_on_images:
+            raise NotImplementedError(f"{type(self).__name__} edits images: its conditioning needs a source image")
+        cond = self._encode_text(list(prompts), "", guidance_scale, execution_device(self.pipeline))
+        extra = {name: value for name, value in cond.items() if name not in COND_FIELDS}
+        return conditioning_only(prompts, cond, extra)
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
         """log pi(x_{t+1} | x_t, c), mean, std of trajectories `rows` at their steps `step_index` (b,), noise level eta.

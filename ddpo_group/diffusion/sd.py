@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from ddpo_group.diffusion.base import (
     DiffusionPolicy,
     Trajectories,
+    conditioning_only,
     default_prompt_ids,
     execution_device,
     final_latents_only,
@@ -485,6 +486,29 @@ class StableDiffusionPolicy(DiffusionPolicy):
     def decode(self, latents):
         """Images (B, 3, H, W) in [0, 1] float32 of clean latents, as sampling decodes x_T (``_decode``)."""
         return _decode(self.pipeline.vae, latents)
+
+    @torch.no_grad()
+    def encode_images(self, images):
+        """Clean latents (B, C, h, w) float32 of images (B, 3, H, W) in [0, 1]: ``_decode`` inverted, the VAE
+        posterior's mean times scaling_factor (normalised by latents_mean / latents_std where the VAE has them)."""
+        vae = self.pipeline.vae
+        pixels = (images.to(execution_device(self.pipeline), torch.float32) * 2 - 1).to(vae.dtype)
+        latents = vae.encode(pixels).latent_dist.mean.float()
+        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+        if mean is not None and std is not None:
+            shape = (1, len(mean), 1, 1)
+            return ((latents - torch.tensor(mean, device=latents.device).view(shape)) * vae.config.scaling_factor
+                    / torch.tensor(std, device=latents.device).view(shape))
+        return latents * vae.config.scaling_factor
+
+    @torch.no_grad()
+    def conditioning(self, prompts, guidance_scale):
+        """The text conditioning of `prompts` as sampling encodes it (``conditioning_only``)."""
+        pipe = self.pipeline
+        height = self.resolution or pipe.unet.config.sample_size * pipe.vae_scale_factor
+        cond = self._encode_text(list(prompts), "", guidance_scale > 1.0, execution_device(pipe), height)
+        extra = {"add_time_ids": cond["add_time_ids"]} if "add_time_ids" in cond else None
+        return conditioning_only(prompts, cond, extra)
 
     def step_log_prob(self, model, batch, rows, step_index, guidance_scale, eta):
         """log pi(x_{t+1} | x_t, c), mean, std of trajectories `rows` of `batch` at their steps `step_index` (b,).

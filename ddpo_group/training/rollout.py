@@ -134,7 +134,7 @@ def check_sampling(config, machine):
         raise ConfigError(
             f"config.sample.eta={sample.eta} gives deterministic steps with no log-probability (DDIM's eta, "
             "or a flow model's noise level); RL needs eta > 0 (1.0 is the usual DDIM value); only the "
-            "forward-process objectives (train.objective='nft' or 'awm') may sample deterministically"
+            "forward-process objectives (train.objective 'nft', 'awm', 'dgpo' or 'dpo') may sample deterministically"
         )
     check_choice(sample.sde_type, ("",) + SDE_TYPES, "sample.sde_type")
     check_choice(sample.cps_log_prob, CPS_LOG_PROBS, "sample.cps_log_prob")

@@ -9,7 +9,8 @@ One epoch, in the order it happens:
                         estimator (grpo, rloo, gae, group_ppo); each process keeps its own slice
                         (epoch_advantages.py)
     train_epoch         the update: per-step PPO / GRPO with exact on-policy ratio (stepwise_update.py), or a
-                        forward-process objective, DiffusionNFT / AWM (forward_training.py)
+                        forward-process objective, DiffusionNFT / AWM (forward_training.py), DGPO / Diffusion-DPO
+                        (preference_training.py)
     update_critic       gae / group_ppo: clipped value loss (critic.py)
     log_epoch           metrics.jsonl, trackers, sample grids (runs/metrics_log.py); atomic checkpoints every
                         save_freq epochs (runs/run_dir.py)
@@ -35,6 +36,7 @@ from ddpo_group.training.critic import update_critic
 from ddpo_group.training.epoch_advantages import EpochAdvantages
 from ddpo_group.evaluation.evaluator import Evaluator
 from ddpo_group.training.forward_training import ForwardUpdate
+from ddpo_group.training.preference_training import PREFERENCE_OBJECTIVES, PreferenceUpdate
 from ddpo_group.runs.metrics_log import MetricsLog
 from ddpo_group.training.models import build_models
 from ddpo_group.training import perf
@@ -120,7 +122,9 @@ class Trainer:
         self.loss_couples_steps = self.policy_loss.couples_steps
         self.files.register_model_files(acc, self.policy, self.trainable_module, self.critic_module, config.use_lora)
         self.forward_update = None
-        if config.train.objective != "stepwise":  # DiffusionNFT / AWM: a forward-process update (docs/forward.md)
+        if config.train.objective in PREFERENCE_OBJECTIVES:  # DGPO / Diffusion-DPO (docs/forward.md)
+            self.forward_update = PreferenceUpdate(self)
+        elif config.train.objective != "stepwise":  # DiffusionNFT / AWM: a forward-process update (docs/forward.md)
             self.forward_update = ForwardUpdate(self)
         self.update = self.forward_update or StepwiseUpdate(self)
         # train.async_rollout: epoch k+1 samples in a thread while epoch k trains (training/async_rollout.py)

@@ -38,3 +38,35 @@ def _diffusion_nft(config, weighting):
     config.forward.old_decay_rate = 0.001
     config.forward.old_decay_max = 0.5
     return config
+
+
+def _preference(config, objective, num_timesteps):
+    """The preference objectives' common settings (docs/forward.md): the frozen reference they compare with
+    (the initial policy; no KL term on top of it), `num_timesteps` of the sampling grid trained per sample, and
+    sampling with the policy itself (the lagged model's decay 0)."""
+    config.train.objective = objective
+    config.train.use_reference_model = True
+    config.train.use_kl_loss = False
+    config.train.beta = 0.0
+    config.forward.num_timesteps = num_timesteps
+    config.forward.old_decay_rate = 0.0
+    config.forward.old_decay_max = 0.0
+    return config
+
+
+def _dgpo(config):
+    """DGPO's settings (Luo-Yihong/DGPO config/dgpo.py, its default mode: a frozen reference, beta_dpo 100): beta
+    100 and the preference objectives' common settings, 4 timesteps per sample. Its PPO-style clip of the matching
+    loss and its KL weight 1e-3 are not part of it here."""
+    config = _preference(config, "dgpo", num_timesteps=4)
+    config.forward.dgpo_beta = 100.0
+    return config
+
+
+def _dpo(config):
+    """Diffusion-DPO's settings (Wallace et al., 2023: beta T 5000 for SD 1.5) with online pairs, the best and the
+    worst sample of each group, and the preference objectives' common settings, 4 timesteps per pair."""
+    config = _preference(config, "dpo", num_timesteps=4)
+    config.forward.dpo_beta = 5000.0
+    config.forward.dpo_pairs = "online"
+    return config

@@ -5,7 +5,7 @@ tiny_flux2, tiny_flux2_klein, tiny_zimage, tiny_zimage_turbo) for tests and smok
 """
 
 from ddpo_group.config import base
-from ddpo_group.config.variants._methods import _diffusion_nft
+from ddpo_group.config.variants._methods import _diffusion_nft, _dgpo, _dpo
 from ddpo_group.config.variants.tiny import test
 
 
@@ -116,6 +116,22 @@ def tiny_sd3_grpo_guard():
     """tiny_sd3 with GRPO-Guard's loss (train.policy_loss "grpo_guard"): tests and smoke runs."""
     config = tiny_sd3()
     config.train.policy_loss = "grpo_guard"
+    return config
+
+
+def tiny_sd3_dgpo():
+    """tiny_sd3 trained with DGPO (``_dgpo``) on samples of the deterministic flow ODE (noise level 0), as the paper
+    samples; seconds: tests and smoke runs."""
+    config = _dgpo(tiny_sd3())
+    config.sample.eta = 0.0
+    config.forward.num_timesteps = 2  # of the 4 sampling steps
+    return config
+
+
+def tiny_sd3_dpo():
+    """tiny_sd3 trained with Diffusion-DPO's online pairs (``_dpo``); seconds: tests and smoke runs."""
+    config = _dpo(tiny_sd3())
+    config.forward.num_timesteps = 2  # of the 4 sampling steps
     return config
 
 
