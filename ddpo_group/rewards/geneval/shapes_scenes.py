@@ -38,6 +38,30 @@ from ddpo_group.data.shapes import ALL_SHAPES, BACKGROUNDS, COLORS, SHAPES, pars
 ALPHA_MIN = 0.5
 RESIDUAL_MAX = 0.15
 TINY_GENEVAL_PROMPTS = "geneval_shapes_squares.jsonl"
+CONFIDENCES = ("calibrated", "unit")
+MIN_AREA = 40  # px: half the scenes world's smallest object (AREA_RANGE 80 px); rendered objects keep >= 72
+TEMPERATURE = 0.02  # of the softmax over template overlaps (docs/scenes.md, "The detector's score")
+QUALITY_RANGE = (0.4, 0.7)  # best template overlap at which the shape quality q starts to rise, reaches 1
+REPORT_MIN = 0.01  # (object, class) pairs scored below this are not reported
+
+
+def calibrated_scores(overlaps: dict, temperature: float = TEMPERATURE,
+                      quality_range: tuple[float, float] = QUALITY_RANGE) -> dict[str, float]:
+    """{shape: score in [0, 1]} of one object from its template overlaps ({shape: soft IoU}, ``shape_overlaps``):
+
+        score(c) = q * softmax_c(IoU / T),   q = clip((max IoU - b0) / (b1 - b0), 0, 1)
+
+    with T = ``TEMPERATURE``, (b0, b1) = ``QUALITY_RANGE``. The softmax is the probability that the object is of
+    class c given how much better c's template fits than the others' (a near-tie splits it: a blob between a
+    circle and a semicircle is about 0.5 of each, as Mask2Former's query splits its class probability); q is
+    how much the object looks like any shape at all (1 from a best overlap of 0.7 on, 0 at 0.4 and below).
+    A rendered object (best overlap >= 0.97, lead >= 0.149) scores > 0.999 for its class."""
+    names = list(overlaps)
+    values = np.asarray([overlaps[name] for name in names], dtype=np.float64)
+    weights = np.exp((values - values.max()) / temperature)
+    low, high = quality_range
+    quality = float(np.clip((values.max() - low) / (high - low), 0.0, 1.0))
+    return {name: quality * float(w) for name, w in zip(names, weights / weights.sum())}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,48 +140,76 @@ def _dilate(mask: np.ndarray) -> np.ndarray:
     return grown
 
 
-def classify_shape(weight: np.ndarray) -> str:
-    """The shape whose template (same area and centroid) has the highest soft IoU with `weight` (H, W):
-    IoU = sum min(w, t) / sum max(w, t), over the shapes of both worlds (``shapes.ALL_SHAPES``); the triangle's
-    centroid lies h / 6 below its box centre (apex up), the scene-only shapes are drawn about their centroid."""
+def shape_overlaps(weight: np.ndarray) -> dict[str, float]:
+    """{shape: soft IoU of its template (same area and centroid) with `weight` (H, W)}, over the shapes of both
+    worlds (``shapes.ALL_SHAPES``), in that order: IoU = sum min(w, t) / sum max(w, t); the triangle's centroid
+    lies h / 6 below its box centre (apex up), the scene-only shapes are drawn about their centroid."""
     height, width = weight.shape
     size = max(height, width)
     area = float(weight.sum())
     rows, cols = np.mgrid[0:height, 0:width] + 0.5
     cy, cx = float((weight * rows).sum() / area), float((weight * cols).sum() / area)
-    best, best_iou = ALL_SHAPES[0], -1.0
+    overlaps = {}
     for shape in ALL_SHAPES:
         center_y = cy - math.sqrt(2 * area) / 6 if shape == "triangle" else cy
         # every shape of this area lies within sqrt(area) + 2 px of its centroid: only that window is drawn
         template = shape_coverage(shape, area, (cx, center_y), size, window=int(math.sqrt(area)) + 3)[:height, :width]
-        iou = float(np.minimum(weight, template).sum() / np.maximum(weight, template).sum())
-        if iou > best_iou:
-            best, best_iou = shape, iou
-    return best
+        overlaps[shape] = float(np.minimum(weight, template).sum() / np.maximum(weight, template).sum())
+    return overlaps
+
+
+def classify_shape(weight: np.ndarray) -> str:
+    """The shape whose template has the highest soft IoU with `weight` (H, W) (``shape_overlaps``; a tie goes to
+    the first shape of ``shapes.ALL_SHAPES``)."""
+    overlaps = shape_overlaps(weight)
+    return max(overlaps, key=overlaps.get)
 
 
 class ShapesDetector:
-    """The exact detector of shapes-world scenes (module docstring); classes = the shapes."""
+    """The shapes-world detector (module docstring); classes = the shapes. confidence: "calibrated" (the score of
+    ``calibrated_score``, fragments under ``min_area`` px dropped) or "unit" (issue 42's detector: every
+    object 1.0, min_area 4 by default)."""
 
     classes = ALL_SHAPES
 
-    def __init__(self, min_area: int = 4):
-        self.min_area = min_area
+    def __init__(self, min_area: int | None = None, confidence: str = "calibrated"):
+        if confidence not in CONFIDENCES:
+            raise ValueError(f"ShapesDetector: confidence={confidence!r} is not one of {list(CONFIDENCES)}")
+        self.confidence = confidence
+        self.min_area = (MIN_AREA if confidence == "calibrated" else 4) if min_area is None else min_area
+
+    def objects(self, image) -> list[dict]:
+        """The objects of one image uint8 (H, W, 3), in palette then raster order: dicts with "color" (palette
+        index), "area" (mask pixels), "overlaps" ({shape: soft IoU}), "box", "mask" and "scores" ({shape:
+        score}: ``calibrated_scores`` of the pairs scored >= REPORT_MIN, or {best shape: 1.0} for "unit")."""
+        labels, alphas = palette_labels(np.asarray(image))
+        found = []
+        for k in range(len(COLORS)):
+            for mask in _components(labels == k):
+                area = int(mask.sum())
+                if area < self.min_area:
+                    continue
+                ys, xs = np.nonzero(mask)
+                box = (float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1))
+                overlaps = shape_overlaps(alphas[k] * _dilate(mask))
+                if self.confidence == "unit":
+                    scores = {max(overlaps, key=overlaps.get): 1.0}
+                else:
+                    scores = {name: p for name, p in calibrated_scores(overlaps).items() if p >= REPORT_MIN}
+                found.append({"color": k, "area": area, "overlaps": overlaps, "box": box, "mask": mask,
+                              "scores": scores})
+        return found
 
     def detect(self, images) -> list[dict]:
-        """images uint8 (B, H, W, 3) -> per image {shape: [Detection(box, score 1, mask)]}."""
+        """images uint8 (B, H, W, 3) -> per image {shape: [Detection(box, score, mask)]}: an object appears under
+        every shape it scores >= REPORT_MIN for (one object may be a 0.5 circle and a 0.5 semicircle: mmdetection's
+        Mask2Former, which GenEval runs, keeps its top query-class pairs, one query under several classes)."""
         results = []
         for image in np.asarray(images):
-            labels, alphas = palette_labels(image)
             found: dict[str, list] = {}
-            for k in range(len(COLORS)):
-                for mask in _components(labels == k):
-                    if int(mask.sum()) < self.min_area:
-                        continue
-                    ys, xs = np.nonzero(mask)
-                    box = (float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1))
-                    shape = classify_shape(alphas[k] * _dilate(mask))
-                    found.setdefault(shape, []).append(Detection(box, 1.0, mask))
+            for obj in self.objects(image):
+                for shape, score in obj["scores"].items():
+                    found.setdefault(shape, []).append(Detection(obj["box"], score, obj["mask"]))
             results.append(found)
         return results
 
