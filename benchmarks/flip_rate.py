@@ -40,10 +40,10 @@ FLIP_TOLERANCE = 1e-9
 
 
 def model_label(model: str) -> str:
-    """The result's file stem: the shipped model's directory name, or the directory's own name."""
-    from ddpo_group.diffusion.loading import SHIPPED_SCENES
-
-    return SHIPPED_SCENES[model].name if model in SHIPPED_SCENES else Path(model).resolve().name
+    """The result's file stem: the shipped model's directory name (loading.SHIPPED_SCENES, named here so that the
+    overwrite check runs before diffusers is imported), or the directory's own name."""
+    shipped = {"tiny-scenes": "tiny_scenes", "tiny-scenes-sd3": "tiny_scenes_sd3"}
+    return shipped[model] if model in shipped else Path(model).resolve().name
 
 
 def sampling_config(policy):
