@@ -248,7 +248,7 @@ def test_single_object_prompts_run_out_against_genevals_evaluation_set(tmp_path)
 def test_the_shapes_detector_finds_every_object_of_a_scene_exactly():
     scene = [SceneObject("circle", "red", (14, 14), 110), SceneObject("square", "blue", (46, 16), 100),
              SceneObject("triangle", "green", (16, 46), 100), SceneObject("triangle", "yellow", (48, 48), 60),
-             SceneObject("circle", "magenta", (32, 32), 30)]
+             SceneObject("circle", "magenta", (32, 32), 48)]  # >= MIN_AREA (40 px)
     for background in ("white", "black", "gray"):
         image = render_scene(scene, background)
         found = ShapesDetector().detect(image[None])[0]

@@ -90,8 +90,8 @@ def keep_confident(detections: dict, tag: str, threshold: float = THRESHOLD,
     - The order is np.argsort(scores)[::-1] over ALL the class's detections (before the threshold and the limit)
       with numpy 1.23.1, GenEval's pinned version (environment.yml), whose default argsort is an introsort
       (``numpy_argsort``). It is not stable: for at most 16 detections it is an insertion sort, stable, so after
-      the reversal equal scores come in REVERSE detector order (the shapes-world detector scores every object 1.0:
-      its last objects are the ones checked); above 16, quicksort partitions move equal scores about (18 equal
+      the reversal equal scores come in REVERSE detector order (shapes of equal fit score equally in the shapes-world
+      detector, whose unit confidence scored every object 1.0: its last objects are the ones checked); above 16, quicksort partitions move equal scores about (18 equal
       scores sort as 0, 15, 14, ..., 1, 16, 17). Newer numpy on AVX2 / AVX-512 CPUs dispatches argsort to
       x86-simd-sort, whose order of ties differs again (numpy 2.4 with AVX2 sorts (1, 1, 0, 0) as 3, 2, 1, 0), so
       the pinned version's order is the one reproduced.
