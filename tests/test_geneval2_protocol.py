@@ -142,6 +142,8 @@ def test_bad_inputs_stop_the_command_in_one_line_before_any_model_loads(tmp_path
         evaluate_script.run(["--protocol", "geneval2", "--prompts", records_file, "--protocol-option", "detector=x"])
     with pytest.raises(SystemExit, match=r"url='ftp://x' is not an http\(s\) URL.*--protocol-option url"):
         evaluate_script.run(["--protocol", "geneval2", "--prompts", records_file, "--protocol-option", "url=ftp://x"])
+    with pytest.raises(SystemExit, match="--images reads GenEval's folder layout"):
+        evaluate_script.run(["--protocol", "geneval2", "--images", str(tmp_path)])
     with pytest.raises(SystemExit, match="does not answer"):  # nothing listens: refused before sampling
         evaluate_script.run(["--protocol", "geneval2", "--prompts", records_file, "--model", no_model,
                              "--protocol-option", "url=http://127.0.0.1:9/v1", "--protocol-option", "retries=0"])
