@@ -127,7 +127,7 @@ def test_missing_detector_weights_and_unknown_names_are_one_line(tmp_path, evalu
         evaluate_script.run(["--protocol", "geneval", "--prompts", str(records), "--protocol-option",
                              f"detector_model={missing}"])
     assert "\n" not in str(err.value.code) and "detector_model=" in str(err.value.code) and "does not exist" in str(err.value.code)
-    with pytest.raises(SystemExit, match="unknown protocol 'genevel'; protocols: geneval, ocr"):
+    with pytest.raises(SystemExit, match="unknown protocol 'genevel'; protocols: geneval, geneval2, ocr"):
         evaluate_script.run(["--protocol", "genevel", "--prompts", str(records)])
     with pytest.raises(ValueError, match="score='soft' is not one of"):
         get_reward("geneval", score="soft")

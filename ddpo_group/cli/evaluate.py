@@ -12,8 +12,11 @@ An evaluation protocol (ddpo_group/evaluation/protocols.py) scores with a benchm
         --protocol-option detector=shapes
     ddpo-group evaluate --protocol geneval --checkpoint runs/NAME   # the run's prompts and detector
     ddpo-group evaluate --protocol geneval --images GENEVAL_IMAGE_FOLDER --protocol-option detector=shapes
+    ddpo-group evaluate --protocol geneval2 --prompts geneval2_data.jsonl --model MODEL \
+        --protocol-option url=http://127.0.0.1:8000/v1          # GenEval 2, Soft-TIFA by a VQA judge
 
-It prints the table (GenEval: per tag, overall, % correct images / prompts) and writes it as JSON
+It prints the table (GenEval: per tag, overall, % correct images / prompts; GenEval 2: Soft-TIFA AM and GM, per skill
+and per atomicity, ddpo_group/evaluation/geneval2.py) and writes it as JSON
 (protocol_NAME.json beside a checkpoint, or --output) with the per-image results beside it (NAME_images.jsonl).
 
 A checkpoint is read with the settings of its run (config.json beside checkpoints/): its prompts,
@@ -258,7 +261,7 @@ def main(argv=None, prog=PROG):
                         help="seconds a batch's reward may take (default: the run's, or 600; 0: no limit)")
     parser.add_argument("--output", default=None, help="JSON file to write (default: beside the checkpoint, or print only)")
     parser.add_argument("--protocol", default=None,
-                        help="an evaluation protocol (geneval, ocr): its table and per-image results instead of a mean reward")
+                        help="an evaluation protocol (geneval, geneval2, ocr): its table and per-image results instead of a mean reward")
     parser.add_argument("--protocol-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a keyword argument of the protocol's reward, e.g. detector=shapes (repeatable)")
     parser.add_argument("--images", default=None,
@@ -356,12 +359,13 @@ def main(argv=None, prog=PROG):
 def evaluate_protocol(args):
     """--protocol NAME: the protocol's records, models and images, its table printed and written (module docstring).
     Every input is checked (records, reward options, paths) before any model loads."""
+    from ddpo_group.evaluation.geneval2 import GenEval2Error
     from ddpo_group.evaluation.protocols import ProtocolError
     from ddpo_group.rewards.geneval.metadata import GenEvalFormatError
 
     try:
         return _evaluate_protocol(args)
-    except (ProtocolError, GenEvalFormatError) as err:
+    except (ProtocolError, GenEvalFormatError, GenEval2Error) as err:
         message = " ".join(str(err).split())
         if "is not one the detector finds" in message and not any(
                 option.replace(" ", "").startswith("detector=") for option in args.protocol_option):
@@ -387,6 +391,9 @@ def _evaluate_protocol(args):
     threads = cpu_threads()
     if args.output:
         check_output(args.output, protocol=True, prog=args.prog)
+    if args.images and args.protocol == "geneval2":
+        raise EvaluateError("--images reads GenEval's folder layout; --protocol geneval2 scores images it samples "
+                            "(--model or --checkpoint, with --prompts geneval2_data.jsonl)")
     if args.images and (args.checkpoint or args.save_images):
         raise EvaluateError("--images scores images already made: it takes no --checkpoint or --save-images")
     if args.save_images:

@@ -3,7 +3,8 @@
 ``scripts/evaluate.py --protocol NAME --checkpoint RUN`` writes RUN/checkpoints/checkpoint_N/protocol_NAME.json
 (ddpo_group/evaluation/protocols.py); ``protocol_tables_html(RUN)`` reads every such file and returns one table per
 protocol, one row per evaluated checkpoint (oldest first): for GenEval the six tags, the overall score, % correct
-images and % correct prompts; for a reward-mean protocol the mean, its std and the number of images.
+images and % correct prompts; for GenEval 2 Soft-TIFA AM, GM and each skill's score; for a reward-mean protocol
+the mean, its std and the number of images.
 Reads JSON only: imports nothing of the package.
 """
 
@@ -64,7 +65,13 @@ def malformed(protocol: str, summary) -> str | None:
     fields, where present, are finite numbers (or null); for GenEval "tags" an object of {"score": ...} objects."""
     if not isinstance(summary, dict):
         return f"a JSON {type(summary).__name__}, not an object"
-    fields = {key: summary.get(key) for key in ("overall", "correct_images", "correct_prompts", "mean", "std")}
+    fields = {key: summary.get(key) for key in ("overall", "correct_images", "correct_prompts", "mean", "std",
+                                                 "soft_tifa_am", "soft_tifa_gm")}
+    if protocol == "geneval2":
+        skills = summary.get("skills", {})
+        if not isinstance(skills, dict) or not all(isinstance(t, dict) for t in skills.values()):
+            return '"skills" is not an object of {"score": ...} objects'
+        fields.update({f"skills.{skill}.score": value.get("score") for skill, value in skills.items()})
     if protocol == "geneval":
         tags = summary.get("tags", {})
         if not isinstance(tags, dict) or not all(isinstance(t, dict) for t in tags.values()):
@@ -105,6 +112,18 @@ def _geneval_table(rows) -> str:
     return "\n".join(lines)
 
 
+def _geneval2_table(rows) -> str:
+    """GenEval 2: Soft-TIFA AM and GM, then each skill's atom-level score (the skills of any row, sorted)."""
+    skills = sorted({skill for _, summary in rows for skill in summary.get("skills", {})})
+    head = "".join(f"<th>{html.escape(skill)}</th>" for skill in skills)
+    lines = [f"<tr><th>checkpoint</th><th>Soft-TIFA AM</th><th>Soft-TIFA GM</th>{head}</tr>"]
+    for step, summary in rows:
+        cells = "".join(_cell(summary.get("skills", {}).get(skill, {}).get("score")) for skill in skills)
+        lines.append(f"<tr><td>{step}</td>{_cell(summary.get('soft_tifa_am'))}{_cell(summary.get('soft_tifa_gm'))}"
+                     f"{cells}</tr>")
+    return "\n".join(lines)
+
+
 def _mean_table(rows) -> str:
     lines = ["<tr><th>checkpoint</th><th>mean</th><th>std</th><th>images</th></tr>"]
     for step, summary in rows:
@@ -118,7 +137,7 @@ def protocol_tables_html(run_dir: str) -> str:
     left out (`read_protocol_results`); "" when there is none."""
     parts, left_out = [], []
     for protocol, rows in sorted(read_protocol_results(run_dir, left_out).items()):
-        table = _geneval_table(rows) if protocol == "geneval" else _mean_table(rows)
+        table = {"geneval": _geneval_table, "geneval2": _geneval2_table}.get(protocol, _mean_table)(rows)
         parts.append(f'<h2>Protocol {html.escape(protocol)}</h2>\n<table class="protocol">\n{table}\n</table>')
     parts += [f'<p class="leftout">Protocol results left out: {html.escape(path)} ({html.escape(why)})</p>'
               for path, why in left_out]

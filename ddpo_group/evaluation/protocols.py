@@ -12,6 +12,8 @@ built (so a reward added by another module is found by name):
 - ``geneval``: the ``geneval`` reward's per-image verdicts (djghosh13/geneval's rules, docs/geneval.md) and
   GenEval's table: the score per tag, the overall score (unweighted mean of the tags), % correct images,
   % correct prompts. Its prompts are GenEval metadata records; 4 images per prompt by default, as GenEval.
+- ``geneval2``: GenEval 2's Soft-TIFA through the VLM-judge transport (ddpo_group/evaluation/geneval2.py: its
+  records, rules and table).
 - ``ocr``: the mean of the ``ocr`` reward with per-image values (a ``RewardMeanProtocol``; any reward can be
   measured the same way by registering a ``RewardMeanProtocol`` under another name).
 
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 
 from ddpo_group.evaluation.evaluator import not_finite_error, sample_generator
+from ddpo_group.evaluation.geneval2 import GenEval2Protocol
 from ddpo_group.data.prompts import PromptRecord, load_prompts, read_utf8
 from ddpo_group.rewards.geneval.metadata import GenEvalFormatError, check_record, check_vocabulary, read_metadata
 from ddpo_group.rewards.geneval.protocol import format_table, summarize
@@ -180,6 +183,7 @@ class RewardMeanProtocol:
 
 
 register_protocol("geneval", GenEvalProtocol)
+register_protocol("geneval2", GenEval2Protocol)
 register_protocol("ocr", lambda device=None, **options: RewardMeanProtocol("ocr", device=device, **options))
 
 
@@ -332,3 +336,4 @@ def parse_options(pairs) -> dict:
         except json.JSONDecodeError:
             options[key] = value
     return options
+

@@ -373,18 +373,25 @@ class TransformersJudge:
                                            skip_special_tokens=True)[0]
 
     @torch.no_grad()
-    def next_token_logprobs(self, image, question: str) -> dict[str, float]:
+    def next_token_logprobs(self, image, question: str, words=()) -> dict[str, float]:
         """The top `top_logprobs` tokens of log_softmax(next-token logits) in float32, decoded, plus Yes and No
-        (always present: their exact log-probs)."""
+        (always present: their exact log-probs), plus each of `words` that is one token of the tokenizer (its exact
+        log-prob: GenEval 2's Soft-TIFA asks for an answer's probability, evaluation/geneval2.py)."""
         with self._lock:
             logits = self.model(**self._inputs(image, question)).logits[0, -1]
         log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
         top = torch.topk(log_probs, min(self.top_logprobs, log_probs.numel()))
         tokenizer = self.processor.tokenizer
         listed = {tokenizer.decode([int(i)]): float(lp) for lp, i in zip(top.values, top.indices)}
-        for token, index in self.token_ids.items():
-            for text in [t for t in listed if t.strip() == token]:  # exact values below, not a doubled count
+        exact = {index: token for token, index in self.token_ids.items()}
+        for word in words:  # one entry per token id: two spellings of one token are not counted twice
+            ids = tokenizer.encode(word, add_special_tokens=False)
+            if len(ids) == 1:
+                exact.setdefault(ids[0], word)
+        for token in exact.values():
+            for text in [t for t in listed if t.strip() == token.strip()]:  # exact values below, not a doubled count
                 del listed[text]
+        for index, token in exact.items():
             listed[token] = float(log_probs[index])
         return listed
 
