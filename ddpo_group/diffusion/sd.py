@@ -16,6 +16,10 @@ and the stored log-probs are float32 (docs/design.md §10).
 LoRA sits on the UNet's attention projections and is saved in diffusers' format
 (``StableDiffusionPipeline.load_lora_weights`` loads it); a critic reads the latent channels of the
 UNet and the hidden size of the text encoder.
+
+One room (over 600 lines): SD 1.x / 2.x and SDXL share one denoising step, its log-density and the family methods
+the objectives call on it (the step's flow-time length for GRPO-Guard, the VAE encoding and conditioning for the
+preference objectives); split in two files, the step and its callers would be read apart.
 """
 
 import os
