@@ -26,6 +26,7 @@ WHERE = {
     "check_loss_fields": ("algorithm", "ddpo_group.algos.losses"),
     "check_drift_losses": ("algorithm", "ddpo_group.algos.drift_losses"),
     "check_objective": ("algorithm", "ddpo_group.algos.forward"),
+    "check_preference_objective": ("algorithm", "ddpo_group.training.preference_training"),
     "check_sampling": ("sampling", "ddpo_group.training.rollout"),
     "check_group_noise": ("sampling", "ddpo_group.training.rollout"),
     "check_family": ("family", "ddpo_group.diffusion.policy"),
