@@ -84,7 +84,7 @@ def _column_gradient(trainer, samples, checkpointing):
     meter = SavedActivations(module)
     trainer.model.zero_grad(set_to_none=True)
     with meter.counting():
-        log_prob, _, finite = update.train_column(samples, mb, 0, mb.old_log_probs.clone(), 1, True)
+        log_prob, _, _, finite = update.train_column(samples, mb, 0, mb.old_log_probs.clone(), 1, True)  # (log_prob, kl, drift, finite)
     assert finite and meter.live == 0  # the backward released everything the forward saved
     grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.requires_grad}
     return log_prob, grads, meter.peak
