@@ -6,6 +6,7 @@ NaN handling, SIGTERM and the gradient of per-step back-propagation.
 """
 
 import copy
+import functools
 import json
 import math
 import os
@@ -286,6 +287,7 @@ def test_nan_loss_skips_the_optimizer_step(tmp_path):
     snapshots = []
     policy_loss = trainer.policy_loss
 
+    @functools.wraps(policy_loss)  # the registered loss's properties (reads_drift, couples_steps) come along
     def nan_in_first_micro_batch(*args, **kwargs):
         loss, metrics = policy_loss(*args, **kwargs)
         return (loss * float("nan") if not snapshots else loss), metrics
