@@ -3,6 +3,7 @@ in <run_dir>.log; shared by benchmarks/scenes_study.py and benchmarks/scenes_lad
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -32,3 +33,12 @@ def run_pool(tasks, jobs, poll_seconds=5.0):
                 codes[label] = process.returncode
                 print(f"done {label}: exit {process.returncode} after {time.time() - began:.0f} s", flush=True)
     return codes
+
+
+def read_json(path):
+    """The JSON at `path`, or None when it is missing or not JSON (a run's record that a stop cut short)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

@@ -65,7 +65,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
-from run_pool import run_pool  # noqa: E402
+from run_pool import read_json as _read_json, run_pool  # noqa: E402
 from scenes_study import TAGS, TIME_KEYS, read_rows, write_json  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_ladder")
@@ -156,14 +156,6 @@ def run_one(spec, overrides=()):
     document = config_document(config)  # as built, before the trainer reads (or fills in) anything
     Trainer(config).run()
     write_json(os.path.join(spec["run_dir"], CONFIG_FILE), {"spec": spec, "set": list(overrides), "config": document})
-
-
-def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def rising(rows):

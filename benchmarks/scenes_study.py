@@ -68,6 +68,7 @@ sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))  # run_pool and bench_outputs, shared with the others
 
 from bench_outputs import BenchmarkError, fail, refuse_committed_default  # noqa: E402
+from run_pool import read_json as _read_json  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study")
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -506,14 +507,6 @@ def reevaluate(eval_seeds, results, eta=0.0, methods=None, base=True):
                 rows = _evaluate_seeds(trainer, eval_seeds, f"{method}/{name}")
                 write_json(os.path.join(run_dir, REEVAL), {"checkpoint": os.path.relpath(checkpoint, run_dir),
                                                            "settings": settings, "rows": rows})
-
-
-def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def _mean_row(rows):
