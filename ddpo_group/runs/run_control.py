@@ -2,14 +2,17 @@
 
 SIGINT / SIGTERM ask the run to stop: it finishes the current phase (an evaluation stops between its
 batches), writes a final checkpoint and stopped.json, and the CLI exits 128 + the signal. A second
-signal exits at once (metrics.jsonl is written row by row, so nothing written is lost).
+signal, SAME_REQUEST_S or more after the first, exits at once (metrics.jsonl is written row by row, so nothing
+written is lost); signals closer to the first are copies of the same request.
 
-Under a launcher (`accelerate launch`, torchrun), which neither forwards a signal nor waits for its child when
-it is itself signalled, the training process asks Linux for SIGTERM when its parent exits (PR_SET_PDEATHSIG):
-a launcher stopped alone stops its training run the same way, instead of leaving it running without a
-parent (the CLI asks first thing, so a launcher stopped while the models load ends its process too). That
-SIGTERM (the process has a new parent by then) is never taken as the second signal, so a
-signal sent to the whole process group still stops the run with its checkpoint.
+Copies arrive from launchers. `accelerate launch` before 1.16 neither forwards a signal nor waits for its child;
+from 1.16 it sends its child SIGTERM when it is itself stopped (Ctrl-C reaches both: SIGINT, then the launcher's
+SIGTERM milliseconds later) and kills it 5 s later. So the training process asks Linux for SIGTERM when its parent
+exits (PR_SET_PDEATHSIG): a launcher stopped alone stops its training run the same way, instead of leaving it
+running without a parent (the CLI asks first thing, so a launcher stopped while the models load ends its process
+too). That SIGTERM (the process has a new parent by then) and the launcher's forwarded copy are never taken as the
+second signal, so a signal sent to the whole process group still asks for one stop (docs/reliability.md says how
+to keep the final checkpoint under a launcher that kills).
 
     control = RunControl(accelerator)
     with control:                        # the handlers are installed inside, the previous ones restored after
@@ -24,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -34,6 +38,7 @@ class RunControl:
     """Stop requests of one run: `requested` / `signal` (this process), `should_stop()` (any process)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SAME_REQUEST_S = 2.0  # a signal this soon after the first is a copy of it (a launcher's, the terminal's group)
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
@@ -42,10 +47,11 @@ class RunControl:
         self._previous = {}
         self._parent = None  # the launcher's pid, when its exit is to stop the run (stop_when_parent_exits)
         self._orphaned = False  # the parent's exit has been seen (its SIGTERM counts as no one's second signal)
+        self._first_at = None  # time.monotonic() of the first stop request
 
     def request_stop(self, signum, frame=None):
         """The signal handler: the first signal asks for a stop, a second one exits now (128 + signum); the
-        SIGTERM of the launcher's exit asks for a stop and is never a second signal."""
+        SIGTERM of the launcher's exit, and any signal within SAME_REQUEST_S of the first, ask for the same stop."""
         if self._parent is not None and not self._orphaned and os.getppid() != self._parent:
             self._orphaned = True
             if self.requested:
@@ -53,11 +59,14 @@ class RunControl:
                 return
             logger.warning("the launcher (parent process) exited: stopping this run as for a signal")
         elif self.requested:
+            if time.monotonic() - self._first_at < self.SAME_REQUEST_S:
+                return  # the same request again (a launcher forwarding it, or the terminal's whole group)
             logger.warning("second signal %d: exiting now, without a final checkpoint", signum)
             logging.shutdown()
             os._exit(128 + signum)
         self.requested = True
         self.signal = signum
+        self._first_at = time.monotonic()
         logger.warning("signal %d: finishing the current phase, then writing a final checkpoint", signum)
 
     def install(self):
