@@ -3,6 +3,7 @@ easiest lesson up? A rung that fails stops the climb until its cause is found (d
 
     python benchmarks/scenes_ladder.py --rungs a,b --families flow,unet --jobs 14   # rungs a and b, 3 seeds each
     python benchmarks/scenes_ladder.py --rungs a --families flow --seeds 42 --epochs 3   # one short check
+    python benchmarks/scenes_ladder.py --rungs b --cases two_object --families unet      # one case of a rung
     python benchmarks/scenes_ladder.py --collect                                    # the tables, JSON and figures
     python benchmarks/scenes_ladder.py --rungs b --model-flow runs/pretrain/flow --results benchmarks/results/scenes_ladder_newbase
 
@@ -373,6 +374,8 @@ def main(argv=None):
     parser.add_argument("--images", type=int, default=0, help="images per epoch (0: the variants' 64; a multiple "
                                                               "of sample.batch_size)")
     parser.add_argument("--tag", default="colors", help="rung c's tag (default colors)")
+    parser.add_argument("--cases", default="", help="only these cases of the rungs, comma-separated (rung b's: "
+                        "its tags, e.g. two_object); default every case")
     parser.add_argument("--model-flow", default="", help="the flow base to train (default tiny-scenes-sd3)")
     parser.add_argument("--model-unet", default="", help="the UNet base to train (default tiny-scenes)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
@@ -397,6 +400,8 @@ def main(argv=None):
             seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         except ValueError:
             parser.error(f"--seeds {args.seeds!r}: comma-separated whole numbers, e.g. 42,43,44")
+        known = {case for rung in rungs for case, _ in cases(rung, args.tag)}
+        only = set(_list(args.cases, sorted(known), "cases", parser)) if args.cases else known
         models = {"flow": args.model_flow, "unet": args.model_unet}
         for family, model in models.items():
             if model and (os.sep in model or model.startswith(".")) and not os.path.isdir(model):
@@ -406,6 +411,8 @@ def main(argv=None):
         for rung in rungs:
             for family in families:
                 for case, prompt in cases(rung, args.tag):
+                    if case not in only:
+                        continue
                     for seed in seeds:
                         run_dir = run_dir_of(results, rung, family, case, seed)
                         spec = {"rung": rung, "family": family, "case": case, "prompt": prompt, "seed": seed,

@@ -129,6 +129,9 @@ def test_a_bad_record_is_one_line_naming_the_file_and_line(tmp_path):
         read_records(str(bad))
     with pytest.raises(GenEval2Error, match="no such file"):
         read_records(str(tmp_path / "missing.jsonl"))
+    bad.write_bytes((json.dumps(RECORDS[0]) + "\n").encode() + b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(GenEval2Error, match=rf"{bad}, line 2: byte 0xe9 .* not UTF-8"):
+        read_records(str(bad))
 
 
 def test_bad_inputs_stop_the_command_in_one_line_before_any_model_loads(tmp_path, records_file):

@@ -211,19 +211,29 @@ def test_an_offline_preference_file_is_read_with_paths_relative_to_it(tmp_path):
 
 
 @pytest.mark.parametrize("line,says", [
-    ("{not json", "not a JSON object"),
+    ("{not json", "invalid JSON"),
     (json.dumps({"prompt": "p", "chosen": "a.png"}), "'rejected'"),
     (json.dumps({"prompt": "p", "chosen": "a.png", "rejected": "missing.png"}), "missing.png"),
 ])
 def test_a_bad_preference_line_is_named_by_file_and_line(tmp_path, line, says):
     good = json.dumps({"prompt": "p", "chosen": "a.png", "rejected": "b.png"})
     path = _preference_file(tmp_path, [good, line])
-    with pytest.raises(ValueError, match=f"pairs.jsonl:2: .*{says}"):
+    with pytest.raises(ValueError, match=f"pairs.jsonl, line 2: .*{says}"):
         load_preference_pairs(path)
     with pytest.raises(ConfigError, match="forward.preference_file") as err:
         check_config(_preference_config(tmp_path, "test", "dpo", forward__dpo_pairs="offline",
                                         forward__preference_file=path))
-    assert "pairs.jsonl:2" in str(err.value) and "\n" not in str(err.value)
+    assert "pairs.jsonl, line 2" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_preference_file_that_is_not_utf8_names_its_line_and_byte(tmp_path):
+    # it was a UnicodeDecodeError traceback (the fifth audit's class: every data file is one line naming the byte)
+    good = json.dumps({"prompt": "p", "chosen": "a.png", "rejected": "b.png"})
+    path = _preference_file(tmp_path, [good])
+    with open(path, "ab") as handle:
+        handle.write(b'{"prompt": "caf\xe9", "chosen": "a.png", "rejected": "b.png"}\n')
+    with pytest.raises(ValueError, match=r"pairs.jsonl, line 2: byte 0xe9 .* not UTF-8"):
+        load_preference_pairs(path)
 
 
 @pytest.mark.parametrize("variant", ["test", "tiny_sd3"])

@@ -49,7 +49,7 @@ import os
 
 import numpy as np
 
-from ddpo_group.data.prompts import PromptRecord
+from ddpo_group.data.prompts import PromptRecord, jsonl_items
 from ddpo_group.rewards.base import RewardError, RewardNotReadyError, to_pil_images
 
 QUESTION_TEMPLATE = "{question} Answer in one word."
@@ -129,19 +129,7 @@ def read_records(path: str) -> list[PromptRecord]:
         raise GenEval2Error(f"--prompts {path}: no such file; give your copy of GenEval 2's "
                                   "geneval2_data.jsonl (facebookresearch/GenEval2)")
     records = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise GenEval2Error(f"{path}: cannot be read ({type(err).__name__}: {err})") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}, line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise GenEval2Error(f"{where}: invalid JSON ({err.msg}); {RECORD_FORMAT}") from None
+    for record, where in jsonl_items(path, GenEval2Error, f"; {RECORD_FORMAT}"):
         record = check_record(record, where)
         records.append(PromptRecord(record["prompt"], {"atom_count": record["atom_count"],
                                                         "vqa_list": record["vqa_list"], "skills": record["skills"]}))

@@ -26,7 +26,6 @@ Groups and pairs are formed from one process's samples, so these objectives run 
 """
 
 import contextlib
-import json
 import os
 import time
 
@@ -38,6 +37,7 @@ from tqdm.auto import tqdm
 from ddpo_group.algos.preference import dgpo_clip_mask, dgpo_loss, diffusion_dpo_loss
 from ddpo_group.algos.forward import squared_error
 from ddpo_group.config.registry import ConfigError, check_choice, register_config_check
+from ddpo_group.data.prompts import jsonl_items
 from ddpo_group.training import perf
 from ddpo_group.training.forward_training import ForwardUpdate
 
@@ -48,37 +48,29 @@ DPO_PAIRS = ("online", "offline")
 def load_preference_pairs(path):
     """The pairs of a preference file: [{"prompt", "chosen", "rejected"}] with absolute image paths.
 
-    One JSON object a line (blank lines skipped); image paths relative to the file's folder. Raises ValueError
-    naming the file and the line of the first bad record (not JSON, a missing or non-string field, a missing image).
+    One JSON object a line (blank lines skipped, read by data/prompts.py's jsonl_items); image paths relative to the
+    file's folder. Raises ValueError naming the file and the line of the first bad record (not UTF-8, not JSON, a
+    missing or non-string field, a missing image).
     """
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such preference file (config.forward.preference_file)")
     root = os.path.dirname(os.path.abspath(path))
     pairs = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not a JSON object ({err.msg}); one pair a line: "
-                                 '{"prompt": ..., "chosen": ..., "rejected": ...}') from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: a pair must be a JSON object with prompt, chosen and rejected")
-            pair = {}
-            for key in ("prompt", "chosen", "rejected"):
-                if not isinstance(record.get(key), str) or not record[key]:
-                    raise ValueError(f"{where}: the field {key!r} must be a non-empty string")
-                pair[key] = record[key]
-            for key in ("chosen", "rejected"):
-                image = pair[key] if os.path.isabs(pair[key]) else os.path.join(root, pair[key])
-                if not os.path.isfile(image):
-                    raise ValueError(f"{where}: the {key} image {pair[key]!r} does not exist (paths are relative to "
-                                     "the file's folder)")
-                pair[key] = image
-            pairs.append(pair)
+    for record, where in jsonl_items(path, hint='; one pair a line: {"prompt": ..., "chosen": ..., "rejected": ...}'):
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: a pair must be a JSON object with prompt, chosen and rejected")
+        pair = {}
+        for key in ("prompt", "chosen", "rejected"):
+            if not isinstance(record.get(key), str) or not record[key]:
+                raise ValueError(f"{where}: the field {key!r} must be a non-empty string")
+            pair[key] = record[key]
+        for key in ("chosen", "rejected"):
+            image = pair[key] if os.path.isabs(pair[key]) else os.path.join(root, pair[key])
+            if not os.path.isfile(image):
+                raise ValueError(f"{where}: the {key} image {pair[key]!r} does not exist (paths are relative to "
+                                 "the file's folder)")
+            pair[key] = image
+        pairs.append(pair)
     if not pairs:
         raise ValueError(f"{path}: the preference file holds no pair")
     return pairs
