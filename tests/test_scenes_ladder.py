@@ -156,3 +156,17 @@ def test_a_missing_model_directory_is_one_line_before_any_run(tmp_path, capsys):
         ladder.main(["--rungs", "a", "--families", "flow", "--model-flow", str(tmp_path / "no_model"),
                      "--results", str(tmp_path)])
     assert "--model-flow" in capsys.readouterr().err and not os.path.exists(tmp_path / "runs")
+
+
+def test_cases_runs_only_the_named_case_of_a_rung(tmp_path, capsys):
+    prompt = ladder.RUNG_B_PROMPTS["two_object"]
+    spec = {"rung": "b", "family": "unet", "case": "two_object", "prompt": prompt, "seed": 42, "epochs": 2,
+            "images": 0, "model": ""}
+    write_run(tmp_path, "b", "unet", "two_object", 42, strict_rows([0.5, 0.6]), spec)
+    args = ["--rungs", "b", "--families", "unet", "--seeds", "42", "--epochs", "2", "--results", str(tmp_path)]
+    rows, _ = ladder.main(args + ["--cases", "two_object"])  # the one case is finished: nothing else starts
+    assert [(r["case"], r["seed"]) for r in rows] == [("two_object", 42)]
+    assert sorted(os.listdir(tmp_path / "runs" / "b" / "unet")) == ["two_object"]
+    with pytest.raises(SystemExit):
+        ladder.main(args + ["--cases", "single_object"])  # no training prompt: not a case of rung b
+    assert "--cases 'single_object': choose from" in capsys.readouterr().err
