@@ -20,6 +20,7 @@ from ddpo_group.config.check import ConfigError, check_config
 from ddpo_group.data.prompts import load_prompts
 from ddpo_group.rewards.combine import validate_rewards
 from ddpo_group.rewards.registry import RewardError
+from ddpo_group.runs.run_control import RunControl
 from ddpo_group.training.trainer import CheckpointError, Trainer, find_checkpoint, train
 from helpers import PYTHON, ROOT, cheap, make_config, read_metrics, subprocess_env
 
@@ -254,7 +255,9 @@ def test_a_second_signal_exits_at_once_while_a_reward_hangs(tmp_path):
                 time.sleep(0.2)
             time.sleep(2.0)  # sampling done, waiting on the reward
             process.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
+            # a person's second signal: later than RunControl.SAME_REQUEST_S (2 s), inside which a signal is a copy of
+            # the first (accelerate launch >= 1.16 forwards its own); 0.5 s apart was a second signal before that
+            time.sleep(RunControl.SAME_REQUEST_S + 0.5)
             process.send_signal(signal.SIGTERM)
             returncode = process.wait(timeout=20)
         finally:
