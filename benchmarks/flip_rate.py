@@ -14,8 +14,9 @@ reward (reward ``geneval``'s score, the variant's: Flow-GRPO's partial score) di
 (|r' - r| > 1e-9). Rendered scenes (``scenes.sample_scene``, the same records) go through the model's VAE (encode,
 decode: the clean image) and the same noise on their latents (the noisy one).
 
-Both of the shapes detector's confidences are measured (``ShapesDetector(confidence=...)``): "unit" (issue 42's:
-every object 1.0, fragments of 4 px and more) and "calibrated" (the default). One thread (torch.set_num_threads(1)).
+Three shapes detectors are measured (``DETECTORS``): "unit" (issue 42's: palette segmentation, every object 1.0,
+fragments of 4 px and more), "calibrated" (issue 53's first: palette segmentation, the calibrated score) and
+"shape" (the default: colour-agnostic segmentation, the calibrated score; docs/scenes.md). One thread (torch.set_num_threads(1)).
 Prints a table and writes JSON; an existing result is never overwritten unless --output names it explicitly.
 """
 
@@ -35,7 +36,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results", "flip_rate")
-CONFIDENCES = ("unit", "calibrated")
+# column name -> ShapesDetector(**kwargs)
+DETECTORS = {"unit": {"confidence": "unit", "segmentation": "palette"},
+             "calibrated": {"confidence": "calibrated", "segmentation": "palette"},
+             "shape": {"confidence": "calibrated", "segmentation": "shape"}}
 FLIP_TOLERANCE = 1e-9
 
 
@@ -80,21 +84,21 @@ def encode(policy, images: torch.Tensor) -> torch.Tensor:
 
 
 def rewards_of(scorers: dict, images: torch.Tensor, records: list[dict]) -> dict:
-    """{confidence: float64 (B,) training rewards} of images (B, 3, H, W) in [0, 1]."""
+    """{detector: float64 (B,) training rewards} of images (B, 3, H, W) in [0, 1]."""
     prompts = [r["prompt"] for r in records]
     meta = [{k: v for k, v in r.items() if k != "prompt"} for r in records]
     return {name: reward(images, prompts, meta)[0] for name, reward in scorers.items()}
 
 
 def build_rewards(config) -> dict:
-    """The variant's training reward once per confidence of the shapes detector."""
+    """The variant's training reward once per shapes detector of ``DETECTORS``."""
     from ddpo_group.rewards.geneval.reward import GenEvalReward
     from ddpo_group.rewards.geneval.shapes_scenes import ShapesDetector
 
     rewards = {}
-    for name in CONFIDENCES:
+    for name, kwargs in DETECTORS.items():
         reward = GenEvalReward(**dict(config.reward_kwargs["geneval"]))
-        reward.scorer.detector = ShapesDetector(confidence=name)
+        reward.scorer.detector = ShapesDetector(**kwargs)
         rewards[name] = reward
     return rewards
 
@@ -163,10 +167,12 @@ def measure(args) -> dict:
 def table(result: dict) -> str:
     lines = [f"flip rate of the training reward, {result['model']} ({result['family']}, {result['num_steps']} steps, "
              f"eta {result['eta']}): noise of the last SDE step's std on the final latents",
-             f"{'split':<8} {'images':>6} {'std':>7}  {'images':<10} {'confidence':<11} {'flip rate':>9} {'reward':>7}"]
+             f"{'split':<8} {'images':>6} {'std':>7}  {'images':<10} {'detector':<11} {'flip rate':>9} {'reward':>7}"]
     for split, row in result["splits"].items():
         for kind in ("generated", "rendered"):
-            for name in CONFIDENCES:
+            for name in DETECTORS:
+                if f"{kind}/{name}" not in row:  # a result measured before the detector was added
+                    continue
                 cell = row[f"{kind}/{name}"]
                 lines.append(f"{split:<8} {row['images']:>6} {row['last_step_std']:>7.4f}  {kind:<10} {name:<11} "
                              f"{cell['flip_rate']:>9.2%} {cell['mean_reward']:>7.3f}")

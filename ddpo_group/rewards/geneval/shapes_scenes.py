@@ -9,24 +9,35 @@ else changes; the tiny model's tokenizer knows only these words (``ddpo_group/da
 Scene. ``render_scene`` draws each ``SceneObject`` over a flat background with the shapes world's
 anti-aliased coverage (``ddpo_group.data.shapes.shape_coverage``), later objects over earlier ones.
 
-Detector (``ShapesDetector``), exact on rendered scenes whose objects do not touch one of the same colour:
+Detector (``ShapesDetector``), exact on rendered scenes (objects 2 px apart, as the scenes world places them):
 
 1. background b = the per-channel median of the 1-pixel border;
-2. a pixel p belongs to palette colour c when, with v = c - b, alpha = <p - b, v> / |v|^2 >= 0.5 (more colour
-   than background) and the residual |p - b - alpha v| / (255 sqrt 3) <= 0.15, the smallest residual winning;
-3. each 4-connected component of one colour with at least ``min_area`` pixels (``MIN_AREA`` = 40, half the
-   scenes world's smallest object; smaller ones are fragments) is an object: its box (x1, y1, x2 + 1, y2 + 1)
-   of the pixel extents, its mask;
+2. segmentation, colour-agnostic (``shape_segments``, the default): a pixel is foreground when it lies at least
+   half the nearest palette colour's distance from b; each 4-connected foreground region takes its own colour c
+   (the median of its core pixels) and its mask is the region's pixels with alpha = <p - b, c - b> / |c - b|^2
+   >= 0.5, so a generated object whose hue wanders (a violet star with magenta tips) is one object, as it is to
+   an eye and to GenEval's Mask2Former. ``segmentation="palette"`` (issue 42's and issue 53's first detector):
+   a pixel belongs to palette colour c when alpha_c >= 0.5 and the residual |p - b - alpha v| / (255 sqrt 3) <=
+   0.15 (v = c - b), the smallest residual winning, one object per region of one colour. On rendered scenes the
+   two give the same objects (``tests/test_shapes_detector_segmentation.py``);
+3. each region (mask) with at least ``min_area`` pixels (``MIN_AREA`` = 40, half the scenes world's smallest
+   object; smaller ones are fragments) is an object: its box (x1, y1, x2 + 1, y2 + 1) of the pixel extents;
 4. its template overlaps: for each shape, the soft IoU of the template of the same area and centroid with the
-   object's coverage (the colour's share alpha, clipped to [0, 1], on the component grown by one pixel),
+   object's coverage (its colour's share alpha, clipped to [0, 1], on the mask grown by one pixel),
    ``shape_overlaps``, as the shapes world's own ``shapes_shape`` reward compares shapes;
 5. its scores (``calibrated_scores``): score(c) = q softmax_c(IoU / T), T = 0.025, q = clip((max IoU - 0.4) /
    0.3, 0, 1); the object is reported under every shape it scores >= 0.05 for, as mmdetection's Mask2Former
    (GenEval's detector) reports its top query-class pairs. On rendered scenes the true shape scores > 0.98 and
    no other >= 0.05; on generated blobs a near-tie scores about 0.5 for each of the two shapes, which GenEval's
    0.3 keeps and its counting threshold 0.9 drops. Measured calibration and the reward's flip rate:
-   docs/scenes.md, "The detector's score". ``confidence="unit"`` gives issue 42's detector (the best shape
-   alone, score 1, fragments from 4 px).
+   docs/scenes.md, "The detector's score". ``confidence="unit", segmentation="palette"`` is issue 42's detector
+   (the best shape alone, score 1, fragments from 4 px).
+
+What the colour-agnostic segmentation gives up: two generated objects that touch are one region (the palette
+segmentation split them when their colours differed), and a blob of no palette colour counts as an object
+(named by its nearest colour). The first is the limit of a detector without learned instance boundaries
+(Mask2Former separates touching objects; this one does not); the second is what GenEval's detector does, which
+finds objects whatever their colour.
 
 Colour classifier (``ShapesColorClassifier``): the per-channel median of the object's mask pixels, the nearest
 palette colour (Euclidean). On a generated image both are heuristics, as any detector is.
@@ -47,6 +58,9 @@ ALPHA_MIN = 0.5
 RESIDUAL_MAX = 0.15
 TINY_GENEVAL_PROMPTS = "geneval_shapes_squares.jsonl"
 CONFIDENCES = ("calibrated", "unit")
+SEGMENTATIONS = ("shape", "palette")
+FOREGROUND_MIN = 0.5  # of the nearest palette colour's distance from the background: a pixel that far is foreground
+CORE_SHARE = 0.9  # an object's colour: the median of its pixels at least this share of its farthest one's distance
 MIN_AREA = 40  # px: half the scenes world's smallest object (AREA_RANGE 80 px); rendered objects keep >= 72
 TEMPERATURE = 0.025  # of the softmax over template overlaps: the least NLL of the true class (docs/scenes.md)
 QUALITY_RANGE = (0.4, 0.7)  # best template overlap at which the shape quality q starts to rise, reaches 1
@@ -120,8 +134,7 @@ def palette_labels(image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(labels int (H, W): index into the palette ``list(COLORS)`` or -1 for background, alpha float (K, H, W):
     each colour's share of each pixel, 0 where the pixel is not a mix of that colour and the background)."""
     pixels = image.astype(np.float64)
-    border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
-    background = np.median(border, axis=0)
+    background = _background(pixels)
     best = np.full(image.shape[:2], np.inf)
     labels = np.full(image.shape[:2], -1)
     alphas = np.zeros((len(COLORS),) + image.shape[:2])
@@ -138,6 +151,45 @@ def palette_labels(image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         best[take] = residual[take]
         labels[take] = k
     return labels, alphas
+
+
+def _background(pixels: np.ndarray) -> np.ndarray:
+    """The per-channel median of the 1-pixel border of float (H, W, 3) pixels."""
+    border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
+    return np.median(border, axis=0)
+
+
+def shape_segments(image: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Colour-agnostic segmentation (the default, ``segmentation="shape"``): [(mask bool (H, W), coverage float
+    (H, W), colour float (3,))] of one uint8 image, in raster order of the regions' first pixels.
+
+    1. foreground: pixels whose distance from the background b is at least FOREGROUND_MIN of the nearest palette
+       colour's distance from b (so every pixel a palette colour covers by half or more is foreground);
+    2. each 4-connected region of the foreground gets its own colour c: the per-channel median of its pixels at
+       least CORE_SHARE as far from b as its farthest pixel (a rendered object's full-coverage core);
+    3. its coverage alpha = <p - b, c - b> / |c - b|^2, clipped to [0, 1]; its mask the region's pixels with
+       alpha >= ALPHA_MIN, split into 4-connected pieces.
+
+    On a rendered object c is its palette colour and the mask and coverage are ``palette_labels``' exactly; a
+    generated object whose pixels wander between hues (a violet star, magenta at its tips) stays one object,
+    which labelling pixels by palette colour cut into pieces too small to count (docs/scenes.md, "A shape is a
+    shape in any hue")."""
+    pixels = np.asarray(image).astype(np.float64)
+    background = _background(pixels)
+    palette = np.asarray(list(COLORS.values()), dtype=np.float64)
+    reach = np.linalg.norm(palette - background, axis=1)
+    reach = reach[reach > 1e-3]
+    offset = pixels - background
+    distance = np.linalg.norm(offset, axis=-1)
+    segments = []
+    for region in _components(distance >= FOREGROUND_MIN * float(reach.min())):
+        far = distance[region]
+        color = np.median(pixels[region][far >= CORE_SHARE * far.max()], axis=0)
+        direction = color - background
+        alpha = np.clip(offset @ direction / float(direction @ direction), 0.0, 1.0) * _dilate(region)
+        for piece in _components(region & (alpha >= ALPHA_MIN)):
+            segments.append((piece, alpha, color))
+    return segments
 
 
 def _dilate(mask: np.ndarray) -> np.ndarray:
@@ -177,36 +229,47 @@ def classify_shape(weight: np.ndarray) -> str:
 class ShapesDetector:
     """The shapes-world detector (module docstring); classes = the shapes. confidence: "calibrated" (the scores of
     ``calibrated_scores``, fragments under ``min_area`` = MIN_AREA px dropped) or "unit" (issue 42's detector: every
-    object 1.0, min_area 4 by default)."""
+    object 1.0, min_area 4 by default). segmentation: "shape" (``shape_segments``: an object is a region that
+    stands out from the background, whatever its hue) or "palette" (issue 42's and issue 53's first detector:
+    pixels labelled by the nearest palette colour within RESIDUAL_MAX, one object per region of one colour)."""
 
     classes = ALL_SHAPES
 
-    def __init__(self, min_area: int | None = None, confidence: str = "calibrated"):
+    def __init__(self, min_area: int | None = None, confidence: str = "calibrated", segmentation: str = "shape"):
         if confidence not in CONFIDENCES:
             raise ValueError(f"ShapesDetector: confidence={confidence!r} is not one of {list(CONFIDENCES)}")
-        self.confidence = confidence
+        if segmentation not in SEGMENTATIONS:
+            raise ValueError(f"ShapesDetector: segmentation={segmentation!r} is not one of {list(SEGMENTATIONS)}")
+        self.confidence, self.segmentation = confidence, segmentation
         self.min_area = (MIN_AREA if confidence == "calibrated" else 4) if min_area is None else min_area
 
+    def _segments(self, image: np.ndarray):
+        """[(mask, coverage, palette index)] of one image, by ``self.segmentation``."""
+        if self.segmentation == "shape":
+            palette = np.asarray(list(COLORS.values()), dtype=np.float64)
+            return [(mask, alpha, int(np.argmin(np.linalg.norm(palette - color, axis=1))))
+                    for mask, alpha, color in shape_segments(image)]
+        labels, alphas = palette_labels(image)
+        return [(mask, alphas[k], k) for k in range(len(COLORS)) for mask in _components(labels == k)]
+
     def objects(self, image) -> list[dict]:
-        """The objects of one image uint8 (H, W, 3), in palette then raster order: dicts with "color" (palette
-        index), "area" (mask pixels), "overlaps" ({shape: soft IoU}), "box", "mask" and "scores" ({shape:
-        score}: ``calibrated_scores`` of the pairs scored >= REPORT_MIN, or {best shape: 1.0} for "unit")."""
-        labels, alphas = palette_labels(np.asarray(image))
+        """The objects of one image uint8 (H, W, 3), in segmentation order: dicts with "color" (the nearest palette
+        index), "area" (mask pixels), "overlaps" ({shape: soft IoU}), "box", "mask" and "scores" ({shape: score}:
+        ``calibrated_scores`` of the pairs scored >= REPORT_MIN, or {best shape: 1.0} for "unit")."""
         found = []
-        for k in range(len(COLORS)):
-            for mask in _components(labels == k):
-                area = int(mask.sum())
-                if area < self.min_area:
-                    continue
-                ys, xs = np.nonzero(mask)
-                box = (float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1))
-                overlaps = shape_overlaps(alphas[k] * _dilate(mask))
-                if self.confidence == "unit":
-                    scores = {max(overlaps, key=overlaps.get): 1.0}
-                else:
-                    scores = {name: p for name, p in calibrated_scores(overlaps).items() if p >= REPORT_MIN}
-                found.append({"color": k, "area": area, "overlaps": overlaps, "box": box, "mask": mask,
-                              "scores": scores})
+        for mask, alpha, color in self._segments(np.asarray(image)):
+            area = int(mask.sum())
+            if area < self.min_area:
+                continue
+            ys, xs = np.nonzero(mask)
+            box = (float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1))
+            overlaps = shape_overlaps(alpha * _dilate(mask))
+            if self.confidence == "unit":
+                scores = {max(overlaps, key=overlaps.get): 1.0}
+            else:
+                scores = {name: p for name, p in calibrated_scores(overlaps).items() if p >= REPORT_MIN}
+            found.append({"color": color, "area": area, "overlaps": overlaps, "box": box, "mask": mask,
+                          "scores": scores})
         return found
 
     def detect(self, images) -> list[dict]:

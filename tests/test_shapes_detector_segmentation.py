@@ -1,0 +1,77 @@
+"""The shapes detector's colour-agnostic segmentation (issue 53, rung b of the learning ladder): an object is a
+region that stands out from the background, whatever its hue. Found when the ladder's two-object run drew a
+violet star with magenta tips that the palette segmentation cut into pieces too small to count."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from ddpo_group.data import scenes
+from ddpo_group.data.shapes import COLORS, shape_coverage
+from ddpo_group.rewards.geneval.protocol import GenEvalScorer
+from ddpo_group.rewards.geneval.shapes_scenes import ShapesColorClassifier, ShapesDetector
+
+VIOLET = np.array([110.0, 0.0, 210.0])  # between blue (0, 0, 255) and magenta (255, 0, 255): no palette colour
+MAGENTA = np.array([255.0, 0.0, 255.0])
+
+
+def two_hued(shape, center, area=130, background=(0, 0, 0), size=64):
+    """A shape painted violet, its right half magenta (hue wandering across one object, as generated ones do)."""
+    coverage = shape_coverage(shape, area, center, size)[..., None]
+    color = np.where((np.arange(size) >= center[0])[None, :, None], MAGENTA, VIOLET)
+    image = coverage * color + (1 - coverage) * np.asarray(background, dtype=np.float64)
+    return np.clip(np.rint(image), 0, 255).astype(np.uint8)
+
+
+def kept_counts(found, threshold=0.3):
+    return {name: sum(d.score > threshold for d in dets) for name, dets in found.items()
+            if any(d.score > threshold for d in dets)}
+
+
+def test_a_star_whose_hue_wanders_is_one_star():
+    image = two_hued("star", (32.0, 32.0))
+    assert kept_counts(ShapesDetector().detect(image[None])[0]) == {"star": 1}
+    # the palette segmentation (the earlier detector) does not see one star in it
+    assert kept_counts(ShapesDetector(segmentation="palette").detect(image[None])[0]) != {"star": 1}
+
+
+def test_a_two_hued_star_and_a_triangle_are_strictly_correct_for_their_prompt():
+    image = np.maximum(two_hued("star", (18.0, 20.0)), two_hued("triangle", (44.0, 44.0), area=110))
+    record = {"tag": "two_object", "include": [{"class": "star", "count": 1}, {"class": "triangle", "count": 1}],
+              "prompt": "a photo of a star and a triangle"}
+    result = GenEvalScorer(ShapesDetector(), ShapesColorClassifier()).score(image[None], [record])[0]
+    assert result["strict_correct"] and result["correct"] and result["partial_score"] == 1.0
+    palette = GenEvalScorer(ShapesDetector(segmentation="palette"), ShapesColorClassifier()).score(image[None], [record])[0]
+    assert not palette["strict_correct"]
+
+
+@pytest.mark.parametrize("background", [(255, 255, 255), (128, 128, 128), (0, 0, 0)])
+def test_an_off_palette_shape_is_found_on_every_background_and_named_by_the_nearest_colour(background):
+    coverage = shape_coverage("square", 120, (30.0, 34.0), 64)[..., None]
+    image = np.clip(np.rint(coverage * VIOLET + (1 - coverage) * np.asarray(background, float)), 0, 255).astype(np.uint8)
+    found = ShapesDetector().detect(image[None])[0]
+    assert kept_counts(found) == {"square": 1}
+    # violet (110, 0, 210) is nearest blue: distance sqrt(110^2 + 45^2) = 119 against magenta's sqrt(145^2 + 45^2) = 152
+    kept = [d for d in found["square"] if d.score > 0.3]
+    assert ShapesColorClassifier().classify(image, kept, "square") == ["blue"]
+
+
+def test_rendered_scenes_give_the_same_objects_under_both_segmentations():
+    records = [r for tag_records in scenes.world_records().values() for r in tag_records]
+    shape, palette = ShapesDetector(), ShapesDetector(segmentation="palette")
+    for seed in range(100, 125):
+        rng = np.random.default_rng(seed)
+        objects, background = scenes.sample_scene(records[rng.integers(len(records))], rng)
+        image = scenes.render_objects(objects, background)
+        ours = sorted((o["box"], o["area"], o["color"], tuple(sorted(o["scores"].items()))) for o in shape.objects(image))
+        theirs = sorted((o["box"], o["area"], o["color"], tuple(sorted(o["scores"].items())))
+                        for o in palette.objects(image))
+        assert ours == theirs, seed
+        drawn = Counter(color for _, color, _ in objects)
+        assert Counter(list(COLORS)[o["color"]] for o in shape.objects(image)) == drawn, seed
+
+
+def test_an_unknown_segmentation_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="segmentation='colour'.*'shape', 'palette'"):
+        ShapesDetector(segmentation="colour")
