@@ -50,7 +50,10 @@ command exits non-zero when any run failed.
 
 Writes RESULTS/summary.json ({"runs": one row per finished run, "rungs": the verdicts, "definitions", "command"}),
 RESULTS/metrics.json.gz (every run's metrics rows) and RESULTS/ladder_<rung>.png (training reward and strict-correct
-per epoch, a panel per family, a colour per case, a line per seed).
+per epoch, a panel per family, a colour per case, a line per seed). With --samples N, also RESULTS/ladder_b_samples.png:
+for every rung-b run whose final checkpoint is still there (checkpoints are not committed), N images of its prompt
+from the base and N from the final weights (`scripts/evaluate.py --protocol geneval`, the run's sampler, eval seed
+1234: the same noise for both), the strict verdict under each; its numbers in RESULTS/samples.json.
 """
 
 from __future__ import annotations
@@ -331,6 +334,90 @@ def figures(rows, results):
     return paths
 
 
+def final_checkpoint(run_dir):
+    """The run's last checkpoint_N directory, or None."""
+    base = os.path.join(run_dir, "checkpoints")
+    names = [n for n in os.listdir(base) if n.startswith("checkpoint_")] if os.path.isdir(base) else []
+    return os.path.join(base, max(names, key=lambda n: int(n.split("_")[1]))) if names else None
+
+
+def sample_prompt(model_args, record, count, sampler, workdir, label):
+    """(images uint8 (count, H, W, 3), strict verdicts) of one GenEval record, by scripts/evaluate.py."""
+    import subprocess
+
+    import numpy as np
+    from PIL import Image
+
+    prompts = os.path.join(workdir, f"{label}.jsonl")
+    with open(prompts, "w") as handle:
+        handle.write(json.dumps(record) + "\n")
+    folder, output = os.path.join(workdir, f"{label}_images"), os.path.join(workdir, f"{label}.json")
+    command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "evaluate.py"), *model_args, "--prompts", prompts,
+               "--protocol", "geneval", "--protocol-option", "detector=shapes", "--images-per-prompt", str(count),
+               "--num-steps", str(sampler["num_steps"]), "--guidance-scale", str(sampler["guidance_scale"]),
+               "--eta", str(sampler["eta"]), "--seed", "1234", "--output", output, "--save-images", folder]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+    rows = [json.loads(line) for line in open(output[:-len(".json")] + "_images.jsonl")]
+    images = np.stack([np.asarray(Image.open(os.path.join(folder, "00000", "samples", f"{i:04d}.png")).convert("RGB"))
+                       for i in range(count)])
+    return images, [bool(r["strict_correct"]) for r in rows]
+
+
+def sample_figure(rows, results, count):
+    """RESULTS/ladder_b_samples.png and samples.json (module docstring, --samples); None when no rung-b run of the
+    folder still has its final checkpoint."""
+    import tempfile
+
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from ddpo_group.data import scenes
+
+    records = {r["prompt"]: r for tag_records in scenes.training_records().values() for r in tag_records}
+    panels, numbers = [], []
+    for row in sorted((r for r in rows if r["rung"] == "b"), key=lambda r: (r["family"], r["case"], r["seed"])):
+        run_dir = run_dir_of(results, "b", row["family"], row["case"], row["seed"])
+        checkpoint = final_checkpoint(run_dir)
+        document = _read_json(os.path.join(run_dir, CONFIG_FILE)) or {}
+        config = document.get("config") or {}
+        if checkpoint is None or row["prompt"] not in records:
+            continue
+        sampler = {key: (config.get("sample") or {}).get(key) for key in ("num_steps", "guidance_scale", "eta")}
+        record = {k: v for k, v in records[row["prompt"]].items()}
+        with tempfile.TemporaryDirectory() as work:
+            base = sample_prompt(["--model", row["model"]], record, count, sampler, work, "base")
+            final = sample_prompt(["--checkpoint", checkpoint], record, count, sampler, work, "final")
+        panels.append((row, base, final))
+        numbers.append({"family": row["family"], "case": row["case"], "seed": row["seed"], "prompt": row["prompt"],
+                        "checkpoint": os.path.relpath(checkpoint, results), "images": count, "eval_seed": 1234,
+                        **{f"{k}_strict": float(np.mean(v[1])) for k, v in (("base", base), ("final", final))}})
+    if not panels:
+        return None
+    size = 2 * panels[0][1][0].shape[1]
+    cell, label_h, title_h = size + 6, 14, 18
+    width, height = 2 * count * cell + 30, len(panels) * (cell + label_h + title_h)
+    canvas = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(canvas)
+    for k, (row, base, final) in enumerate(panels):
+        top = k * (cell + label_h + title_h)
+        draw.text((4, top + 3), f"{row['family']} / {row['case']} / seed {row['seed']}: \"{row['prompt']}\"   base "
+                  f"{sum(base[1])}/{count} strict-correct (left), after {row['epochs']} epochs {sum(final[1])}/{count} "
+                  "(right)", fill="black")
+        for part, (images, verdicts) in enumerate((base, final)):
+            for i in range(count):
+                x = part * (count * cell + 30) + i * cell
+                canvas.paste(Image.fromarray(images[i]).resize((size, size), Image.NEAREST), (x, top + title_h))
+                draw.text((x + 2, top + title_h + size + 1), "correct" if verdicts[i] else "-", fill="black")
+    path = os.path.join(results, "ladder_b_samples.png")
+    tmp = path + ".tmp.png"
+    canvas.save(tmp, optimize=True)
+    os.replace(tmp, path)
+    write_json(os.path.join(results, "samples.json"), {"runs": numbers, "command": "python benchmarks/scenes_ladder.py "
+                                                                                  f"--collect --samples {count}"})
+    return path
+
+
 def all_pass(rows, family):
     by_case = {}
     for r in rows:
@@ -339,7 +426,7 @@ def all_pass(rows, family):
     return all(sum(v) * 2 > len(v) for v in by_case.values())
 
 
-def write_outputs(results, argv):
+def write_outputs(results, argv, samples=0):
     rows, verdicts, metrics = collect(results)
     os.makedirs(results, exist_ok=True)
     write_json(os.path.join(results, "summary.json"), {
@@ -349,6 +436,8 @@ def write_outputs(results, argv):
     })
     write_json(os.path.join(results, "metrics.json.gz"), metrics, compress=True)
     figures(rows, results)
+    if samples:
+        sample_figure(rows, results, samples)
     print(render(rows, verdicts))
     return rows, verdicts
 
@@ -381,6 +470,8 @@ def main(argv=None):
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
     parser.add_argument("--results", default=DEFAULT_RESULTS)
     parser.add_argument("--collect", action="store_true", help="only build the tables, JSON and figures")
+    parser.add_argument("--samples", type=int, default=0, metavar="N",
+                        help="also sample N images of each rung-b prompt, base and final weights (ladder_b_samples.png)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a config field of every run (a JSON value; repeatable)")
     parser.add_argument("--run-one", default="", help=argparse.SUPPRESS)
@@ -388,6 +479,8 @@ def main(argv=None):
     if args.run_one:
         return run_one(json.loads(args.run_one), args.set)
     results = os.path.abspath(args.results)
+    if args.samples < 0:
+        parser.error(f"--samples {args.samples}: a number of images, 0 (none) or more")
     if not args.collect:
         from ddpo_group.config.registry import ConfigError
         from ddpo_group.data.prompts import load_config_prompts
@@ -453,7 +546,7 @@ def main(argv=None):
         failed = sorted(label for label, code in codes.items() if code)
     else:
         failed = []
-    rows, verdicts = write_outputs(results, argv)
+    rows, verdicts = write_outputs(results, argv, args.samples)
     if failed:
         sys.exit(f"{len(failed)} run(s) failed (logs: {results}/runs/<rung>/<family>/<case>/seed_<s>.log): "
                  + ", ".join(failed))

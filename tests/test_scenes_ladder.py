@@ -170,3 +170,37 @@ def test_cases_runs_only_the_named_case_of_a_rung(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ladder.main(args + ["--cases", "single_object"])  # no training prompt: not a case of rung b
     assert "--cases 'single_object': choose from" in capsys.readouterr().err
+
+
+def test_samples_figure_shows_base_and_final_images_of_runs_whose_checkpoint_is_there(tmp_path, monkeypatch):
+    import numpy as np
+
+    prompt = ladder.RUNG_B_PROMPTS["two_object"]
+    spec = {"rung": "b", "family": "unet", "case": "two_object", "prompt": prompt, "seed": 42, "epochs": 2,
+            "images": 0, "model": ""}
+    run_dir = write_run(tmp_path, "b", "unet", "two_object", 42, strict_rows([0.5, 0.6]), spec)
+    write_run(tmp_path, "b", "unet", "colors", 42, strict_rows([0.9, 1.0]),  # no checkpoint left: not sampled
+              dict(spec, case="colors", prompt=ladder.RUNG_B_PROMPTS["colors"]))
+    os.makedirs(os.path.join(run_dir, "checkpoints", "checkpoint_1"))
+    os.makedirs(os.path.join(run_dir, "checkpoints", "checkpoint_2"))
+    calls = []
+
+    def fake_sample(model_args, record, count, sampler, workdir, label):
+        calls.append((tuple(model_args), record["prompt"], sampler["num_steps"], label))
+        verdicts = [i < (1 if label == "base" else 3) for i in range(count)]
+        return np.zeros((count, 64, 64, 3), dtype=np.uint8), verdicts
+
+    monkeypatch.setattr(ladder, "sample_prompt", fake_sample)
+    ladder.main(["--collect", "--samples", "4", "--results", str(tmp_path)])
+    final = os.path.join(run_dir, "checkpoints", "checkpoint_2")
+    assert calls == [(("--model", "tiny-scenes"), prompt, 10, "base"), (("--checkpoint", final), prompt, 10, "final")]
+    with open(tmp_path / "samples.json") as f:
+        numbers = json.load(f)["runs"]
+    assert [(n["case"], n["base_strict"], n["final_strict"]) for n in numbers] == [("two_object", 0.25, 0.75)]
+    assert (tmp_path / "ladder_b_samples.png").exists()
+
+
+def test_a_negative_sample_count_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ladder.main(["--collect", "--samples", "-1", "--results", str(tmp_path)])
+    assert "--samples -1: a number of images" in capsys.readouterr().err

@@ -201,6 +201,11 @@ def get_config():
     train.adam_beta2 = 0.999
     train.adam_weight_decay = 1e-4
     train.adam_epsilon = 1e-8
+    # Linear warm-up of the policy's learning rate over this many optimizer steps (0: none): optimizer step k
+    # (counted from 0 over the whole run, resumes included) uses learning_rate x min(1, (k + 1) / lr_warmup_steps).
+    # Adam moves every weight by about the learning rate in its first steps whatever the gradient's size, so
+    # without one a run's first updates are its largest (docs/scenes.md, "The learning ladder").
+    train.lr_warmup_steps = 0
     # Micro-batches whose gradients are accumulated into one optimizer step.
     train.gradient_accumulation_steps = 1
     # Gradient clipping (global norm) before each optimizer step.

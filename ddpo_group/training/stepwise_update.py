@@ -443,12 +443,15 @@ OLD_LOG_PROBS = ("recompute", "sampled")
 @register_config_check("training")
 def check_update_fields(config, machine):
     """The update's plan: the batch sizes and how the epoch's trajectories split, pi_old, the optimizer's
-    step sizes, the gradient share."""
+    step sizes and warm-up, the gradient share."""
     sample, train = config.sample, config.train
     check_choice(train.old_log_probs, OLD_LOG_PROBS, "train.old_log_probs")
     for field in ("batch_size", "gradient_accumulation_steps", "num_inner_epochs", "learning_rate", "max_grad_norm"):
         check_positive(train[field], f"train.{field}")
     check_positive(train.grad_share_every, "train.grad_share_every", allow_zero=True)
+    if not isinstance(train.lr_warmup_steps, int) or isinstance(train.lr_warmup_steps, bool) or train.lr_warmup_steps < 0:
+        raise ConfigError(f"config.train.lr_warmup_steps={train.lr_warmup_steps!r} must be a whole number of optimizer "
+                          "steps >= 0 (0: no warm-up)")
     per_epoch = sample.batch_size * sample.num_batches_per_epoch
     if per_epoch % train.batch_size:
         raise ConfigError(
