@@ -145,6 +145,24 @@ def config_document(config):
     return document
 
 
+def same_config(done, now):
+    """Whether a finished run's config document `done` is the config document `now`: equal, once the fields the
+    code added since the run (absent from `done`) are dropped from `now` where they hold the base config's default
+    (a field added at its default, e.g. train.lr_warmup_steps = 0, is the config the run had)."""
+    from ddpo_group.config.fields import load_base_config
+
+    defaults = json.loads(json.dumps(load_base_config().to_dict(), default=str, sort_keys=True))
+
+    def trim(old, new, default):
+        if not (isinstance(old, dict) and isinstance(new, dict)):
+            return new
+        default = default if isinstance(default, dict) else {}
+        return {key: trim(old.get(key), value, default.get(key)) for key, value in new.items()
+                if key in old or key not in default or value != default[key]}
+
+    return done is not None and done == trim(done, now, defaults)
+
+
 def run_dir_of(results, rung, family, case, seed):
     return os.path.join(results, "runs", rung, family, case, f"seed_{seed}")
 
@@ -519,7 +537,7 @@ def main(argv=None):
                             parser.error(str(err))
                         if os.path.exists(os.path.join(run_dir, "finished.json")):
                             done = _read_json(os.path.join(run_dir, CONFIG_FILE)) or {}
-                            if done.get("config") != config_document(config):
+                            if not same_config(done.get("config"), config_document(config)):
                                 refused.append(os.path.relpath(run_dir, results))
                             continue
                         tasks.append((f"{rung}/{family}/{case}/seed_{seed}",
@@ -533,8 +551,8 @@ def main(argv=None):
                 continue
             spec = dict((done or {}).get("spec") or {}, run_dir=run_dir, epochs=args.epochs, images=args.images)
             try:
-                same = done is not None and done.get("config") == config_document(
-                    ladder_config(**dict(spec, model=models.get(spec.get("family"), "")), overrides=args.set))
+                same = done is not None and same_config(done.get("config"), config_document(
+                    ladder_config(**dict(spec, model=models.get(spec.get("family"), "")), overrides=args.set)))
             except (ConfigError, TypeError, KeyError):
                 same = False
             if not same:

@@ -204,3 +204,21 @@ def test_a_negative_sample_count_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ladder.main(["--collect", "--samples", "-1", "--results", str(tmp_path)])
     assert "--samples -1: a number of images" in capsys.readouterr().err
+
+
+def test_a_field_the_code_added_since_a_run_at_its_default_is_the_same_config(tmp_path):
+    spec = {"rung": "b", "family": "unet", "case": "two_object", "prompt": ladder.RUNG_B_PROMPTS["two_object"],
+            "seed": 42, "epochs": 2, "images": 0, "model": ""}
+    run_dir = write_run(tmp_path, "b", "unet", "two_object", 42, strict_rows([0.5, 0.6]), spec)
+    path = os.path.join(run_dir, ladder.CONFIG_FILE)
+    with open(path) as f:
+        document = json.load(f)
+    del document["config"]["train"]["lr_warmup_steps"]  # a run finished before the field existed
+    with open(path, "w") as f:
+        json.dump(document, f)
+    args = ["--rungs", "b", "--cases", "two_object", "--families", "unet", "--seeds", "42", "--epochs", "2",
+            "--results", str(tmp_path)]
+    rows, _ = ladder.main(args)  # the same config: nothing to run, collected
+    assert [(r["case"], r["seed"]) for r in rows] == [("two_object", 42)]
+    with pytest.raises(SystemExit, match="trained with another config"):  # the new field set away from its default
+        ladder.main(args + ["--set", "train.lr_warmup_steps=8"])
