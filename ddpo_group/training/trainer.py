@@ -77,6 +77,18 @@ def _network_reachable(host, port, timeout=2.0):
         return False
 
 
+
+def warm_up_learning_rate(optimizer, train, global_step):
+    """train.lr_warmup_steps: set the learning rate of the coming optimizer step, learning_rate x min(1, (k + 1) /
+    warm-up) at step k = global_step (restored on resume, so a resumed warm-up goes on where it stopped); nothing
+    without a warm-up."""
+    warmup = int(getattr(train, "lr_warmup_steps", 0) or 0)
+    if warmup <= 0:
+        return
+    rate = train.learning_rate * min(1.0, (global_step + 1) / warmup)
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+
 class Trainer:
     """Builds everything from a config (models, optimizer, rewards, prompts) and runs the epochs."""
 
@@ -289,7 +301,7 @@ class Trainer:
         Returns {"skipped": bool, "grad_norm": the clipped-before norm of a step taken, else None}.
         """
         acc = self.accelerator
-        self._warm_up_learning_rate()
+        warm_up_learning_rate(self.optimizer, self.config.train, self.global_step)
         grad_norm = self.clip_grad_norm(self.trainable_params, self.config.train.max_grad_norm)  # sharded or not
         flags = acc.gather(torch.tensor([float(bad)], device=acc.device))
         bad = bool(flags.sum() > 0)
@@ -319,16 +331,6 @@ class Trainer:
                 self.reference.on_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"skipped": skip, "grad_norm": None if skip or grad_norm is None else float(grad_norm)}
-
-    def _warm_up_learning_rate(self):
-        """train.lr_warmup_steps: the learning rate of the coming optimizer step, learning_rate x min(1, (k + 1) /
-        warm-up) at step k = global_step (restored on resume, so a resumed warm-up goes on where it stopped)."""
-        warmup = int(self.config.train.get("lr_warmup_steps", 0) or 0)
-        if warmup <= 0:
-            return
-        rate = self.config.train.learning_rate * min(1.0, (self.global_step + 1) / warmup)
-        for group in self.optimizer.param_groups:
-            group["lr"] = rate
 
     def step_metrics(self):
         """The optimizer's counters for an epoch's metrics (both update paths): train/skipped_steps,
