@@ -59,6 +59,7 @@ from the base and N from the final weights (`scripts/evaluate.py --protocol gene
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -145,13 +146,19 @@ def config_document(config):
     return document
 
 
+@functools.lru_cache(maxsize=1)
+def _base_defaults():
+    """The base config as JSON data (read once: same_config runs for every finished run of a folder)."""
+    from ddpo_group.config.fields import load_base_config
+
+    return json.loads(json.dumps(load_base_config().to_dict(), default=str, sort_keys=True))
+
+
 def same_config(done, now):
     """Whether a finished run's config document `done` is the config document `now`: equal, once the fields the
     code added since the run (absent from `done`) are dropped from `now` where they hold the base config's default
     (a field added at its default, e.g. train.lr_warmup_steps = 0, is the config the run had)."""
-    from ddpo_group.config.fields import load_base_config
-
-    defaults = json.loads(json.dumps(load_base_config().to_dict(), default=str, sort_keys=True))
+    defaults = _base_defaults()
 
     def trim(old, new, default):
         if not (isinstance(old, dict) and isinstance(new, dict)):
@@ -402,7 +409,7 @@ def sample_figure(rows, results, count):
         if checkpoint is None or row["prompt"] not in records:
             continue
         sampler = {key: (config.get("sample") or {}).get(key) for key in ("num_steps", "guidance_scale", "eta")}
-        record = {k: v for k, v in records[row["prompt"]].items()}
+        record = records[row["prompt"]]
         with tempfile.TemporaryDirectory() as work:
             base = sample_prompt(["--model", row["model"]], record, count, sampler, work, "base")
             final = sample_prompt(["--checkpoint", checkpoint], record, count, sampler, work, "final")

@@ -64,6 +64,7 @@ CORE_SHARE = 0.9  # an object's colour: the median of its pixels at least this s
 MIN_AREA = 40  # px: half the scenes world's smallest object (AREA_RANGE 80 px); rendered objects keep >= 72
 TEMPERATURE = 0.025  # of the softmax over template overlaps: the least NLL of the true class (docs/scenes.md)
 QUALITY_RANGE = (0.4, 0.7)  # best template overlap at which the shape quality q starts to rise, reaches 1
+PALETTE = np.asarray(list(COLORS.values()), dtype=np.float64)  # (K, 3) in the order of list(COLORS)
 REPORT_MIN = 0.05  # (object, class) pairs scored below this are not reported (under every threshold of GenEval)
 
 
@@ -176,8 +177,7 @@ def shape_segments(image: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.n
     shape in any hue")."""
     pixels = np.asarray(image).astype(np.float64)
     background = _background(pixels)
-    palette = np.asarray(list(COLORS.values()), dtype=np.float64)
-    reach = np.linalg.norm(palette - background, axis=1)
+    reach = np.linalg.norm(PALETTE - background, axis=1)
     reach = reach[reach > 1e-3]
     offset = pixels - background
     distance = np.linalg.norm(offset, axis=-1)
@@ -246,8 +246,7 @@ class ShapesDetector:
     def _segments(self, image: np.ndarray):
         """[(mask, coverage, palette index)] of one image, by ``self.segmentation``."""
         if self.segmentation == "shape":
-            palette = np.asarray(list(COLORS.values()), dtype=np.float64)
-            return [(mask, alpha, int(np.argmin(np.linalg.norm(palette - color, axis=1))))
+            return [(mask, alpha, int(np.argmin(np.linalg.norm(PALETTE - color, axis=1))))
                     for mask, alpha, color in shape_segments(image)]
         labels, alphas = palette_labels(image)
         return [(mask, alphas[k], k) for k in range(len(COLORS)) for mask in _components(labels == k)]
@@ -292,7 +291,7 @@ class ShapesColorClassifier:
     colors = tuple(COLORS)
 
     def classify(self, image, detections, classname) -> list[str]:
-        palette = np.asarray([COLORS[name] for name in self.colors], dtype=np.float64)
+        palette = PALETTE
         names = []
         for detection in detections:
             pixels = np.asarray(image, dtype=np.float64)[detection.mask] if detection.mask is not None else None
