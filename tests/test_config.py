@@ -196,6 +196,12 @@ def test_a_benchmarks_set_assignment_is_typed_as_its_field_and_a_typo_is_one_lin
     assert config.sample.num_batches_per_epoch == 4 and type(config.sample.num_batches_per_epoch) is int
     assert config.compile is True
     assert config.run_name == "a=b"
+    # a JSON string, quotes and all, is its text (the ladder's --set train.policy_loss='"grpo_guard"' stopped in
+    # check_config naming the value with its quotes)
+    set_field(config, 'train.policy_loss="grpo_guard"')
+    assert config.train.policy_loss == "grpo_guard"
+    set_field(config, 'run_name="a')  # not a JSON string: as written
+    assert config.run_name == '"a'
     with pytest.raises(ConfigError, match=r"no field 'train.learnin_rate' \(did you mean 'train.learning_rate'\?\)"):
         set_field(config, "train.learnin_rate=1")
     with pytest.raises(ConfigError, match="no field 'nosuch.section.x'"):

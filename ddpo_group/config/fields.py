@@ -72,8 +72,9 @@ def closest_field(name, reference=None):
 def set_field(config, assignment):
     """Sets one "FIELD=VALUE" assignment (a benchmark's --set) in `config`: FIELD dotted (train.learning_rate),
     VALUE a JSON value typed as the field's default is (an int field takes 100 or 1e2, a bool one true / false; a
-    string field takes the text as written). A field the config lacks, or a value its type cannot take, is a
-    one-line ConfigError naming the assignment (and the closest field)."""
+    string field takes the text as written, or a JSON string's text: "grpo_guard" with its quotes is grpo_guard).
+    A field the config lacks, or a value its type cannot take, is a one-line ConfigError naming the assignment
+    (and the closest field)."""
     import json
 
     key, equals, text = assignment.partition("=")
@@ -91,6 +92,11 @@ def set_field(config, assignment):
                           + "; every field is listed in ddpo_group/config/base.py")
     old = node[leaf]
     if isinstance(old, str):
+        if len(text) >= 2 and text[0] == text[-1] == '"':
+            try:  # the quotes a JSON string (or a shell habit) wraps it in are not part of the value
+                text = json.loads(text)
+            except ValueError:
+                pass
         node[leaf] = text
         return config
     try:
