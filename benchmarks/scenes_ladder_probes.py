@@ -30,13 +30,14 @@ import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
-WINDOW = 3  # the ladder's: a 3-epoch mean
+from scenes_ladder import TARGET, WINDOW, run_dir_of  # noqa: E402  (the ladder's window, target and run folders)
 
 
 def read_run(results, family, case, seed):
     """The run's metrics rows that close an epoch (they carry the strict-correct), and whether it finished."""
-    run_dir = os.path.join(results, "runs", "b", family, case, f"seed_{seed}")
+    run_dir = run_dir_of(results, "b", family, case, seed)
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise SystemExit(f"--probe {results}: no {os.path.relpath(path, REPO_ROOT)} (run the ladder's case first)")
@@ -66,22 +67,21 @@ def summarise(label, rows, finished):
 
 
 def ddim_step_stds(model="tiny-scenes", num_steps=10):
-    """[(t, t_prev, std)] of DDIM with eta 1 on the model's scheduler at num_steps (diffusers' variance formula)."""
+    """[(t, t_prev, std)] of DDIM with eta 1 on the model's scheduler at num_steps: the alphas the trainer's own
+    step takes (ddpo_group.diffusion.ddim._scheduler_alphas), in diffusers' variance formula."""
+    import torch
     from diffusers import DDIMScheduler
 
+    from ddpo_group.diffusion.ddim import _scheduler_alphas
     from ddpo_group.diffusion.loading import shipped_dir
 
     scheduler = DDIMScheduler.from_pretrained(shipped_dir(model), subfolder="scheduler")
     scheduler.set_timesteps(num_steps)
+    timesteps = scheduler.timesteps.long()
+    a_t, a_prev = _scheduler_alphas(scheduler, timesteps, len(timesteps), "cpu", torch.float64)
+    variance = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
     step = scheduler.config.num_train_timesteps // num_steps
-    alphas = scheduler.alphas_cumprod
-    out = []
-    for t in scheduler.timesteps.tolist():
-        prev = t - step
-        a_t, a_prev = alphas[t], (alphas[prev] if prev >= 0 else scheduler.final_alpha_cumprod)
-        variance = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
-        out.append((t, prev, float(variance.sqrt())))
-    return out
+    return [(int(t), int(t) - step, float(v.sqrt())) for t, v in zip(timesteps, variance)]
 
 
 def figure(probes, path):
@@ -100,7 +100,7 @@ def figure(probes, path):
         shares = [s if s is not None else 0.0 for s in p["grad_share_mean"]]
         axes[2].bar([i + (k - (len(probes) - 1) / 2) * width for i in range(len(shares))], shares, width=width,
                     color=color)
-    axes[0].axhline(0.9, color="gray", linestyle=":")
+    axes[0].axhline(TARGET, color="gray", linestyle=":")
     axes[0].set_ylim(-0.02, 1.02)
     axes[0].set_ylabel("strict-correct (training)")
     axes[0].set_xlabel("epoch")
