@@ -85,3 +85,33 @@ def test_the_scaling_benchmark_refuses_a_folder_it_did_not_make_and_tabulates_fi
                      "loss_fresh_scenes": 0.2031, "overall": 2.0 / 6, **tags}]
     assert "| sd | m | 3.70 | 2969 | 287.6 | 0.2037 | 0.2031 | 0.333 | 1.000 |" in capsys.readouterr().out
     assert json.loads((out / "scaling.json").read_text())["rows"] == rows
+
+
+def test_patch_1_gives_the_transformer_16x16_tokens_of_the_same_latents():
+    """--patch 1: one token per latent pixel (256 on 4x16x16 latents) against patch 2's 64, the same weights'
+    shapes apart from the patch embedding and the output projection, and latents of the same shape out."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+    from ddpo_group.diffusion.tiny import scenes_component_configs
+
+    one, two = (scenes_component_configs(100, "s", patch)["transformer"] for patch in (1, 2))
+    assert (one["patch_size"], two["patch_size"]) == (1, 2)
+    assert {k: v for k, v in one.items() if k != "patch_size"} == {k: v for k, v in two.items() if k != "patch_size"}
+    model = SD3Transformer2DModel(**one).eval()
+    tokens = model.pos_embed(torch.zeros(1, 4, 16, 16))
+    assert tokens.shape[1] == 16 * 16
+    with torch.no_grad():
+        out = model(torch.randn(2, 4, 16, 16), encoder_hidden_states=torch.randn(2, 32, 64),
+                    pooled_projections=torch.randn(2, 64), timestep=torch.tensor([500.0, 10.0])).sample
+    assert out.shape == (2, 4, 16, 16)
+    with pytest.raises(ValueError, match="patch=3"):
+        scenes_component_configs(100, "s", 3)
+
+
+def test_patch_is_the_transformers_and_refused_for_the_unet(capsys):
+    pretrain = load_script("scripts/pretrain_tiny.py")
+    assert pretrain.parse_args(["--world", "scenes", "--arch", "sd3", "--patch", "1"]).patch == 1
+    with pytest.raises(SystemExit):
+        pretrain.parse_args(["--world", "scenes", "--arch", "sd", "--patch", "1"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--patch" in error and "--arch sd" in error

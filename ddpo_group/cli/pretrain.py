@@ -146,6 +146,9 @@ def parse_args(argv=None, prog=None):
     parser.add_argument("--size", choices=("s", "m", "l"), default="s",
                         help="scenes world: the denoiser's size (ddpo_group.diffusion.tiny.SCENES_SIZES; docs/scenes.md "
                              "has the scaling table)")
+    parser.add_argument("--patch", type=int, choices=(1, 2), default=2,
+                        help="scenes world, --arch sd3: the transformer's patch side in latent pixels; 2: 8x8 tokens "
+                             "(the shipped tiny-scenes-sd3), 1: 16x16 tokens, about 4x the compute a step")
     parser.add_argument("--device", default="cpu",
                         help="scenes world: where the models train and sample (cpu, cuda, cuda:1...); the random "
                              "draws stay on the CPU's generator, so a device changes only the floating-point sums")
@@ -232,6 +235,8 @@ def parse_args(argv=None, prog=None):
                      f"inside the warmup), got {args.warmup_steps}")
     if args.arch == "sd3" and not scenes:
         parser.error("--arch sd3 is for --world scenes (the shapes world's tiny-shapes is a UNet)")
+    if args.patch != 2 and args.arch != "sd3":
+        parser.error(f"argument --patch: the transformer's (--arch sd3); --arch {args.arch} has no patches")
     if scenes:  # the scenes world's defaults where the shapes world's were not given
         for name, value in SCENES_DEFAULTS[args.arch].items():
             if name not in given:
@@ -620,11 +625,11 @@ def _scenes_paths(args):
 # What a scenes state is made with: a resume with another value would silently train another schedule (or load
 # weights of another shape), so it is refused. The session's own options (--max-minutes, --stop-at-step,
 # --checkpoint-every, --threads, --output-dir, the evaluation's) may change between parts.
-RECORDED_OPTIONS = ("world", "arch", "size", "quick", "seed", "dataset_size", "vae_from", "vae_crop", "vae_steps",
+RECORDED_OPTIONS = ("world", "arch", "size", "patch", "quick", "seed", "dataset_size", "vae_from", "vae_crop", "vae_steps",
                     "vae_batch_size", "vae_lr", "kl_weight", "unet_steps", "denoiser_minutes", "batch_size", "unet_lr",
                     "cond_dropout", "ema_decay", "warmup_steps")
 OPTIONS_FILE = "options.json"
-DEFAULTS_OF_LATER_OPTIONS = {"size": "s", "denoiser_minutes": None}
+DEFAULTS_OF_LATER_OPTIONS = {"size": "s", "patch": 2, "denoiser_minutes": None}
 
 
 def recorded_options(args) -> dict:
@@ -935,7 +940,8 @@ def _pretrain_scenes(args) -> dict:
     check_recorded_options(args, state_dir)
     deadline = time.time() + args.max_minutes * 60 if args.max_minutes else math.inf
     torch.manual_seed(args.seed)
-    pipeline = build_tiny_scenes_pipeline(SCENE_WORDS, args.arch, seed=args.seed, size=args.size)
+    pipeline = build_tiny_scenes_pipeline(SCENE_WORDS, args.arch, seed=args.seed, size=args.size,
+                                          patch=args.patch)
     start = time.time()
     images, rows, unique_prompts = _scenes_data(args, state_dir, pipeline)  # rendered before the device is touched
     pipeline.to(args.device)
@@ -993,7 +999,7 @@ def _pretrain_scenes(args) -> dict:
                                             [unique_prompts[int(r)] for r in rows[:FRESH_SCENES]]),
               "fresh_scenes": held_out_loss(pipeline, args, None)} if args.eval_steps > 0 else None
     log = {
-        "world": "scenes", "arch": args.arch, "size": args.size, "seed": args.seed, "quick": args.quick,
+        "world": "scenes", "arch": args.arch, "size": args.size, "patch": args.patch, "seed": args.seed, "quick": args.quick,
         "device": str(args.device), "render_workers": args.render_workers,
         "denoiser_parameters": sum(p.numel() for p in (pipeline.transformer if args.arch == "sd3" else pipeline.unet).parameters()),
         "denoiser_loss": losses,

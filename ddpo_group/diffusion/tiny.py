@@ -484,16 +484,21 @@ SCENES_SIZES = {
 }
 
 
-def scenes_component_configs(vocab_size, size="s"):
+def scenes_component_configs(vocab_size, size="s", patch=2):
     """The scenes models' architecture (``scripts/pretrain_tiny.py --world scenes``): 64x64 images, the tiny VAE's
     three blocks (scale factor 4, 4x16x16 latents), a 16-token CLIP text encoder of width 32 (two for SD3), and, at
     `size` "s" (SCENES_SIZES; "m" and "l" are wider and deeper),
 
         sd    UNet2DConditionModel, blocks (32, 64, 64) with attention at 8x8 and 4x4 (none at 16x16: 4x the cost)
         sd3   SD3Transformer2DModel, patch 2 (64 image tokens), 6 joint blocks of 4 heads x 16
+
+    `patch` (sd3): the transformer's patch side in latent pixels, 2 (8x8 tokens of 8x8 image px; the shipped model)
+    or 1 (16x16 tokens of 4x4 px: the UNet's first resolution, about four times the compute a step).
     """
     if size not in SCENES_SIZES:
         raise ValueError(f"size={size!r} is not one of {sorted(SCENES_SIZES)}")
+    if patch not in (1, 2):
+        raise ValueError(f"patch={patch!r} is not 1 or 2")
     channels = SCENES_SIZES[size]["sd"]
     layers, heads, head_dim = SCENES_SIZES[size]["sd3"]
     base = tiny_component_configs(vocab_size)
@@ -509,21 +514,22 @@ def scenes_component_configs(vocab_size, size="s"):
             "cross_attention_dim": 32, "attention_head_dim": 4, "norm_num_groups": 8,
         },
         "transformer": {
-            "sample_size": SCENES_IMAGE_SIZE // 4, "patch_size": 2, "in_channels": 4, "out_channels": 4,
+            "sample_size": SCENES_IMAGE_SIZE // 4, "patch_size": patch, "in_channels": 4, "out_channels": 4,
             "num_layers": layers, "attention_head_dim": head_dim, "num_attention_heads": heads,
             "joint_attention_dim": 64, "caption_projection_dim": heads * head_dim, "pooled_projection_dim": 64, "pos_embed_max_size": SCENES_IMAGE_SIZE // 4,
         },
     }
 
 
-def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s"):
+def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s", patch=2):
     """The scenes world's tiny pipeline with random weights drawn from ``seed`` (CPU, float32), built offline:
     arch "sd3" a StableDiffusion3Pipeline (two 16-token CLIP encoders, no T5, FlowMatchEulerDiscreteScheduler
     shift 3.0, the VAE with SD3's scaling and shift), "sd" a StableDiffusionPipeline with DDIM. ``words``: the
     tokenizer's whole words (``ddpo_group.data.scenes.SCENE_WORDS``; this layer does not import the world). The
-    pretrained copies are the shipped ``tiny-scenes-sd3`` and ``tiny-scenes``. ``size``: SCENES_SIZES."""
+    pretrained copies are the shipped ``tiny-scenes-sd3`` and ``tiny-scenes``. ``size``: SCENES_SIZES; ``patch``:
+    the transformer's (scenes_component_configs)."""
     tokenizer = build_tiny_tokenizer(words, model_max_length=SCENES_MAX_LENGTH)
-    configs = scenes_component_configs(len(tokenizer), size)
+    configs = scenes_component_configs(len(tokenizer), size, patch)
     if arch == "sd":
         return _random_sd_pipeline(configs, tokenizer, seed)
     if arch != "sd3":
