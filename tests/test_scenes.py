@@ -222,3 +222,42 @@ def test_the_report_shows_a_tagged_evaluation_by_tag_first_and_last(tmp_path):
     assert html.count("data:image/png;base64,") == 4  # two prompts, first and last
     assert "a photo of a star above a cross" in html and "&#10007;" in html and "&#10003;" in html
     assert tag_evaluations_html(str(tmp_path / "nothing")) == ""
+
+
+def test_the_flow_base_samples_with_the_text_tokens_it_was_trained_on(tmp_path):
+    """Found in issue 53: the scenes pretraining feeds each prompt's 16 CLIP tokens then 16 zero T5 tokens
+    (flow_text_embeddings), and the policy fed SD3's default 256 zero tokens at sampling, a different attention
+    over the text (held-out 0.085 against 0.132 on the shipped model, 2 images a record). The policy's
+    conditioning is now the training's, value for value; an explicit sample.max_sequence_length still wins, and a
+    pipeline this project did not pretrain keeps diffusers' 256."""
+    from ddpo_group.cli.pretrain import _import_torch, flow_text_embeddings
+    from ddpo_group.diffusion.policy import load_policy
+    from ddpo_group.diffusion.sd3 import trained_text_length
+
+    _import_torch()  # the pretraining module's lazy imports
+
+    policy = load_policy("tiny-scenes-sd3")
+    pipeline = policy.pipeline
+    assert policy.max_sequence_length == pipeline.tokenizer.model_max_length == 16
+    prompts = ["a photo of a red circle and a blue square", ""]
+    ids = pipeline.tokenizer(prompts, padding="max_length", max_length=16, truncation=True, return_tensors="pt").input_ids
+    with torch.no_grad():
+        hidden, pooled = flow_text_embeddings(pipeline, ids)
+        cond = policy._encode(prompts[:1], "", 4.5, torch.device("cpu"))
+    assert hidden.shape == (2, 32, 64)  # 16 CLIP tokens, 16 zero ones
+    assert torch.allclose(cond["prompt_embeds"], hidden[:1], atol=1e-6)
+    assert torch.allclose(cond["negative_prompt_embeds"], hidden[1:], atol=1e-6)
+    assert torch.allclose(cond["pooled_prompt_embeds"], pooled[:1], atol=1e-6)
+    policy.configure(max_sequence_length=256)  # what a config that names a length gets
+    assert policy._encode(prompts[:1], "", 4.5, torch.device("cpu"))["prompt_embeds"].shape[1] == 16 + 256
+    policy.configure()
+    assert policy.max_sequence_length == 16
+
+    # the same pipeline saved without the pretraining's log is any SD3 pipeline: diffusers' 256
+    pipeline.save_pretrained(tmp_path / "copy")
+    assert load_policy(str(tmp_path / "copy")).max_sequence_length == 256
+    (tmp_path / "copy" / "pretrain_log.json").write_text(json.dumps({"world": "scenes", "arch": "sd3", "text_tokens": 12}))
+    assert load_policy(str(tmp_path / "copy")).max_sequence_length == 12
+    (tmp_path / "copy" / "pretrain_log.json").write_text("{not json")
+    assert load_policy(str(tmp_path / "copy")).max_sequence_length == 256
+    assert trained_text_length(load_policy("tiny-sd3").pipeline) is None

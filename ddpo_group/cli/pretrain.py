@@ -911,7 +911,8 @@ def evaluate_scenes(pipeline, args) -> dict:
     records = [r for r in read_metadata(evaluation_prompts_path()) for _ in range(args.eval_images_per_prompt)]
     generator = torch.Generator().manual_seed(args.seed + 2)
     start = time.time()
-    kwargs = {} if args.arch == "sd3" else {"eta": args.eta}
+    # sd3: as many zero T5 tokens as the training fed (flow_text_embeddings), not the pipeline's 256
+    kwargs = {"max_sequence_length": pipeline.tokenizer.model_max_length} if args.arch == "sd3" else {"eta": args.eta}
     images = []
     for i in tqdm(range(0, len(records), 50), desc="eval", dynamic_ncols=True):
         batch = [r["prompt"] for r in records[i : i + 50]]
@@ -999,7 +1000,8 @@ def _pretrain_scenes(args) -> dict:
                                             [unique_prompts[int(r)] for r in rows[:FRESH_SCENES]]),
               "fresh_scenes": held_out_loss(pipeline, args, None)} if args.eval_steps > 0 else None
     log = {
-        "world": "scenes", "arch": args.arch, "size": args.size, "patch": args.patch, "seed": args.seed, "quick": args.quick,
+        "world": "scenes", "arch": args.arch, "size": args.size, "patch": args.patch,
+        **({"text_tokens": pipeline.tokenizer.model_max_length} if args.arch == "sd3" else {}), "seed": args.seed, "quick": args.quick,
         "device": str(args.device), "render_workers": args.render_workers,
         "denoiser_parameters": sum(p.numel() for p in (pipeline.transformer if args.arch == "sd3" else pipeline.unet).parameters()),
         "denoiser_loss": losses,

@@ -2,6 +2,9 @@
 T5 text encoders, classifier-free guidance, the scheduler's (optionally dynamically shifted) grid.
 The step, the sampling loop, LoRA and checkpoints are the flow-matching base's (``flow_policy.py``)."""
 
+import json
+import os
+
 import torch
 from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
@@ -50,6 +53,12 @@ class StableDiffusion3Policy(FlowMatchingPolicy):
     def latent_channels(self):
         return self.pipeline.transformer.config.in_channels
 
+    def __init__(self, pipeline):
+        super().__init__(pipeline)
+        # a model trained here without T5 saw as many zero T5 tokens as it has CLIP tokens (trained_text_length)
+        self.default_max_sequence_length = trained_text_length(pipeline) or type(self).default_max_sequence_length
+        self.max_sequence_length = self.default_max_sequence_length
+
     def _encode(self, prompts, negative_prompt, guidance_scale, device):
         cfg = guidance_scale > 1.0
         embeds, negative, pooled, negative_pooled = self.pipeline.encode_prompt(
@@ -94,6 +103,36 @@ class StableDiffusion3Policy(FlowMatchingPolicy):
             uncond, text = velocity.chunk(2)
             return uncond + guidance_scale * (text - uncond)
         return velocity
+
+
+PRETRAIN_LOG = "pretrain_log.json"  # written beside a pipeline by `ddpo-group pretrain` (ddpo_group/cli/pretrain.py)
+
+
+def trained_text_length(pipeline) -> int | None:
+    """The zero T5 tokens a pipeline made by ``ddpo-group pretrain --world scenes --arch sd3`` was trained with, or
+    None for any other pipeline (diffusers' 256 then stands).
+
+    Without T5, SD3's pipeline feeds ``max_sequence_length`` zero T5 tokens after the CLIP tokens. The scenes
+    pretraining (``cli/pretrain.flow_text_embeddings``) fed as many as the CLIP tokenizer's length (16); with 256 at
+    sampling the joint attention weighs 256 copies of one zero token against the 16 the model learned with, and the
+    prompt's own tokens count for less (docs/scenes.md, "The flow base's text tokens"). The pipeline's folder says
+    what made it: its pretrain_log.json (``text_tokens``; a log from before that field: the tokenizer's length).
+    """
+    if getattr(pipeline, "text_encoder_3", None) is not None:
+        return None
+    folder = getattr(pipeline.config, "_name_or_path", None)
+    path = os.path.join(folder, PRETRAIN_LOG) if isinstance(folder, str) and folder else None
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            log = json.load(f)
+    except (OSError, ValueError):
+        return None  # not a log this project wrote: the pipeline's default
+    if not isinstance(log, dict) or (log.get("world"), log.get("arch")) != ("scenes", "sd3"):
+        return None
+    length = log.get("text_tokens", pipeline.tokenizer.model_max_length)
+    return int(length) if isinstance(length, int) and length > 0 else None
 
 
 def build_random_sd35_pipeline(seed=0, torch_dtype=torch.float32, num_layers=None):
