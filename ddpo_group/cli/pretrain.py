@@ -1000,8 +1000,10 @@ def _pretrain_scenes(args) -> dict:
                                             [unique_prompts[int(r)] for r in rows[:FRESH_SCENES]]),
               "fresh_scenes": held_out_loss(pipeline, args, None)} if args.eval_steps > 0 else None
     log = {
-        "world": "scenes", "arch": args.arch, "size": args.size, "patch": args.patch,
-        **({"text_tokens": pipeline.tokenizer.model_max_length} if args.arch == "sd3" else {}), "seed": args.seed, "quick": args.quick,
+        "world": "scenes", "arch": args.arch, "size": args.size, "patch": args.patch, "seed": args.seed,
+        "quick": args.quick,
+        # the zero T5 tokens the flow model was trained and is sampled with (diffusion/sd3.trained_text_length)
+        **({"text_tokens": pipeline.tokenizer.model_max_length} if args.arch == "sd3" else {}),
         "device": str(args.device), "render_workers": args.render_workers,
         "denoiser_parameters": sum(p.numel() for p in (pipeline.transformer if args.arch == "sd3" else pipeline.unet).parameters()),
         "denoiser_loss": losses,

@@ -56,7 +56,7 @@ class StableDiffusion3Policy(FlowMatchingPolicy):
     def __init__(self, pipeline):
         super().__init__(pipeline)
         # a model trained here without T5 saw as many zero T5 tokens as it has CLIP tokens (trained_text_length)
-        self.default_max_sequence_length = trained_text_length(pipeline) or type(self).default_max_sequence_length
+        self.default_max_sequence_length = trained_text_length(pipeline) or self.default_max_sequence_length
         self.max_sequence_length = self.default_max_sequence_length
 
     def _encode(self, prompts, negative_prompt, guidance_scale, device):
