@@ -646,3 +646,35 @@ def test_the_scenes_study_refuses_a_set_value_the_trainer_refuses_for_one_of_its
     line = _last_error_line(capsys)
     assert "sample.sde_window_size=4" in line and "sample.num_steps=3" in line and "(method mixgrpo)" in line
     assert os.listdir(tmp_path) == []
+
+
+def test_the_null_reward_hands_back_the_true_scores_shuffled_and_logs_them_unshuffled():
+    """benchmarks/null_reward.py (docs/scenes.md, the flow fall): the rewards are a permutation of GenEval's own
+    partial scores on the same images (here rendered scenes of the prompt, which score 1, and blank images, which
+    score 0), its info is the true one, and a run shuffles the same way every time."""
+    import numpy as np
+    import torch
+
+    from ddpo_group.data.scenes import render_record, scene_training_prompts
+    from ddpo_group.rewards.geneval.reward import GenEvalReward
+
+    (record,) = scene_training_prompts(prompt="a photo of a magenta star")
+    rng = np.random.default_rng(0)
+    scenes = [torch.from_numpy(render_record(record, rng)).permute(2, 0, 1).float() / 255 for _ in range(4)]
+    images = torch.stack(scenes + [torch.zeros_like(scenes[0])] * 4)
+    prompts, metadata = [record["prompt"]] * 8, [dict(record) for _ in range(8)]
+    true = GenEvalReward(score="partial", detector="shapes")
+    expected, expected_info = true(images, prompts, metadata)
+    assert list(np.asarray(expected)) == [1.0] * 4 + [0.0] * 4  # the drawn star is found, a blank image scores 0
+
+    null = load_script("benchmarks/null_reward.py")
+    calls = [null.ShuffledGenEval()(images, prompts, metadata) for _ in range(2)]
+    for rewards, info in calls:
+        assert sorted(np.asarray(rewards)) == sorted(np.asarray(expected))
+        assert info.keys() == expected_info.keys()
+        for key, value in expected_info.items():
+            assert np.array_equal(np.asarray(info[key]), np.asarray(value)), key
+    one_run = null.ShuffledGenEval()
+    first, second = one_run(images, prompts, metadata)[0], one_run(images, prompts, metadata)[0]
+    assert list(first) == list(calls[0][0])  # a fresh run shuffles as the last one did, call for call
+    assert list(first) != list(second) or list(first) != list(one_run(images, prompts, metadata)[0])
