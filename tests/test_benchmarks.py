@@ -678,3 +678,26 @@ def test_the_null_reward_hands_back_the_true_scores_shuffled_and_logs_them_unshu
     first, second = one_run(images, prompts, metadata)[0], one_run(images, prompts, metadata)[0]
     assert list(first) == list(calls[0][0])  # a fresh run shuffles as the last one did, call for call
     assert list(first) != list(second) or list(first) != list(one_run(images, prompts, metadata)[0])
+
+
+def test_the_fragility_step_moves_every_weight_by_eps_and_reports_its_size():
+    """benchmarks/weight_fragility.py's perturbation: every weight moves by exactly +-eps (Adam's first step on a
+    gradient of noise), the same seed draws the same signs, and the sizes it reports are the L2 norms of the step
+    (eps * sqrt(number of weights)) and of the weights before it."""
+    import torch
+
+    fragility = load_script("benchmarks/weight_fragility.py")
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    before = [p.detach().clone() for p in module.parameters()]
+    weight_norm = torch.cat([p.flatten() for p in before]).norm().item()
+    step_norm, reported_weights = fragility.perturb(module, 0.01, seed=5)
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(module.parameters(), before)])
+    assert moved.numel() == 3 * 4 + 4 + 4 * 2 + 2
+    assert torch.allclose(moved.abs(), torch.full_like(moved, 0.01), atol=1e-7)
+    assert step_norm == pytest.approx(0.01 * moved.numel() ** 0.5)
+    assert reported_weights == pytest.approx(weight_norm)
+    again = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    again.load_state_dict({k: v for k, v in zip(again.state_dict(), before)})
+    fragility.perturb(again, 0.01, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), module.parameters()))
