@@ -493,8 +493,8 @@ def main(argv=None, prog=None) -> dict:
 
 def write_log(output_dir: str, log: dict) -> None:
     """pretrain_log.json in `output_dir`, atomically (a temporary beside it, then renamed); the SD3 policy reads
-    it back (its ``text_tokens``), so the file's name is the policy's constant."""
-    from ddpo_group.diffusion.sd3 import PRETRAIN_LOG
+    it back (its ``text_tokens``); the name is ``diffusion/tiny.PRETRAIN_LOG``, below the families."""
+    from ddpo_group.diffusion.tiny import PRETRAIN_LOG
 
     path = os.path.join(output_dir, PRETRAIN_LOG)
     with open(path + ".tmp", "w") as f:

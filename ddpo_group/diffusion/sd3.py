@@ -12,7 +12,8 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 from ddpo_group.diffusion.base import model_dtype, register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
 from ddpo_group.diffusion.loading import load_tiny_scenes_sd3
-from ddpo_group.diffusion.tiny import build_tiny_sd3_pipeline, build_tiny_tokenizer, created_in, seeded
+from ddpo_group.diffusion.tiny import (PRETRAIN_LOG, build_tiny_sd3_pipeline, build_tiny_tokenizer, created_in,
+                                      seeded)
 
 # SD3.5-Medium's published configs (stabilityai/stable-diffusion-3.5-medium: transformer/, vae/, scheduler/):
 # MMDiT-X of 24 joint blocks of 24 heads x 64, the first 13 with the extra image self-attention, RMS QK norm,
@@ -103,9 +104,6 @@ class StableDiffusion3Policy(FlowMatchingPolicy):
             uncond, text = velocity.chunk(2)
             return uncond + guidance_scale * (text - uncond)
         return velocity
-
-
-PRETRAIN_LOG = "pretrain_log.json"  # written beside a pipeline by `ddpo-group pretrain` (ddpo_group/cli/pretrain.py)
 
 
 def trained_text_length(pipeline) -> int | None:

@@ -470,6 +470,7 @@ def build_random_sdxl_pipeline(seed=0, torch_dtype=torch.float32):
                           scheduler)
 
 
+PRETRAIN_LOG = "pretrain_log.json"  # written beside a pipeline by `ddpo-group pretrain` (ddpo_group/cli/pretrain.py)
 SCENES_IMAGE_SIZE = 64
 SCENES_MAX_LENGTH = 16  # tokens: the longest scenes prompt ("a photo of a magenta semicircle and a yellow star") has 12
 
