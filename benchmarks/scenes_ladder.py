@@ -89,6 +89,18 @@ RUNG_B_PROMPTS = {
 TARGET = 0.9
 WINDOW = 3
 STRICT = "reward_info/geneval/strict_correct"
+
+
+def strict_key(rows):
+    """The key of GenEval's strict verdict in a run's metrics rows: STRICT, or, for a reward that scores with GenEval
+    under its own name (the null control, benchmarks/null_reward.py, logs the images' true verdicts as
+    reward_info/ShuffledGenEval/strict_correct), the one reward_info/<name>/strict_correct key there; None if none."""
+    keys = {k for r in rows for k in r if k.startswith("reward_info/") and k.endswith("/strict_correct")}
+    if STRICT in keys or not keys:
+        return STRICT if keys else None
+    if len(keys) > 1:
+        raise ValueError(f"metrics rows with several strict verdicts and none of them {STRICT}: {sorted(keys)}")
+    return keys.pop()
 CONFIG_FILE = "ladder_config.json"
 
 
@@ -217,7 +229,8 @@ def run_row(rung, family, case, seed, rows, document):
     """One summary row of a finished run (module docstring's verdicts)."""
     training = sorted((r for r in rows if "reward_mean" in r), key=lambda r: r["epoch"])
     rewards = [r["reward_mean"] for r in training]
-    strict = [r[STRICT] for r in training if STRICT in r]
+    key = strict_key(training)
+    strict = [r[key] for r in training if key in r] if key else []
     spec = (document or {}).get("spec", {})
     config = (document or {}).get("config", {})
     row = {"rung": rung, "family": family, "case": case, "seed": seed,

@@ -32,7 +32,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
-from scenes_ladder import TARGET, WINDOW, run_dir_of  # noqa: E402  (the ladder's window, target and run folders)
+from scenes_ladder import TARGET, WINDOW, run_dir_of, strict_key  # noqa: E402  (the ladder's rules and folders)
 
 
 def read_run(results, family, case, seed):
@@ -41,17 +41,15 @@ def read_run(results, family, case, seed):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise SystemExit(f"--probe {results}: no {os.path.relpath(path, REPO_ROOT)} (run the ladder's case first)")
-    rows = []
     with open(path) as handle:
-        for line in handle:
-            row = json.loads(line)
-            if "reward_info/geneval/strict_correct" in row and "steps/grad_share" in row:
-                rows.append(row)
+        rows = [json.loads(line) for line in handle if line.strip()]
+    key = strict_key(rows)  # the null control's true verdicts have their own key
+    rows = [dict(r, strict_correct=r[key]) for r in rows if key in r and "steps/grad_share" in r]
     return rows, os.path.isfile(os.path.join(run_dir, "finished.json"))
 
 
 def summarise(label, rows, finished):
-    strict = [r["reward_info/geneval/strict_correct"] for r in rows]
+    strict = [r["strict_correct"] for r in rows]
     windows = [sum(strict[i:i + WINDOW]) / WINDOW for i in range(max(1, len(strict) - WINDOW + 1))]
     shares = [r["steps/grad_share"] for r in rows]
     n_steps = len(shares[0])

@@ -72,6 +72,21 @@ def test_collect_gives_each_run_s_trajectory_and_a_case_passes_on_a_majority_of_
     assert (tmp_path / "ladder_b.png").stat().st_size > 1000
 
 
+def test_a_null_control_s_strict_correct_is_its_images_true_verdicts_under_its_reward_s_name(tmp_path):
+    # benchmarks/null_reward.py: the trainer sees shuffled scores, the images' true verdicts are logged under the
+    # reward's own name; the ladder reports them as the run's strict-correct (rows with several such names refuse)
+    spec = {"rung": "b", "family": "flow", "case": "colors", "prompt": "a photo of a magenta star", "epochs": 3,
+            "images": 0, "model": ""}
+    rows = [{k.replace("/geneval/", "/ShuffledGenEval/"): v for k, v in r.items()}
+            for r in strict_rows([0.3, 0.1, 0.0])]
+    write_run(tmp_path, "b", "flow", "colors", 42, rows, {**spec, "seed": 42})
+    (row,), _ = ladder.main(["--collect", "--results", str(tmp_path)])
+    assert row["strict_correct"] == [0.3, 0.1, 0.0] and not row["passed"]
+    assert ladder.strict_key(strict_rows([0.5])) == ladder.STRICT and ladder.strict_key([{"reward_mean": 1}]) is None
+    with pytest.raises(ValueError, match="several strict verdicts"):
+        ladder.strict_key([{"reward_info/a/strict_correct": 1, "reward_info/b/strict_correct": 0}])
+
+
 def test_rung_c_passes_when_its_tag_s_held_out_number_ends_above_the_base(tmp_path):
     base = {"eval/geneval/overall": 0.2, "eval/geneval/colors": 0.30}
     rows = strict_rows([0.5, 0.6])

@@ -12,14 +12,14 @@ from helpers import load_script
 probes = load_script("benchmarks/scenes_ladder_probes.py")
 
 
-def write_run(results, case, seed, strict, shares, finished=True):
+def write_run(results, case, seed, strict, shares, finished=True, key="reward_info/geneval/strict_correct"):
     run_dir = os.path.join(results, "runs", "b", "unet", case, f"seed_{seed}")
     os.makedirs(run_dir)
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
         for epoch, (value, share) in enumerate(zip(strict, shares)):
             f.write(json.dumps({"epoch": epoch, "time/sample": 1.0}) + "\n")  # a row without the epoch's numbers
             f.write(json.dumps({"epoch": epoch, "reward_mean": value / 2, "approx_kl": 0.1 / (epoch + 1),
-                                "ref/kl": 0.01 * epoch, "reward_info/geneval/strict_correct": value,
+                                "ref/kl": 0.01 * epoch, key: value,
                                 "steps/grad_share": share}) + "\n")
     if finished:
         with open(os.path.join(run_dir, "finished.json"), "w") as f:
@@ -48,6 +48,15 @@ def test_each_probe_s_strict_correct_windows_and_gradient_shares_are_read_from_i
     table = capsys.readouterr().out
     assert "| shipped | 5 | 0.100 | 0.100 | 0.500 | 0.500 | 0.100 | 0.80 (step 1) |" in table
     assert "| skip | 3 (stopped) |" in table
+
+
+def test_a_null_control_s_true_verdicts_are_read_under_its_reward_s_own_name(tmp_path, capsys):
+    # benchmarks/null_reward.py logs the images' true strict verdicts as reward_info/ShuffledGenEval/strict_correct
+    null = str(tmp_path / "null")
+    write_run(null, "colors", 42, [0.25, 0.1, 0.05], [[0.5, 0.5]] * 3, key="reward_info/ShuffledGenEval/strict_correct")
+    probes.main(["--case", "colors", "--seed", "42", "--probe", f"null={null}", "--output", str(tmp_path / "o")])
+    (row,) = json.load(open(tmp_path / "o.json"))["probes"]
+    assert row["strict_correct"] == [0.25, 0.1, 0.05] and row["strict_best_window"] == pytest.approx(0.4 / 3)
 
 
 def test_a_probe_without_its_run_or_with_a_bad_label_is_one_line(tmp_path, capsys):
