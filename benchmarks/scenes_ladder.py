@@ -89,6 +89,7 @@ RUNG_B_PROMPTS = {
 TARGET = 0.9
 WINDOW = 3
 STRICT = "reward_info/geneval/strict_correct"
+CONFIG_FILE = "ladder_config.json"
 
 
 def strict_key(rows):
@@ -96,12 +97,11 @@ def strict_key(rows):
     under its own name (the null control, benchmarks/null_reward.py, logs the images' true verdicts as
     reward_info/ShuffledGenEval/strict_correct), the one reward_info/<name>/strict_correct key there; None if none."""
     keys = {k for r in rows for k in r if k.startswith("reward_info/") and k.endswith("/strict_correct")}
-    if STRICT in keys or not keys:
+    if not keys or STRICT in keys:
         return STRICT if keys else None
     if len(keys) > 1:
         raise ValueError(f"metrics rows with several strict verdicts and none of them {STRICT}: {sorted(keys)}")
     return keys.pop()
-CONFIG_FILE = "ladder_config.json"
 
 
 def cases(rung, tag="colors"):
