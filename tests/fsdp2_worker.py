@@ -96,10 +96,17 @@ def run(model, use_lora=False):
         result["full_norms"] = full_norms
         result["max_abs_weight_diff"] = max(
             float((sharded_weights[n] - weights[n].detach()).abs().max()) for n in initial)
+        # over every trained coordinate: the share that differs by more than 2e-5, and the difference of the two
+        # updates relative to the update (L2)
+        diffs = torch.cat([(sharded_weights[n] - weights[n].detach()).flatten() for n in initial])
+        updates = torch.cat([(weights[n].detach() - initial[n]).flatten() for n in initial])
+        result["weight_diff_share"] = float((diffs.abs() > 2e-5).double().mean())
+        result["relative_update_diff"] = float(diffs.norm() / updates.norm())
         result["max_abs_weight_change"] = max(
             float((weights[n].detach() - initial[n]).abs().max()) for n in initial)
+        # the mixup against the formula on the trained weights it mixed (the sharded run's, gathered)
         result["max_abs_reference_diff"] = max(
-            float((sharded_reference[n] - (ALPHA * weights[n].detach() + (1 - ALPHA) * initial[n])).abs().max())
+            float((sharded_reference[n] - (ALPHA * sharded_weights[n] + (1 - ALPHA) * initial[n])).abs().max())
             for n in initial)
         result["num_trained_tensors"] = len(initial)
         if use_lora:  # the exported adapters, loaded by the family into a fresh LoRA model

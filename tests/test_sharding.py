@@ -85,11 +85,18 @@ def test_sharded_weights_equal_one_process_with_the_same_global_batch(worker, in
     result = worker[0][index]
     assert (result["model"], result["lora"]) == (MODELS[index].split(":")[0], MODELS[index].endswith(":lora"))
     # two AdamW steps at lr 1e-3 move the weights by about 2e-3; the two layouts differ by float32 rounding
-    # (reduction order of the gradient mean and norm), which Adam's m / sqrt(v) can enlarge for gradients near
-    # 0: measured up to 3.6e-6 (tiny SD), 3.5e-7 (tiny FLUX), 1.9e-7 (tiny SD3)
+    # (reduction order of the gradient mean and norm, the convolutions' kernels at another batch size), which
+    # Adam's m / sqrt(v) turns into up to 2 lr on a coordinate whose gradient is within the rounding of 0: the
+    # largest difference of one coordinate depends on the CPU (tiny SD: 3.6e-6 on one machine, 2.5e-4 on an
+    # AVX-512 one, where the step-0 gradients differ by 4e-5 relative, 0.03 % of the coordinates by more than
+    # 2e-5, the updates by 7e-4 relative). So the bounds are on every coordinate at once: a gradient taken on
+    # one process's rows only, or a shard left out of the reduction, is another gradient, not a rounding of it.
     assert result["max_abs_weight_change"] > 1e-3
-    assert result["max_abs_weight_diff"] <= 2e-5
-    # LoRA on the sharded SD3 base: 7.5e-8
+    assert result["weight_diff_share"] <= 1e-3
+    assert result["relative_update_diff"] <= 5e-3
+    # tiny SD3, tiny FLUX and LoRA on the sharded SD3 base keep far inside one coordinate's 2e-5 (2.1e-6 at most)
+    if index > 0:
+        assert result["max_abs_weight_diff"] <= 2e-5
     # the global gradient norm over both processes' shards is the one-process norm (before clipping)
     for sharded_norm, full_norm in zip(result["norms"], result["full_norms"]):
         assert sharded_norm == pytest.approx(full_norm, rel=1e-5)
@@ -118,8 +125,9 @@ def test_the_export_of_the_gathered_weights_loads_back_exactly(worker, index):
 
 @pytest.mark.parametrize("index", range(len(MODELS)))
 def test_the_sharded_reference_mixes_up_shard_by_shard(worker, index):
-    # theta_ref <- 0.3 theta + 0.7 theta_0, compared with the formula on the unsharded weights
-    assert worker[0][index]["max_abs_reference_diff"] <= 1e-5
+    # theta_ref <- 0.3 theta + 0.7 theta_0, compared with the formula on the gathered weights it mixed (against the
+    # one-process run's weights it would carry their rounding difference, the test above's)
+    assert worker[0][index]["max_abs_reference_diff"] <= 1e-6
 
 
 # ---- the trainer end to end: on-policy ratio, evaluation padding, checkpoints, export, resume -----------------------
