@@ -701,3 +701,66 @@ def test_the_fragility_step_moves_every_weight_by_eps_and_reports_its_size():
     again.load_state_dict({k: v for k, v in zip(again.state_dict(), before)})
     fragility.perturb(again, 0.01, seed=5)
     assert all(torch.equal(a, b) for a, b in zip(again.parameters(), module.parameters()))
+
+
+def _write_two_object_folder(path, scenes):
+    """scripts/evaluate.py --save-images' layout for one two_object record ("a star and a triangle") and one colors
+    record, its images rendered scenes."""
+    from PIL import Image
+
+    from ddpo_group.rewards.geneval.shapes_scenes import render_scene
+
+    records = [{"tag": "two_object", "include": [{"class": "star", "count": 1}, {"class": "triangle", "count": 1}],
+                "exclude": [], "prompt": "a photo of a star and a triangle"},
+               {"tag": "colors", "include": [{"class": "star", "count": 1, "color": "magenta"}], "exclude": [],
+                "prompt": "a photo of a magenta star"}]
+    for index, (record, images) in enumerate(zip(records, (scenes, scenes[:1]))):
+        samples = path / f"{index:05d}" / "samples"
+        samples.mkdir(parents=True)
+        (path / f"{index:05d}" / "metadata.jsonl").write_text(json.dumps(record) + "\n")
+        for j, scene in enumerate(images):
+            Image.fromarray(render_scene(scene)).save(samples / f"{j:04d}.png")
+    return str(path)
+
+
+def test_the_composition_of_a_two_object_prompt_against_one_coin_per_object(tmp_path, capsys):
+    """benchmarks/scenes_composition.py (docs/scenes.md, two_object's plateau): five rendered images of "a star and
+    a triangle": a star and a triangle twice, two stars, two triangles, one circle. By hand: shares 2/5, 1/5, 1/5,
+    1/5; four images of two objects from {star, triangle} hold 4 stars of 8 objects, p = 1/2; one coin per object
+    gives a star and a triangle 2 p (1 - p) = 1/2 of those four, 2/5 of all five, and that is also its ceiling
+    (1/2 x 4/5). The colors record is not a two-object record and is left out."""
+    from ddpo_group.rewards.geneval.shapes_scenes import SceneObject
+
+    def obj(shape, color, x, y):
+        return SceneObject(shape, color, (x, y), 130.0)
+
+    scenes = [[obj("star", "red", 18, 18), obj("triangle", "blue", 46, 44)],
+              [obj("triangle", "green", 16, 44), obj("star", "magenta", 44, 18)],
+              [obj("star", "yellow", 18, 18), obj("star", "blue", 46, 44)],
+              [obj("triangle", "red", 18, 18), obj("triangle", "cyan", 46, 44)],
+              [obj("circle", "blue", 32, 32)]]
+    folder = _write_two_object_folder(tmp_path / "images", scenes)
+    composition = load_script("benchmarks/scenes_composition.py")
+    output = tmp_path / "out" / "composition.json"
+    results = composition.main(["--images", f"made by hand={folder}", "--output", str(output)])
+    (row,) = results["made by hand"]
+    assert row["prompt"] == "a photo of a star and a triangle" and row["images"] == 5
+    assert row["shares"] == pytest.approx({"A + B": 0.4, "A + A": 0.2, "B + B": 0.2, "other": 0.2})
+    assert row["p"] == pytest.approx(0.5)
+    assert row["one_coin_per_object"] == pytest.approx({"A + B": 0.4, "A + A": 0.2, "B + B": 0.2})
+    assert row["ceiling"] == pytest.approx(0.4)
+    assert json.loads(output.read_text())["results"]["made by hand"][0]["ceiling"] == pytest.approx(0.4)
+    assert "| made by hand | a photo of a star and a triangle | 5 | 0.400 |" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as exit_info:  # a measurement is never written over
+        composition.main(["--images", f"made by hand={folder}", "--output", str(output)])
+    assert exit_info.value.code == 2
+
+
+def test_the_composition_refuses_a_folder_that_is_not_evaluate_s_images(tmp_path, capsys):
+    composition = load_script("benchmarks/scenes_composition.py")
+    with pytest.raises(SystemExit) as exit_info:
+        composition.main(["--images", f"empty={tmp_path}"])
+    assert exit_info.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("scenes_composition.py: error: --images ") and "scripts/evaluate.py --save-images" in line
