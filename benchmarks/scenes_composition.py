@@ -1,5 +1,5 @@
 """Which shapes a model draws together for a two-object prompt, and whether it draws its two objects' classes as if
-each had its own coin (docs/scenes.md, "two_object's plateau: a coin per object").
+each had its own coin (docs/scenes.md, "two_object's plateau is one coin per object").
 
 Reads the image folders that `scripts/evaluate.py --save-images DIR` writes (GenEval's layout:
 DIR/NNNNN/metadata.jsonl, DIR/NNNNN/samples/NNNN.png), segments every image with the shapes detector and names each
@@ -85,7 +85,8 @@ def measure(folder: str, detector) -> list[dict]:
     import numpy as np
     from PIL import Image
 
-    prompt_dirs = sorted(d for d in glob.glob(os.path.join(folder, "*")) if os.path.isfile(os.path.join(d, "metadata.jsonl")))
+    prompt_dirs = sorted(d for d in glob.glob(os.path.join(folder, "*"))
+                         if os.path.isfile(os.path.join(d, "metadata.jsonl")))
     if not prompt_dirs:
         raise BenchmarkError(f"--images {folder}: no NNNNN/metadata.jsonl inside; give a folder written by "
                              "scripts/evaluate.py --save-images")
@@ -112,8 +113,8 @@ def table(results: dict) -> str:
     for label, rows in results.items():
         for row in rows:
             shares, coin = row["shares"], row["one_coin_per_object"]
-            lines.append(f"| {label} | {row['prompt']} | {row['images']} | {shares['A + B']:.3f} | {shares['A + A']:.3f} "
-                         f"| {shares['B + B']:.3f} | {shares['other']:.3f} | {row['p']:.3f} | "
+            lines.append(f"| {label} | {row['prompt']} | {row['images']} | {shares['A + B']:.3f} "
+                         f"| {shares['A + A']:.3f} | {shares['B + B']:.3f} | {shares['other']:.3f} | {row['p']:.3f} | "
                          f"{coin['A + B'] if coin else float('nan'):.3f} | {row['ceiling']:.3f} |")
     return "\n".join(lines)
 
