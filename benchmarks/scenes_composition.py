@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import json
 import os
 import shlex
 import sys
@@ -81,27 +79,21 @@ def composition(drawn: list[tuple[str, ...]], first: str, second: str) -> dict:
 
 
 def measure(folder: str, detector) -> list[dict]:
-    """Every two_object record of one --save-images folder."""
-    import numpy as np
-    from PIL import Image
+    """Every two_object record of one --save-images folder (read by the GenEval protocol's own reader)."""
+    from ddpo_group.evaluation.protocols import ProtocolError, read_geneval_folder
+    from ddpo_group.rewards.geneval.metadata import GenEvalFormatError
 
-    prompt_dirs = sorted(d for d in glob.glob(os.path.join(folder, "*"))
-                         if os.path.isfile(os.path.join(d, "metadata.jsonl")))
-    if not prompt_dirs:
-        raise BenchmarkError(f"--images {folder}: no NNNNN/metadata.jsonl inside; give a folder written by "
-                             "scripts/evaluate.py --save-images")
+    try:
+        records, images = read_geneval_folder(folder)
+    except (ProtocolError, GenEvalFormatError) as err:
+        raise BenchmarkError(f"{err} (scripts/evaluate.py --save-images writes one)") from None
     rows = []
-    for prompt_dir in prompt_dirs:
-        with open(os.path.join(prompt_dir, "metadata.jsonl")) as f:
-            record = json.loads(f.readline())
-        if record.get("tag") != "two_object":
+    for record, record_images in zip(records, images):
+        if record.metadata.get("tag") != "two_object":
             continue
-        first, second = (clause["class"] for clause in record["include"])
-        drawn = [object_classes(np.asarray(Image.open(path).convert("RGB")), detector)
-                 for path in sorted(glob.glob(os.path.join(prompt_dir, "samples", "*.png")))]
-        if not drawn:
-            raise BenchmarkError(f"--images {folder}: {prompt_dir}/samples holds no PNG image")
-        rows.append({"prompt": record["prompt"], **composition(drawn, first, second)})
+        first, second = (clause["class"] for clause in record.metadata["include"])
+        drawn = [object_classes(image, detector) for image in record_images]
+        rows.append({"prompt": record.prompt, **composition(drawn, first, second)})
     if not rows:
         raise BenchmarkError(f"--images {folder}: no record of tag two_object; this measures two-object prompts")
     return rows
@@ -131,14 +123,13 @@ def main(argv=None):
         fail("scenes_composition.py", err)
     print(table(results))
     if args.output:
+        from ddpo_group.runs.grids import save_json
+
+        command = ["python", "benchmarks/scenes_composition.py"]
+        for item in args.images:
+            command += ["--images", item]
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        tmp = args.output + ".tmp"
-        with open(tmp, "w") as f:
-            command = ["python", "benchmarks/scenes_composition.py"]
-            for item in args.images:
-                command += ["--images", item]
-            json.dump({"command": shlex.join(command + ["--output", args.output]), "results": results}, f, indent=1)
-        os.replace(tmp, args.output)
+        save_json({"command": shlex.join(command + ["--output", args.output]), "results": results}, args.output)
         print(f"wrote {args.output}")
     return results
 
