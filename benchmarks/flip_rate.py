@@ -12,7 +12,8 @@ the size of the last SDE step (its std sigma_T, from the policy's own ``step_log
 the final latents, x' = x_T + sigma_T eps, and x' is decoded. The flip rate is the share of images whose training
 reward (reward ``geneval``'s score, the variant's: Flow-GRPO's partial score) differs between x_T's image and x''s
 (|r' - r| > 1e-9). Rendered scenes (``scenes.sample_scene``, the same records) go through the model's VAE (encode,
-decode: the clean image) and the same noise on their latents (the noisy one).
+decode: the clean image) and the same noise on their latents (the noisy one), their objects at the areas the model was
+pretrained on (``scenes.area_range_of_pipeline``: issue 42's, or ``pretrain --object-scale coarse``'s).
 
 Three shapes detectors are measured (``DETECTORS``): "unit" (issue 42's: palette segmentation, every object 1.0,
 fragments of 4 px and more), "calibrated" (issue 53's first: palette segmentation, the calibrated score) and
@@ -107,7 +108,7 @@ def build_rewards(config) -> dict:
 def measure(args) -> dict:
     from ddpo_group.diffusion.base import configure_from_sample
     from ddpo_group.diffusion.policy import load_policy
-    from ddpo_group.data.scenes import render_objects, sample_scene
+    from ddpo_group.data.scenes import area_range_of_pipeline, render_objects, sample_scene
 
     policy = load_policy(args.model, torch_dtype=torch.float32)
     config = sampling_config(policy)
@@ -116,8 +117,9 @@ def measure(args) -> dict:
     model = policy.prepare(torch.device("cpu"), torch.float32, False)
     model.eval()
     rewards = build_rewards(config)
+    area_range = area_range_of_pipeline(getattr(policy.pipeline.config, "_name_or_path", None))
     result = {"model": args.model, "family": policy.family, "num_steps": s.num_steps, "eta": s.eta,
-              "sde_type": s.sde_type, "guidance_scale": s.guidance_scale, "splits": {}}
+              "sde_type": s.sde_type, "guidance_scale": s.guidance_scale, "object_area": list(area_range), "splits": {}}
     for split in args.splits.split(","):
         records = split_records(split, args.prompts, args.seed)
         batch_records = [r for r in records for _ in range(args.images_per_prompt)]
@@ -146,7 +148,7 @@ def measure(args) -> dict:
             # rendered scenes of the same records, through the VAE and the same noise
             rng = np.random.default_rng([args.seed, len(split), b, 1])
             size = batch.images.shape[-1]
-            drawn = np.stack([render_objects(*sample_scene(r, rng, size), size) for r in chunk])
+            drawn = np.stack([render_objects(*sample_scene(r, rng, size, area_range), size) for r in chunk])
             pixels = torch.as_tensor(drawn).permute(0, 3, 1, 2).float() / 255
             latents = encode(policy, pixels)
             for name, value in rewards_of(rewards, policy.decode(latents), chunk).items():

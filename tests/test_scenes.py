@@ -138,6 +138,62 @@ def test_the_detector_finds_every_held_out_scene_correct():
     assert all(r["partial_score"] == 1.0 for r in results)
 
 
+# Issue 53's coarse scale (COARSE_AREA_RANGE, ``pretrain --object-scale coarse``): the same records and rules, objects
+# 1.4x as wide.
+def test_a_coarse_scene_draws_its_objects_at_the_coarse_areas_within_the_rules():
+    rng = np.random.default_rng(3)
+    low, high = scenes.COARSE_AREA_RANGE
+    assert (low, high) == (150.0, 260.0) and scenes.window_of(scenes.COARSE_AREA_RANGE) == 18
+    assert scenes.window_of(scenes.AREA_RANGE) == scenes.WINDOW
+    record = {"tag": "counting", "prompt": "a photo of four stars", "include": [{"class": "star", "count": 4}]}
+    for _ in range(3):
+        objects, _ = scenes.sample_scene(record, rng, area_range=scenes.COARSE_AREA_RANGE)
+        areas = [coverage.sum() for _, _, coverage in objects]
+        assert len(areas) == 4 and all(low * 0.97 <= a <= high * 1.03 for a in areas), areas
+        boxes = [_box(coverage) for _, _, coverage in objects]
+        for (x1, y1, x2, y2) in boxes:
+            assert min(x1, y1) >= scenes.MARGIN and max(x2, y2) <= scenes.SCENE_SIZE - scenes.MARGIN
+        for a, b in permutations(boxes, 2):
+            assert a[2] + scenes.GAP <= b[0] or b[2] + scenes.GAP <= a[0] or a[3] + scenes.GAP <= b[1] \
+                or b[3] + scenes.GAP <= a[1]
+
+
+def test_the_widest_coarse_records_are_placed_and_the_detector_finds_them_correct():
+    """Four of every class, and every position record of the two widest shapes (star, semicircle) side by side."""
+    records = [r for r in scenes.world_records()["counting"] if r["include"][0]["count"] == 4]
+    records += [r for r in scenes.world_records()["position"]
+                if {c["class"] for c in r["include"]} == {"star", "semicircle"}]
+    assert len(records) == 8 + 4
+    rng = np.random.default_rng(4)
+    images = np.stack([scenes.render_record(r, rng, area_range=scenes.COARSE_AREA_RANGE) for r in records])
+    results = GenEvalScorer(ShapesDetector(), ShapesColorClassifier()).score(images, records)
+    assert [r["reason"] for r in results if not r["correct"]] == []
+
+
+@pytest.mark.parametrize("areas", [(0.0, 10.0), (20.0, 10.0), ("a", 1), (5.0,)])
+def test_a_bad_area_range_is_one_line(areas):
+    with pytest.raises(ValueError, match="object areas") as err:
+        scenes.sample_scene(scenes.world_records()["colors"][0], np.random.default_rng(0), area_range=areas)
+    assert "\n" not in str(err.value)
+
+
+def test_the_pretraining_renders_and_records_its_object_scale(tmp_path, capsys):
+    script = load_script("scripts/pretrain_tiny.py")
+    args = ["--world", "scenes", "--arch", "sd", "--quick", "--dataset-size", "8", "--eval-steps", "0",
+            "--object-scale", "coarse", "--output-dir", str(tmp_path / "out"), "--state-dir", str(tmp_path / "state")]
+    log = script.main(args)
+    assert log["object_scale"] == "coarse" and log["object_area"] == [150.0, 260.0]
+    assert json.loads((tmp_path / "state" / "options.json").read_text())["object_scale"] == "coarse"
+    with np.load(tmp_path / "state" / "data.npz") as data:
+        expected, _ = scenes.sample_dataset(8, seed=0, area_range=scenes.COARSE_AREA_RANGE)
+        assert np.array_equal(data["images"], expected)
+        fine, _ = scenes.sample_dataset(8, seed=0)
+        assert not np.array_equal(data["images"], fine)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--world", "shapes", "--object-scale", "coarse"])
+    assert "--object-scale: the scenes world's" in capsys.readouterr().err
+
+
 def test_the_shapes_world_keeps_its_three_shapes_and_108_prompts():
     from ddpo_group.data.shapes import shapes_prompts
 
@@ -261,3 +317,61 @@ def test_the_flow_base_samples_with_the_text_tokens_it_was_trained_on(tmp_path):
     (tmp_path / "copy" / "pretrain_log.json").write_text("{not json")
     assert load_policy(str(tmp_path / "copy")).max_sequence_length == 256
     assert trained_text_length(load_policy("tiny-sd3").pipeline) is None
+
+
+def test_a_pipeline_says_the_object_areas_it_was_pretrained_on(tmp_path):
+    (tmp_path / "pretrain_log.json").write_text(json.dumps({"world": "scenes", "object_area": [150.0, 260.0]}))
+    assert scenes.area_range_of_pipeline(str(tmp_path)) == (150.0, 260.0)
+    (tmp_path / "pretrain_log.json").write_text(json.dumps({"world": "scenes"}))  # a log from before the option
+    assert scenes.area_range_of_pipeline(str(tmp_path)) == (80.0, 160.0)
+    (tmp_path / "pretrain_log.json").write_text("[1, 2")  # not JSON
+    assert scenes.area_range_of_pipeline(str(tmp_path)) == (80.0, 160.0)
+    assert scenes.area_range_of_pipeline(str(tmp_path / "absent")) == (80.0, 160.0)
+    assert scenes.area_range_of_pipeline(None) == (80.0, 160.0)
+
+
+class _Encoded(tuple):
+    """What a CLIP text encoder returns: [0] the pooled output, .hidden_states the layers."""
+
+
+def _fake_flow_pipeline():
+    """Just enough of an SD3 pipeline for cli.pretrain.denoiser_loss: text encoders of known output and a
+    transformer that returns its input latents, so that the loss shows the noise levels it was given."""
+    from types import SimpleNamespace
+
+    def encoder(ids, output_hidden_states=True):
+        out = _Encoded((torch.ones(ids.shape[0], 4),))
+        out.hidden_states = [torch.zeros(ids.shape[0], ids.shape[1], 3)] * 3
+        return out
+
+    class Transformer:
+        config = SimpleNamespace(joint_attention_dim=8)
+
+        def __call__(self, noisy, **_):
+            return SimpleNamespace(sample=noisy)
+
+    return SimpleNamespace(text_encoder=encoder, text_encoder_2=encoder, transformer=Transformer())
+
+
+@pytest.mark.parametrize("times", ["logit-normal", "uniform"])
+def test_the_flow_pretraining_draws_its_noise_levels_as_asked(times):
+    from ddpo_group.cli.pretrain import _import_torch, denoiser_loss
+
+    _import_torch()  # the module's torch globals, as a pretraining sets them
+    z0 = torch.linspace(-1, 1, 2 * 4 * 2 * 2).reshape(2, 4, 2, 2)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    loss = denoiser_loss(_fake_flow_pipeline(), "sd3", z0, ids, torch.Generator().manual_seed(7), times)
+    # by hand: the same generator's draws, noise first, then the levels
+    generator = torch.Generator().manual_seed(7)
+    noise = torch.randn(z0.shape, generator=generator)
+    u = torch.rand(2, generator=generator) if times == "uniform" else torch.sigmoid(torch.randn(2, generator=generator))
+    s = u.view(-1, 1, 1, 1)
+    expected = (((1 - s) * z0 + s * noise - (noise - z0)) ** 2).mean()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_noise_levels_other_than_ddpm_s_are_the_flow_model_s_alone(capsys):
+    with pytest.raises(SystemExit):
+        load_script("scripts/pretrain_tiny.py").parse_args(["--world", "scenes", "--arch", "sd", "--flow-times",
+                                                             "uniform"])
+    assert "--flow-times: the flow model's" in capsys.readouterr().err

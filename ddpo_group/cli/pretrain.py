@@ -149,6 +149,12 @@ def parse_args(argv=None, prog=None):
     parser.add_argument("--patch", type=int, choices=(1, 2), default=2,
                         help="scenes world, --arch sd3: the transformer's patch side in latent pixels; 2: 8x8 tokens "
                              "(the shipped tiny-scenes-sd3), 1: 16x16 tokens, about 4x the compute a step")
+    parser.add_argument("--object-scale", choices=("fine", "coarse"), default="fine",
+                        help="scenes world: the objects' areas, fine 80-160 px (issue 42's world) or coarse 150-260 px "
+                             "(issue 53's: 1.4x as wide; ddpo_group.data.scenes.COARSE_AREA_RANGE, docs/scenes.md)")
+    parser.add_argument("--flow-times", choices=("logit-normal", "uniform"), default="logit-normal",
+                        help="scenes world, --arch sd3: the noise levels the flow model trains at, SD3's logit-normal(0, "
+                             "1) or uniform in (0, 1) (ten times as many below 0.1, where the shapes' edges form)")
     parser.add_argument("--device", default="cpu",
                         help="scenes world: where the models train and sample (cpu, cuda, cuda:1...); the random "
                              "draws stay on the CPU's generator, so a device changes only the floating-point sums")
@@ -235,6 +241,9 @@ def parse_args(argv=None, prog=None):
                      f"inside the warmup), got {args.warmup_steps}")
     if args.arch == "sd3" and not scenes:
         parser.error("--arch sd3 is for --world scenes (the shapes world's tiny-shapes is a UNet)")
+    if args.flow_times != "logit-normal" and args.arch != "sd3":
+        parser.error(f"argument --flow-times: the flow model's (--arch sd3); --arch {args.arch} trains at DDPM's "
+                     "timesteps")
     if args.patch != 2 and args.arch != "sd3":
         parser.error(f"argument --patch: the transformer's (--arch sd3); --arch {args.arch} has no patches")
     if scenes:  # the scenes world's defaults where the shapes world's were not given
@@ -258,7 +267,8 @@ def parse_args(argv=None, prog=None):
 AUTO_STEPS_PROBE = 50  # steps timed to set the denoiser's step count from --denoiser-minutes
 
 # Options of the scenes world alone: on the shapes world they are refused.
-SCENES_ONLY = ("state_dir", "max_minutes", "checkpoint_every", "stop_at_step", "vae_from", "vae_crop")
+SCENES_ONLY = ("state_dir", "max_minutes", "checkpoint_every", "stop_at_step", "vae_from", "vae_crop", "object_scale",
+               "flow_times")
 
 
 def new_output_dir(args) -> str:
@@ -593,9 +603,11 @@ def flow_text_embeddings(pipeline, ids: torch.Tensor) -> tuple[torch.Tensor, tor
     return hidden, torch.cat([first[0], second[0]], dim=-1)
 
 
-def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, generator) -> torch.Tensor:
-    """One batch's loss on scaled latents z0 (module docstring): epsilon prediction (sd) or flow matching (sd3).
-    The draws come from `generator` (a CPU one) and move to z0's device."""
+def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, generator,
+                  flow_times: str = "logit-normal") -> torch.Tensor:
+    """One batch's loss on scaled latents z0 (module docstring): epsilon prediction (sd) or flow matching (sd3),
+    its noise levels s logit-normal(0, 1) (SD3's) or uniform in (0, 1) (`flow_times`, ``--flow-times``). The draws
+    come from `generator` (a CPU one) and move to z0's device."""
     device = z0.device
     noise = torch.randn(z0.shape, generator=generator).to(device)
     n = z0.shape[0]
@@ -607,7 +619,10 @@ def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, gene
         noisy = abar.sqrt() * z0 + (1 - abar).sqrt() * noise
         prediction = pipeline.unet(noisy, timesteps, pipeline.text_encoder(ids)[0]).sample
         return F.mse_loss(prediction, noise)
-    sigma = torch.sigmoid(torch.randn(n, generator=generator)).view(-1, 1, 1, 1).to(device)  # logit-normal(0, 1)
+    if flow_times == "uniform":
+        sigma = torch.rand(n, generator=generator).view(-1, 1, 1, 1).to(device)
+    else:
+        sigma = torch.sigmoid(torch.randn(n, generator=generator)).view(-1, 1, 1, 1).to(device)  # logit-normal(0, 1)
     noisy = (1 - sigma) * z0 + sigma * noise
     hidden, pooled = flow_text_embeddings(pipeline, ids)
     prediction = pipeline.transformer(noisy, encoder_hidden_states=hidden, pooled_projections=pooled,
@@ -628,11 +643,12 @@ def _scenes_paths(args):
 # What a scenes state is made with: a resume with another value would silently train another schedule (or load
 # weights of another shape), so it is refused. The session's own options (--max-minutes, --stop-at-step,
 # --checkpoint-every, --threads, --output-dir, the evaluation's) may change between parts.
-RECORDED_OPTIONS = ("world", "arch", "size", "patch", "quick", "seed", "dataset_size", "vae_from", "vae_crop", "vae_steps",
-                    "vae_batch_size", "vae_lr", "kl_weight", "unet_steps", "denoiser_minutes", "batch_size", "unet_lr",
-                    "cond_dropout", "ema_decay", "warmup_steps")
+RECORDED_OPTIONS = ("world", "arch", "size", "patch", "object_scale", "flow_times", "quick", "seed", "dataset_size", "vae_from",
+                    "vae_crop", "vae_steps", "vae_batch_size", "vae_lr", "kl_weight", "unet_steps", "denoiser_minutes",
+                    "batch_size", "unet_lr", "cond_dropout", "ema_decay", "warmup_steps")
 OPTIONS_FILE = "options.json"
-DEFAULTS_OF_LATER_OPTIONS = {"size": "s", "patch": 2, "denoiser_minutes": None}
+DEFAULTS_OF_LATER_OPTIONS = {"size": "s", "patch": 2, "denoiser_minutes": None, "object_scale": "fine",
+                             "flow_times": "logit-normal"}
 
 
 def recorded_options(args) -> dict:
@@ -682,6 +698,13 @@ def check_recorded_options(args, state_dir: str) -> None:
                          f"{path})")
 
 
+def area_range_of(args) -> tuple[float, float]:
+    """The objects' areas in px of --object-scale (ddpo_group.data.scenes)."""
+    from ddpo_group.data import scenes
+
+    return scenes.COARSE_AREA_RANGE if args.object_scale == "coarse" else scenes.AREA_RANGE
+
+
 def _scenes_data(args, state_dir, pipeline):
     """(images uint8 (N, 64, 64, 3), prompt rows (N,), unique prompts): rendered once, cached in the state dir."""
     from ddpo_group.data.scenes import sample_dataset
@@ -696,7 +719,8 @@ def _scenes_data(args, state_dir, pipeline):
         except Exception as err:
             raise damaged_state(path, err, "remove it (it is rendered again, the same from the same --seed)") from None
         return images, torch.from_numpy(rows), prompts
-    images, prompts = sample_dataset(args.dataset_size, seed=args.seed, workers=args.render_workers)
+    images, prompts = sample_dataset(args.dataset_size, seed=args.seed, workers=args.render_workers,
+                                     area_range=area_range_of(args))
     unique = sorted(set(prompts))
     row_of = {p: i for i, p in enumerate(unique)}
     rows = np.asarray([row_of[p] for p in prompts], dtype=np.int64)
@@ -849,7 +873,7 @@ def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir,
         z0 = (z - shift) * scaling
         batch_rows = rows[idx].clone()
         batch_rows[torch.rand(args.batch_size, generator=generator) < args.cond_dropout] = empty_row
-        loss = denoiser_loss(pipeline, args.arch, z0, prompt_ids[batch_rows], generator)
+        loss = denoiser_loss(pipeline, args.arch, z0, prompt_ids[batch_rows], generator, args.flow_times)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -884,7 +908,8 @@ def held_out_loss(pipeline, args, images=None, prompts=None) -> float:
     from ddpo_group.data.scenes import sample_dataset
 
     if images is None:
-        images, prompts = sample_dataset(FRESH_SCENES, seed=10**6 + args.seed, workers=args.render_workers)
+        images, prompts = sample_dataset(FRESH_SCENES, seed=10**6 + args.seed, workers=args.render_workers,
+                                         area_range=area_range_of(args))
     latent_mean, latent_std = _scenes_latents(pipeline.vae, images)
     scaling = pipeline.vae.config.scaling_factor
     shift = pipeline.vae.config.shift_factor or 0.0
@@ -896,7 +921,7 @@ def held_out_loss(pipeline, args, images=None, prompts=None) -> float:
     for i in range(0, len(images), 256):
         z = latent_mean[i : i + 256] + latent_std[i : i + 256] * torch.randn(latent_mean[i : i + 256].shape, generator=generator)
         z0 = ((z - shift) * scaling).to(device)
-        loss = denoiser_loss(pipeline, args.arch, z0, ids[i : i + 256], generator)
+        loss = denoiser_loss(pipeline, args.arch, z0, ids[i : i + 256], generator, args.flow_times)
         total += float(loss) * len(z0)
         count += len(z0)
     return total / count
@@ -1004,7 +1029,8 @@ def _pretrain_scenes(args) -> dict:
               "fresh_scenes": held_out_loss(pipeline, args, None)} if args.eval_steps > 0 else None
     log = {
         "world": "scenes", "arch": args.arch, "size": args.size, "patch": args.patch, "seed": args.seed,
-        "quick": args.quick,
+        "quick": args.quick, "object_scale": args.object_scale, "object_area": list(area_range_of(args)),
+        **({"flow_times": args.flow_times} if args.arch == "sd3" else {}),
         # the zero T5 tokens the flow model was trained and is sampled with (diffusion/sd3.trained_text_length)
         **({"text_tokens": pipeline.tokenizer.model_max_length} if args.arch == "sd3" else {}),
         "device": str(args.device), "render_workers": args.render_workers,
