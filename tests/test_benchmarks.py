@@ -764,3 +764,26 @@ def test_the_composition_refuses_a_folder_that_is_not_evaluate_s_images(tmp_path
     assert exit_info.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("scenes_composition.py: error: --images ") and "scripts/evaluate.py --save-images" in line
+
+
+def test_the_vae_ceiling_scores_rendered_scenes_exact_and_counts_every_held_out_record(tmp_path, capsys):
+    ceiling = load_script("benchmarks/scenes_vae_ceiling.py")
+    output = tmp_path / "ceiling.json"
+    ceiling.main(["--scales", "coarse", "--images-per-prompt", "1", "--output", str(output)])
+    result = json.loads(output.read_text())
+    row = result["scales"]["coarse"]
+    assert row["object_area"] == [150.0, 260.0]
+    # the held-out set's records per tag (docs/scenes.md: 8 / 18 / 16 / 32 / 38 / 38), one image each
+    assert {tag: v["images"] for tag, v in row["held_out"].items()} == {
+        "single_object": 8, "two_object": 18, "counting": 16, "colors": 32, "position": 38, "color_attr": 38}
+    assert len(row["counting_training_prompts"]) == 8
+    # the detector is exact on rendered scenes: every one strict-correct before the VAE
+    assert all(v["rendered"] == 1.0 for split in ("held_out", "counting_training_prompts") for v in row[split].values())
+    assert all(0.0 <= v["through_vae"] <= 1.0 for v in row["held_out"].values())
+    assert "coarse  150-260" in capsys.readouterr().out
+
+
+def test_the_vae_ceiling_refuses_an_unknown_scale(capsys):
+    with pytest.raises(SystemExit):
+        load_script("benchmarks/scenes_vae_ceiling.py").main(["--scales", "medium"])
+    assert "--scales" in capsys.readouterr().err
