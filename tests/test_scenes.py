@@ -170,7 +170,8 @@ def test_the_widest_coarse_records_are_placed_and_the_detector_finds_them_correc
     assert [r["reason"] for r in results if not r["correct"]] == []
 
 
-@pytest.mark.parametrize("areas", [(0.0, 10.0), (20.0, 10.0), ("a", 1), (5.0,)])
+@pytest.mark.parametrize("areas", [(0.0, 10.0), (20.0, 10.0), ("a", 1), (5.0,), (10.0, float("inf")),
+                                   (float("nan"), 9.0)])
 def test_a_bad_area_range_is_one_line(areas):
     with pytest.raises(ValueError, match="object areas") as err:
         scenes.sample_scene(scenes.world_records()["colors"][0], np.random.default_rng(0), area_range=areas)

@@ -153,8 +153,8 @@ def parse_args(argv=None, prog=None):
                         help="scenes world: the objects' areas, fine 80-160 px (issue 42's world) or coarse 150-260 px "
                              "(issue 53's: 1.4x as wide; ddpo_group.data.scenes.COARSE_AREA_RANGE, docs/scenes.md)")
     parser.add_argument("--flow-times", choices=("logit-normal", "uniform"), default="logit-normal",
-                        help="scenes world, --arch sd3: the noise levels the flow model trains at, SD3's logit-normal(0, "
-                             "1) or uniform in (0, 1) (ten times as many below 0.1, where the shapes' edges form)")
+                        help="scenes world, --arch sd3: the noise levels the flow model trains at, SD3's "
+                             "logit-normal(0, 1) or uniform in (0, 1) (seven times as many below 0.1)")
     parser.add_argument("--device", default="cpu",
                         help="scenes world: where the models train and sample (cpu, cuda, cuda:1...); the random "
                              "draws stay on the CPU's generator, so a device changes only the floating-point sums")
@@ -643,9 +643,9 @@ def _scenes_paths(args):
 # What a scenes state is made with: a resume with another value would silently train another schedule (or load
 # weights of another shape), so it is refused. The session's own options (--max-minutes, --stop-at-step,
 # --checkpoint-every, --threads, --output-dir, the evaluation's) may change between parts.
-RECORDED_OPTIONS = ("world", "arch", "size", "patch", "object_scale", "flow_times", "quick", "seed", "dataset_size", "vae_from",
-                    "vae_crop", "vae_steps", "vae_batch_size", "vae_lr", "kl_weight", "unet_steps", "denoiser_minutes",
-                    "batch_size", "unet_lr", "cond_dropout", "ema_decay", "warmup_steps")
+RECORDED_OPTIONS = ("world", "arch", "size", "patch", "object_scale", "flow_times", "quick", "seed", "dataset_size",
+                    "vae_from", "vae_crop", "vae_steps", "vae_batch_size", "vae_lr", "kl_weight", "unet_steps",
+                    "denoiser_minutes", "batch_size", "unet_lr", "cond_dropout", "ema_decay", "warmup_steps")
 OPTIONS_FILE = "options.json"
 DEFAULTS_OF_LATER_OPTIONS = {"size": "s", "patch": 2, "denoiser_minutes": None, "object_scale": "fine",
                              "flow_times": "logit-normal"}

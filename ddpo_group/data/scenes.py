@@ -40,6 +40,7 @@ RL) uses only the other records (``training_records``).
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 
@@ -244,8 +245,8 @@ def check_area_range(area_range) -> tuple[float, float]:
         low, high = (float(a) for a in area_range)
     except (TypeError, ValueError):
         raise ValueError(f"object areas {area_range!r}: two numbers, the smallest and largest area in px") from None
-    if not (0 < low <= high):
-        raise ValueError(f"object areas {area_range!r}: need 0 < low <= high (px; the default {AREA_RANGE}, "
+    if not (0 < low <= high < math.inf):
+        raise ValueError(f"object areas {area_range!r}: need 0 < low <= high, finite (px; the default {AREA_RANGE}, "
                          f"the coarse scale {COARSE_AREA_RANGE})")
     return low, high
 
@@ -253,8 +254,6 @@ def check_area_range(area_range) -> tuple[float, float]:
 def area_range_of_pipeline(folder) -> tuple[float, float]:
     """The object areas a scenes model was pretrained on: its pretrain_log.json's ``object_area`` (written by
     ``ddpo-group pretrain --world scenes``), AREA_RANGE for a log from before the option or any other folder."""
-    import json
-
     path = os.path.join(folder, "pretrain_log.json") if isinstance(folder, str) and folder else None
     try:
         with open(path) as f:
