@@ -28,22 +28,20 @@ import torch
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+from flip_rate import encode, rewards_of  # noqa: E402  (the flip-rate benchmark's VAE encoding and reward call)
+
 RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_vae_ceiling")
 
 
 def round_trip(policy, pixels: torch.Tensor) -> torch.Tensor:
-    """Images (B, 3, H, W) in [0, 1] through the policy's VAE: the posterior mean, scaled and unscaled as the
-    policy decodes latents."""
-    vae = policy.pipeline.vae
-    z = vae.encode(pixels.to(vae.dtype) * 2 - 1).latent_dist.mean.float()
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return policy.decode((z - shift) * vae.config.scaling_factor).float()
+    """Images (B, 3, H, W) in [0, 1] through the policy's VAE (flip_rate.encode's posterior mean, then the policy's
+    own decode)."""
+    return policy.decode(encode(policy, pixels)).float()
 
 
 def strict(reward, images: torch.Tensor, records: list[dict]) -> np.ndarray:
-    _, info = reward(images, [r["prompt"] for r in records], [{k: v for k, v in r.items() if k != "prompt"}
-                                                              for r in records])
-    return info["strict_correct"]
+    return rewards_of({"strict": reward}, images, records)["strict"]
 
 
 @torch.no_grad()
