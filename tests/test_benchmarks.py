@@ -787,3 +787,23 @@ def test_the_vae_ceiling_refuses_an_unknown_scale(capsys):
     with pytest.raises(SystemExit):
         load_script("benchmarks/scenes_vae_ceiling.py").main(["--scales", "medium"])
     assert "--scales" in capsys.readouterr().err
+
+
+def test_the_samples_grid_draws_one_tile_a_held_out_record_eight_a_row(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    grid = load_script("benchmarks/scenes_samples_grid.py")
+    output = tmp_path / "grid.png"
+    grid.main(["tiny-scenes", str(output), "--records", "3", "--num-steps", "2"])
+    pixels = np.asarray(Image.open(output))
+    assert pixels.shape == (64, 8 * 64, 3)  # one row of 8 tiles of the 64-px world, 3 of them drawn
+    tiles = [pixels[:, 64 * k : 64 * (k + 1)] for k in range(8)]
+    assert all(tile.std() > 0 for tile in tiles[:3]) and all(tile.max() == 0 for tile in tiles[3:])
+
+
+def test_the_samples_grid_refuses_a_folder_that_does_not_exist(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("benchmarks/scenes_samples_grid.py").main(["tiny-scenes", str(tmp_path / "no" / "grid.png")])
+    assert exit_info.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
