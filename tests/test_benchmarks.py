@@ -807,3 +807,68 @@ def test_the_samples_grid_refuses_a_folder_that_does_not_exist(tmp_path, capsys)
         load_script("benchmarks/scenes_samples_grid.py").main(["tiny-scenes", str(tmp_path / "no" / "grid.png")])
     assert exit_info.value.code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_split_half_cosines_estimate_the_gradient_s_signal_to_noise():
+    import numpy as np
+
+    snr = load_script("benchmarks/gradient_snr.py")
+    rng = np.random.default_rng(0)
+    d, chunks, noise = 2000, 20, 0.1  # each chunk's gradient: mu + e, e ~ N(0, noise^2 I_d), ||mu||^2 = 1
+    mu = rng.normal(size=d)
+    mu /= np.linalg.norm(mu)
+    signal = mu + noise * rng.normal(size=(chunks, 1, d))
+    pure_noise = noise * rng.normal(size=(chunks, 1, d))
+    cos, dot = snr.split_half_stats(np.concatenate([signal, pure_noise], axis=1), splits=50, rng=rng)
+    assert cos.shape == dot.shape == (chunks // 2, 3)  # half sizes 1..10 chunks; two steps and their sum
+    for m in (1, 5, 10):  # m chunks a half: cos = m ||mu||^2 / (m ||mu||^2 + d noise^2) = m / (m + 20)
+        assert cos[m - 1, 0] == pytest.approx(m / (m + d * noise**2), abs=0.06)
+        assert abs(cos[m - 1, 1]) < 0.06  # no signal: the halves agree by chance only
+        assert dot[m - 1, 0] == pytest.approx(m * m, rel=0.25)  # the halves' sums' inner product: m^2 ||mu||^2
+    assert snr.images_for_even_odds(0.5, 64) == 64 and snr.images_for_even_odds(0.2, 64) == 256
+    assert snr.images_for_even_odds(0.0, 64) == float("inf")
+
+
+def test_grpo_advantages_of_one_prompt_and_the_count_sketch_s_inner_products():
+    import numpy as np
+    import torch
+
+    snr = load_script("benchmarks/gradient_snr.py")
+    # rewards 0, 1, 1, 1: mean 0.75, population std sqrt(3) / 4; clipped at 1.5
+    np.testing.assert_allclose(snr.grpo_advantages([0, 1, 1, 1], 1.5), [-1.5, 1 / 3**0.5, 1 / 3**0.5, 1 / 3**0.5])
+    assert not snr.grpo_advantages([0.5, 0.5], 5.0).any()
+    params = [torch.nn.Parameter(torch.zeros(30000)), torch.nn.Parameter(torch.zeros(100, 100))]
+    sketch = snr.CountSketch(params, buckets=4096, seed=0)
+    g = torch.Generator().manual_seed(1)
+    a = [torch.randn(p.shape, generator=g) for p in params]
+    b = [0.6 * x + 0.8 * torch.randn(x.shape, generator=g) for x in a]  # correlated with a: cosine about 0.6
+    sketches = []
+    for grads in (a, b):
+        for p, x in zip(params, grads):
+            p.grad = x.clone()
+        sketches.append(sketch.of_grads().numpy())
+    exact = sum(float((x * y).sum()) for x, y in zip(a, b))
+    norms = [sum(float((x * x).sum()) for x in v) ** 0.5 for v in (a, b)]
+    estimate = float(np.dot(*sketches))
+    assert estimate == pytest.approx(exact, rel=0.05)
+    assert estimate / np.prod([np.linalg.norm(s) for s in sketches]) == pytest.approx(exact / np.prod(norms), abs=0.03)
+
+
+def test_the_gradient_snr_runs_on_the_shipped_unet_and_refuses_a_bad_batch(tmp_path, capsys):
+    snr = load_script("benchmarks/gradient_snr.py")
+    output = tmp_path / "snr.json"
+    result = snr.main(["--images", "16", "--chunk", "4", "--splits", "4", "--buckets", "512", "--output", str(output)])
+    saved = json.loads(output.read_text())
+    assert saved["prompt"] == "a photo of a star and a triangle" and saved["half_sizes"] == [4, 8]
+    for name in ("real", "null"):
+        rows = saved["advantages"][name]
+        assert [row["step"] for row in rows["steps"]] == list(range(10)) + ["all"]
+        assert sum(rows["norm_share"]) == pytest.approx(1.0)
+        assert all(-1 <= c <= 1 for line in rows["cos"] for c in line)
+    assert result["images"] == 16
+    with pytest.raises(SystemExit) as exit_info:
+        snr.main(["--images", "12", "--chunk", "4"])
+    assert exit_info.value.code == 2 and "--images" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        snr.main(["--images", "16", "--chunk", "4", "--output", str(output)])  # never written over
+    assert "exists" in capsys.readouterr().err
