@@ -1,28 +1,30 @@
 """How much of a GRPO update is signal: the split-half agreement of the policy gradient, step by step.
 
 For one training prompt of the scenes world (a ladder rung-b case) and a base, the script samples `--images`
-trajectories with the variant's sampler, scores them with the variant's reward and gives them GRPO's advantages
-(per prompt: (r - mean) / std over the images, clipped at train.adv_clip_max), then computes, for every denoising
-step t, the policy gradient of the first update (ratio 1): g_t = sum_i A_i grad log pi(x_{t+1}^i | x_t^i, c), one
-group of `--chunk` images at a time.
+trajectories with the variant's sampler, scores them with the variant's reward, and keeps every image's score
+gradient of every denoising step, grad log pi(x_{t+1}^i | x_t^i, c) (one model call an image and step). A batch of
+n of those images is then an epoch of n images: its GRPO advantages A_i ((r - mean) / std over the n, clipped at
+train.adv_clip_max; one prompt, so one group) and the policy gradient of its first update (ratio 1),
+g_t = sum_i A_i grad log pi(x_{t+1}^i | x_t^i, c).
 
-Two halves of n images each, drawn apart, give two independent estimates of the same mean gradient mu_t; the cosine
-between them estimates ||mu_t||^2 / (||mu_t||^2 + tr(Sigma_t) / n). So the gradient of n images has a
+Two disjoint batches of n images, drawn at random from the sampled ones, give two independent estimates of the same
+mean gradient mu_t; the cosine between them estimates ||mu_t||^2 / (||mu_t||^2 + tr(Sigma_t) / n). So the gradient of n images has a
 signal-to-noise ratio s(n) = cos / (1 - cos), which grows as n, and n* = n / s(n) is the number of images at which
 its signal and its noise weigh the same (n* = inf where the cosine is not above 0). The mean inner product of the
 two halves estimates ||mu_t||^2 without bias, so each step's share of the signal (of sum_t ||mu_t||) stands beside
-its share of the gradient's norm (of sum_t ||g_t||, as the trainer's steps/grad_share). The null control does the same with the advantages shuffled among the images: no
-information, cosines about 0, so a row's distance from its null row is what the reward tells the update.
+its share of the gradient's norm (of sum_t ||g_t||, as the trainer's steps/grad_share). The null control does the same with each batch's rewards shuffled among its images before
+its advantages are taken (a fresh shuffle every draw): no information, cosines about 0 on average, and the spread of
+its single draws says how far chance alone moves one cosine.
 
 Gradients are kept as count sketches: each parameter's gradient entry is added, with a random sign, into one of
 `--buckets` bins (fixed by `--seed`); inner products of sketches are unbiased estimates of the gradients' (the
-bins' error in a cosine is about 1 / sqrt(buckets)). Random halves are drawn `--splits` times and averaged.
+bins' error in a cosine is about 1 / sqrt(buckets)). Pairs of batches are drawn `--splits` times and averaged.
 
     python benchmarks/gradient_snr.py --case two_object --output benchmarks/results/gradient_snr/two_object.json
     python benchmarks/gradient_snr.py --model PIPELINE_DIR --variant tiny_scenes --case colors --images 256
 
 Prints a table (a row per step and one for the whole trajectory, the real advantages and the null control) and
-writes JSON (--output; a file that exists is refused). One thread; the UNet m at 256 images: about 2 minutes.
+writes JSON (--output; a file that exists is refused). One thread; the UNet m at 512 images: about 10 minutes.
 """
 
 from __future__ import annotations
@@ -50,15 +52,15 @@ def parse_args(argv=None):
     parser.add_argument("--case", default="two_object", choices=sorted(RUNG_B_PROMPTS),
                         help="the ladder's rung-b case whose prompt is trained")
     parser.add_argument("--images", type=int, default=256, help="trajectories sampled (two halves of half as many)")
-    parser.add_argument("--chunk", type=int, default=8, help="images a backward (a group); divides --images / 2")
-    parser.add_argument("--splits", type=int, default=200, help="random halvings averaged")
-    parser.add_argument("--buckets", type=int, default=2**16, help="count-sketch bins")
+    parser.add_argument("--chunk", type=int, default=8, help="images sampled at a time; divides --images")
+    parser.add_argument("--splits", type=int, default=100, help="pairs of disjoint batches drawn and averaged")
+    parser.add_argument("--buckets", type=int, default=2**15, help="count-sketch bins")
     parser.add_argument("--seed", type=int, default=0, help="the sampling noise's, the sketch's and the halvings'")
     parser.add_argument("--output", default="", help="JSON file to write (refused if it exists)")
     args = parser.parse_args(argv)
-    if args.images < 4 * args.chunk or args.images % (2 * args.chunk):
-        parser.error(f"argument --images: must be a multiple of 2 x --chunk ({2 * args.chunk}) and hold at least "
-                     f"two chunks a half, got {args.images}")
+    if args.images < 4 or args.images % 2 or args.images % max(args.chunk, 1):
+        parser.error(f"argument --images: must be even, at least 4 and a multiple of --chunk ({args.chunk}), "
+                     f"got {args.images}")
     for name in ("chunk", "splits", "buckets"):
         if getattr(args, name) < 1:
             parser.error(f"argument --{name}: must be at least 1, got {getattr(args, name)}")
@@ -99,24 +101,40 @@ def grpo_advantages(rewards, clip):
     return np.clip(advantages, -clip, clip)
 
 
-def split_half_stats(sketches, splits, rng):
-    """sketches (K chunks, T, B) float64 -> per half-size n (in chunks 1 .. K // 2) and step (T, plus the sum over
-    steps as the last row): the mean cosine and the mean inner product of two disjoint halves over `splits` random
-    halvings. Returns (cos (H, T + 1), dot (H, T + 1)) with H = K // 2 half sizes."""
-    k, t, _ = sketches.shape
-    full = np.concatenate([sketches, sketches.sum(axis=1, keepdims=True)], axis=1)  # (K, T + 1, B)
-    half = k // 2
-    cos = np.zeros((half, t + 1))
-    dot = np.zeros((half, t + 1))
+def half_sizes(images):
+    """The batch sizes n measured: powers of two from 8 (or 2) up to images / 2, and images / 2 itself."""
+    half = images // 2
+    sizes = [n for n in (2 ** k for k in range(1, 20)) if n <= half and (n >= 8 or half < 16)]
+    return sizes + ([half] if half not in sizes else [])
+
+
+def split_half_stats(scores, rewards, sizes, splits, rng, clip, shuffle=False):
+    """scores (N images, T, B) sketches of each image's score gradient per step; rewards (N,). For each batch size n
+    in `sizes` and step (T, plus the sum over steps as the last column): the mean cosine and the mean inner product
+    of the policy gradients of two disjoint random batches of n images, each with its own GRPO advantages
+    (shuffle: each batch's rewards permuted first, the null control), over `splits` draws; and the standard
+    deviation of the single draws' cosines. Returns (cos, dot, cos_std), each (len(sizes), T + 1)."""
+    n_images, steps, _ = scores.shape
+    rewards = np.asarray(rewards, dtype=np.float64)
+    cos = np.zeros((len(sizes), steps + 1))
+    cos2 = np.zeros_like(cos)
+    dot = np.zeros_like(cos)
     for _ in range(splits):
-        order = rng.permutation(k)
-        first = np.cumsum(full[order[:half]], axis=0)  # (half, T + 1, B): the first m chunks of each half
-        second = np.cumsum(full[order[half: 2 * half]], axis=0)
-        inner = np.einsum("mtb,mtb->mt", first, second)
-        norms = np.linalg.norm(first, axis=-1) * np.linalg.norm(second, axis=-1)
-        cos += np.divide(inner, norms, out=np.zeros_like(inner), where=norms > 0)
-        dot += inner
-    return cos / splits, dot / splits
+        order = rng.permutation(n_images)
+        for k, n in enumerate(sizes):
+            grads = []
+            for batch in (order[:n], order[n_images // 2: n_images // 2 + n]):
+                r = rng.permutation(rewards[batch]) if shuffle else rewards[batch]
+                g = np.einsum("i,itb->tb", grpo_advantages(r, clip).astype(scores.dtype), scores[batch])
+                grads.append(np.concatenate([g, g.sum(axis=0, keepdims=True)]).astype(np.float64))
+            inner = np.einsum("tb,tb->t", *grads)
+            norms = np.linalg.norm(grads[0], axis=-1) * np.linalg.norm(grads[1], axis=-1)
+            c = np.divide(inner, norms, out=np.zeros_like(inner), where=norms > 0)
+            cos[k] += c
+            cos2[k] += c * c
+            dot[k] += inner
+    cos, cos2 = cos / splits, cos2 / splits
+    return cos, dot / splits, np.sqrt(np.clip(cos2 - cos * cos, 0, None))
 
 
 def images_for_even_odds(cos, n):
@@ -152,81 +170,76 @@ def measure(args) -> dict:
 
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(args.seed)
-    chunks, rewards, strict = [], [], []
-    for _ in range(args.images // args.chunk):
+    scores = np.zeros((args.images, s.num_steps, args.buckets), dtype=np.float32)
+    rewards, strict = [], []
+    for c in range(args.images // args.chunk):
         with torch.no_grad():
             batch = policy.sample([prompt] * args.chunk, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
                                   eta=s.eta, generator=generator, keep_steps=True)
-        chunks.append(batch)
-        scores, info = reward(batch.images.float(), [prompt] * args.chunk, [meta] * args.chunk)
-        rewards.append(np.asarray(scores, dtype=np.float64))
+        values, info = reward(batch.images.float(), [prompt] * args.chunk, [meta] * args.chunk)
+        rewards.append(np.asarray(values, dtype=np.float64))
         strict.append(np.asarray(info["strict_correct"], dtype=np.float64))
-    rewards = np.concatenate(rewards)
-    sample_seconds = time.perf_counter() - start
-    advantages = grpo_advantages(rewards, config.train.adv_clip_max)
-    shuffled = np.random.default_rng([args.seed, 1]).permutation(advantages)
-
-    sketches = {"real": np.zeros((len(chunks), s.num_steps, args.buckets)),
-                "null": np.zeros((len(chunks), s.num_steps, args.buckets))}
-    rows = torch.arange(args.chunk)
-    for c, batch in enumerate(chunks):
-        weights = {name: torch.as_tensor(adv[c * args.chunk: (c + 1) * args.chunk], dtype=torch.float32)
-                   for name, adv in (("real", advantages), ("null", shuffled))}
-        for t in range(s.num_steps):
-            step = torch.full((args.chunk,), t, dtype=torch.long)
-            log_prob, _, _ = policy.step_log_prob(model, batch, rows, step, s.guidance_scale, s.eta)
-            if not torch.isfinite(log_prob).all():  # a step without a density (a deterministic last step)
-                continue
-            for k, name in enumerate(("real", "null")):
+        for j in range(args.chunk):  # one image a call: its own score gradient at every step
+            for t in range(s.num_steps):
                 model.zero_grad(set_to_none=True)
-                (weights[name] * log_prob.float()).sum().backward(retain_graph=k == 0)
-                sketches[name][c, t] = sketch.of_grads().numpy()
+                log_prob, _, _ = policy.step_log_prob(model, batch, torch.tensor([j]), torch.tensor([t]),
+                                                      s.guidance_scale, s.eta)
+                if not torch.isfinite(log_prob).all():  # a step without a density (a deterministic last step)
+                    continue
+                log_prob.float().sum().backward()
+                scores[c * args.chunk + j, t] = sketch.of_grads().numpy()
     model.zero_grad(set_to_none=True)
+    rewards = np.concatenate(rewards)
+    gradient_seconds = time.perf_counter() - start
 
+    sizes = half_sizes(args.images)
     rng = np.random.default_rng([args.seed, 2])
     result = {"model": args.model, "variant": args.variant, "case": args.case, "prompt": prompt,
-              "images": args.images, "chunk": args.chunk, "splits": args.splits, "buckets": args.buckets,
+              "images": args.images, "splits": args.splits, "buckets": args.buckets,
               "seed": args.seed, "num_steps": s.num_steps, "eta": s.eta, "guidance_scale": s.guidance_scale,
               "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-              "strict_correct": float(np.concatenate(strict).mean()),
-              "half_sizes": [args.chunk * (m + 1) for m in range(len(chunks) // 2)], "advantages": {}}
-    for name, stack in sketches.items():
-        cos, dot = split_half_stats(stack, args.splits, rng)
-        n = args.chunk * (len(chunks) // 2)
+              "strict_correct": float(np.concatenate(strict).mean()), "half_sizes": sizes, "advantages": {}}
+    n = sizes[-1]
+    for name in ("real", "null"):
+        cos, dot, cos_std = split_half_stats(scores, rewards, sizes, args.splits, rng, config.train.adv_clip_max,
+                                             shuffle=name == "null")
         signal = np.sqrt(np.clip(dot[-1, :-1], 0, None))  # ||mu_t||, up to one factor shared by the steps
-        norm = np.linalg.norm(stack, axis=-1).mean(axis=0)  # (T,) a chunk's gradient's mean norm
         result["advantages"][name] = {
-            "cos": cos.tolist(), "dot": dot.tolist(),
+            "cos": cos.tolist(), "cos_std": cos_std.tolist(), "dot": dot.tolist(),
             "steps": [{"step": t if t < s.num_steps else "all", "cos": float(cos[-1, t]),
                        "images_for_even_odds": images_for_even_odds(float(cos[-1, t]), n)}
                       for t in range(s.num_steps + 1)],
             "signal_share": (signal / signal.sum()).tolist() if signal.sum() > 0 else None,
-            "norm_share": (norm / norm.sum()).tolist() if norm.sum() > 0 else None,
         }
-    result["seconds"] = {"sampling": round(sample_seconds, 1), "total": round(time.perf_counter() - start, 1)}
+    # each step's share of the gradient's norm: ||g_t|| of all the images with their advantages, over the sum
+    weights = grpo_advantages(rewards, config.train.adv_clip_max)
+    norms = np.linalg.norm(np.einsum("i,itb->tb", weights.astype(np.float32), scores), axis=-1)
+    result["norm_share"] = (norms / norms.sum()).tolist() if norms.sum() > 0 else None
+    result["seconds"] = {"sampling_and_gradients": round(gradient_seconds, 1),
+                         "total": round(time.perf_counter() - start, 1)}
     result["command"] = "python benchmarks/gradient_snr.py " + " ".join(sys.argv[1:])
     return result
 
 
 def table(result) -> str:
-    n = result["half_sizes"][-1]
-    sizes = [m for m in result["half_sizes"] if m in (8, 16, 32, 64, 128) or m == n]
+    sizes = result["half_sizes"]
     lines = [f"split-half agreement of the first GRPO update's gradient: {result['model']} ({result['variant']}), "
              f"\"{result['prompt']}\", {result['images']} images (reward {result['reward_mean']:.3f}, "
-             f"strict-correct {result['strict_correct']:.3f}), {result['splits']} halvings",
-             "| advantages | step | " + " | ".join(f"cos at {m} a half" for m in sizes)
-             + " | images for even odds | share of the gradient's norm | share of its signal |",
-             "|---" * (5 + len(sizes)) + "|"]
+             f"strict-correct {result['strict_correct']:.3f}), {result['splits']} pairs of batches a size",
+             "| advantages | step | " + " | ".join(f"cos, batches of {m}" for m in sizes)
+             + f" | one draw's spread at {sizes[-1]} | images for even odds | share of the gradient's norm "
+             "| share of its signal |",
+             "|---" * (6 + len(sizes)) + "|"]
     for name, rows in result["advantages"].items():
-        cos = np.asarray(rows["cos"])
+        cos, spread = np.asarray(rows["cos"]), np.asarray(rows["cos_std"])
         for t, step in enumerate(rows["steps"]):
-            cells = [f"{cos[result['half_sizes'].index(m), t]:.3f}" for m in sizes]
+            cells = [f"{cos[k, t]:.3f}" for k in range(len(sizes))]
             even = step["images_for_even_odds"]
-            norm = (f"{rows['norm_share'][t]:.2f}" if rows["norm_share"] is not None
-                    and t < len(rows["norm_share"]) else "")
+            share = result["norm_share"]
+            norm = f"{share[t]:.2f}" if share is not None and t < len(share) else ""
             signal = (f"{rows['signal_share'][t]:.2f}" if rows["signal_share"] is not None
                       and t < len(rows["signal_share"]) else "")
-            lines.append(f"| {name} | {step['step']} | " + " | ".join(cells)
+            lines.append(f"| {name} | {step['step']} | " + " | ".join(cells) + f" | {spread[-1, t]:.3f}"
                          + f" | {'inf' if even == float('inf') else f'{even:,.0f}'} | {norm} | {signal} |")
     return "\n".join(lines)
 

@@ -814,17 +814,25 @@ def test_split_half_cosines_estimate_the_gradient_s_signal_to_noise():
 
     snr = load_script("benchmarks/gradient_snr.py")
     rng = np.random.default_rng(0)
-    d, chunks, noise = 2000, 20, 0.1  # each chunk's gradient: mu + e, e ~ N(0, noise^2 I_d), ||mu||^2 = 1
+    # each image's score gradient: r_i mu + z_i, z ~ N(0, noise^2 I_d), rewards 0 / 1 at random, ||mu|| = 1. A batch of
+    # n with its own advantages A = (r - mean) / std: g = n std(r) mu + sum_i A_i z_i, whose noise has variance
+    # n noise^2 d (sum A_i^2 = n); so cos = n^2 var(r) / (n^2 var(r) + n noise^2 d) = n / (n + 4 noise^2 d)
+    d, images, noise = 1000, 400, 0.05
     mu = rng.normal(size=d)
     mu /= np.linalg.norm(mu)
-    signal = mu + noise * rng.normal(size=(chunks, 1, d))
-    pure_noise = noise * rng.normal(size=(chunks, 1, d))
-    cos, dot = snr.split_half_stats(np.concatenate([signal, pure_noise], axis=1), splits=50, rng=rng)
-    assert cos.shape == dot.shape == (chunks // 2, 3)  # half sizes 1..10 chunks; two steps and their sum
-    for m in (1, 5, 10):  # m chunks a half: cos = m ||mu||^2 / (m ||mu||^2 + d noise^2) = m / (m + 20)
-        assert cos[m - 1, 0] == pytest.approx(m / (m + d * noise**2), abs=0.06)
-        assert abs(cos[m - 1, 1]) < 0.06  # no signal: the halves agree by chance only
-        assert dot[m - 1, 0] == pytest.approx(m * m, rel=0.25)  # the halves' sums' inner product: m^2 ||mu||^2
+    rewards = rng.integers(0, 2, images).astype(float)
+    signal = rewards[:, None] * mu + noise * rng.normal(size=(images, d))
+    pure_noise = noise * rng.normal(size=(images, d))  # a step whose score the reward does not see
+    scores = np.stack([signal, pure_noise], axis=1).astype(np.float32)
+    sizes = snr.half_sizes(images)
+    assert sizes == [8, 16, 32, 64, 128, 200]
+    cos, dot, spread = snr.split_half_stats(scores, rewards, sizes, splits=30, rng=rng, clip=5.0)
+    assert cos.shape == dot.shape == spread.shape == (6, 3)  # two steps and their sum
+    for k, n in enumerate(sizes):
+        assert cos[k, 0] == pytest.approx(n / (n + 4 * noise**2 * d), abs=0.06)
+        assert abs(cos[k, 1]) < 0.06  # no signal: the two batches agree by chance only
+    null, _, null_spread = snr.split_half_stats(scores, rewards, sizes, splits=30, rng=rng, clip=5.0, shuffle=True)
+    assert np.all(np.abs(null[:, 0]) < 0.08) and np.all(null_spread[:, 0] > 0)
     assert snr.images_for_even_odds(0.5, 64) == 64 and snr.images_for_even_odds(0.2, 64) == 256
     assert snr.images_for_even_odds(0.0, 64) == float("inf")
 
@@ -857,18 +865,18 @@ def test_grpo_advantages_of_one_prompt_and_the_count_sketch_s_inner_products():
 def test_the_gradient_snr_runs_on_the_shipped_unet_and_refuses_a_bad_batch(tmp_path, capsys):
     snr = load_script("benchmarks/gradient_snr.py")
     output = tmp_path / "snr.json"
-    result = snr.main(["--images", "16", "--chunk", "4", "--splits", "4", "--buckets", "512", "--output", str(output)])
+    result = snr.main(["--images", "8", "--chunk", "4", "--splits", "4", "--buckets", "512", "--output", str(output)])
     saved = json.loads(output.read_text())
-    assert saved["prompt"] == "a photo of a star and a triangle" and saved["half_sizes"] == [4, 8]
+    assert saved["prompt"] == "a photo of a star and a triangle" and saved["half_sizes"] == [2, 4]
+    assert sum(saved["norm_share"]) == pytest.approx(1.0) and len(saved["norm_share"]) == 10
     for name in ("real", "null"):
         rows = saved["advantages"][name]
         assert [row["step"] for row in rows["steps"]] == list(range(10)) + ["all"]
-        assert sum(rows["norm_share"]) == pytest.approx(1.0)
         assert all(-1 <= c <= 1 for line in rows["cos"] for c in line)
-    assert result["images"] == 16
+    assert result["images"] == 8
     with pytest.raises(SystemExit) as exit_info:
-        snr.main(["--images", "12", "--chunk", "4"])
+        snr.main(["--images", "10", "--chunk", "4"])
     assert exit_info.value.code == 2 and "--images" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        snr.main(["--images", "16", "--chunk", "4", "--output", str(output)])  # never written over
+        snr.main(["--images", "8", "--chunk", "4", "--output", str(output)])  # never written over
     assert "exists" in capsys.readouterr().err
