@@ -7,14 +7,15 @@ n of those images is then an epoch of n images: its GRPO advantages A_i ((r - me
 train.adv_clip_max; one prompt, so one group) and the policy gradient of its first update (ratio 1),
 g_t = sum_i A_i grad log pi(x_{t+1}^i | x_t^i, c).
 
-Two disjoint batches of n images, drawn at random from the sampled ones, give two independent estimates of the same
-mean gradient mu_t; the cosine between them estimates ||mu_t||^2 / (||mu_t||^2 + tr(Sigma_t) / n). So the gradient of n images has a
-signal-to-noise ratio s(n) = cos / (1 - cos), which grows as n, and n* = n / s(n) is the number of images at which
-its signal and its noise weigh the same (n* = inf where the cosine is not above 0). The mean inner product of the
-two halves estimates ||mu_t||^2 without bias, so each step's share of the signal (of sum_t ||mu_t||) stands beside
-its share of the gradient's norm (of sum_t ||g_t||, as the trainer's steps/grad_share). The null control does the same with each batch's rewards shuffled among its images before
-its advantages are taken (a fresh shuffle every draw): no information, cosines about 0 on average, and the spread of
-its single draws says how far chance alone moves one cosine.
+Two disjoint batches of n images, drawn at random from the sampled ones, give two independent estimates of the
+same mean gradient mu_t; the cosine between them estimates ||mu_t||^2 / (||mu_t||^2 + tr(Sigma_t) / n). So the
+gradient of n images has a signal-to-noise ratio s(n) = cos / (1 - cos), which grows as n, and n* = n / s(n) is the
+number of images at which its signal and its noise weigh the same (n* = inf where the cosine is not above 0). The
+mean inner product of the two batches estimates ||mu_t||^2 without bias, so each step's share of the signal (of
+sum_t ||mu_t||) stands beside its share of the gradient's norm (of sum_t ||g_t||, all the images with their
+advantages; the trainer's steps/grad_share). The null control does the same with each batch's rewards shuffled
+among its images before its advantages are taken (a fresh shuffle every draw): no information, cosines about 0 on
+average, and the spread of its single draws says how far chance alone moves one cosine.
 
 Gradients are kept as count sketches: each parameter's gradient entry is added, with a random sign, into one of
 `--buckets` bins (fixed by `--seed`); inner products of sketches are unbiased estimates of the gradients' (the
@@ -47,8 +48,8 @@ from scenes_ladder import FAMILIES, RUNG_B_PROMPTS  # noqa: E402  (the ladder's 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-scenes", help="the base (a shipped name or a pipeline directory)")
-    parser.add_argument("--variant", default=FAMILIES["unet"],
-                        help=f"the variant whose sampler, reward and advantage clip are used (default {FAMILIES['unet']})")
+    parser.add_argument("--variant", default=FAMILIES["unet"], help="the variant whose sampler, reward and "
+                        f"advantage clip are used (default {FAMILIES['unet']})")
     parser.add_argument("--case", default="two_object", choices=sorted(RUNG_B_PROMPTS),
                         help="the ladder's rung-b case whose prompt is trained")
     parser.add_argument("--images", type=int, default=256, help="trajectories sampled (two halves of half as many)")
