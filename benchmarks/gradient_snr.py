@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -218,7 +219,6 @@ def measure(args) -> dict:
     result["norm_share"] = (norms / norms.sum()).tolist() if norms.sum() > 0 else None
     result["seconds"] = {"sampling_and_gradients": round(gradient_seconds, 1),
                          "total": round(time.perf_counter() - start, 1)}
-    result["command"] = "python benchmarks/gradient_snr.py " + " ".join(sys.argv[1:])
     return result
 
 
@@ -248,6 +248,7 @@ def table(result) -> str:
 def main(argv=None):
     args = parse_args(argv)
     result = measure(args)
+    result["command"] = "python benchmarks/gradient_snr.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(table(result))
     if args.output:
         tmp = args.output + ".tmp"

@@ -868,6 +868,8 @@ def test_the_gradient_snr_runs_on_the_shipped_unet_and_refuses_a_bad_batch(tmp_p
     result = snr.main(["--images", "8", "--chunk", "4", "--splits", "4", "--buckets", "512", "--output", str(output)])
     saved = json.loads(output.read_text())
     assert saved["prompt"] == "a photo of a star and a triangle" and saved["half_sizes"] == [2, 4]
+    assert saved["command"] == ("python benchmarks/gradient_snr.py --images 8 --chunk 4 --splits 4 --buckets 512 "
+                                f"--output {output}")
     assert sum(saved["norm_share"]) == pytest.approx(1.0) and len(saved["norm_share"]) == 10
     for name in ("real", "null"):
         rows = saved["advantages"][name]
