@@ -96,11 +96,16 @@ class CountSketch:
 
 
 def grpo_advantages(rewards, clip):
-    """GRPO's advantages of one prompt's images: (r - mean) / std (population std; 0 where it is 0), clipped."""
-    rewards = np.asarray(rewards, dtype=np.float64)
-    std = rewards.std()
-    advantages = (rewards - rewards.mean()) / std if std > 0 else np.zeros_like(rewards)
-    return np.clip(advantages, -clip, clip)
+    """GRPO's advantages of one prompt's images, as the trainer computes them (algos/advantages.py's
+    compute_grpo_advantages: (r - mean) / (population std + 1e-6), 0 where the rewards are equal), clipped."""
+    import torch
+
+    from ddpo_group.algos.advantages import compute_grpo_advantages
+
+    rewards = torch.as_tensor(np.asarray(rewards, dtype=np.float64))
+    advantages, _ = compute_grpo_advantages(rewards, torch.zeros(len(rewards), dtype=torch.long),
+                                            torch.ones(len(rewards), 1))
+    return np.clip(advantages[:, 0].numpy(), -clip, clip)
 
 
 def half_sizes(images):

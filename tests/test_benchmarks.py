@@ -843,7 +843,8 @@ def test_grpo_advantages_of_one_prompt_and_the_count_sketch_s_inner_products():
 
     snr = load_script("benchmarks/gradient_snr.py")
     # rewards 0, 1, 1, 1: mean 0.75, population std sqrt(3) / 4; clipped at 1.5
-    np.testing.assert_allclose(snr.grpo_advantages([0, 1, 1, 1], 1.5), [-1.5, 1 / 3**0.5, 1 / 3**0.5, 1 / 3**0.5])
+    np.testing.assert_allclose(snr.grpo_advantages([0, 1, 1, 1], 1.5), [-1.5, 1 / 3**0.5, 1 / 3**0.5, 1 / 3**0.5],
+                               rtol=1e-5)  # the trainer's std + 1e-6
     assert not snr.grpo_advantages([0.5, 0.5], 5.0).any()
     params = [torch.nn.Parameter(torch.zeros(30000)), torch.nn.Parameter(torch.zeros(100, 100))]
     sketch = snr.CountSketch(params, buckets=4096, seed=0)
