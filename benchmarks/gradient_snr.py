@@ -23,6 +23,11 @@ bins' error in a cosine is about 1 / sqrt(buckets)). Pairs of batches are drawn 
 
     python benchmarks/gradient_snr.py --case two_object --output benchmarks/results/gradient_snr/two_object.json
     python benchmarks/gradient_snr.py --model PIPELINE_DIR --variant tiny_scenes --case colors --images 256
+    python benchmarks/gradient_snr.py --case two_object --images 512 --reward jpeg_incompressibility  # rung a's reward
+    python benchmarks/gradient_snr.py --case two_object --images 512 --score expected  # another geneval score
+
+`--reward jpeg_incompressibility` scores the same trajectories (same `--seed`, same images) with the reward that
+rung a shows learning: the positive control, what a reward that teaches looks like on this measurement.
 
 Prints a table (a row per step and one for the whole trajectory, the real advantages and the null control) and
 writes JSON (--output; a file that exists is refused). One thread; the UNet m at 512 images: about 10 minutes.
@@ -53,6 +58,11 @@ def parse_args(argv=None):
                         f"advantage clip are used (default {FAMILIES['unet']})")
     parser.add_argument("--case", default="two_object", choices=sorted(RUNG_B_PROMPTS),
                         help="the ladder's rung-b case whose prompt is trained")
+    parser.add_argument("--score", default="", choices=["", "partial", "strict", "correct", "expected"],
+                        help="the geneval reward's score (default: the variant's; expected: the expected strict "
+                        "verdict, ddpo_group/rewards/geneval/expected.py)")
+    parser.add_argument("--reward", default="geneval", choices=["geneval", "jpeg_incompressibility"],
+                        help="jpeg_incompressibility: rung a's reward, which learns (the positive control)")
     parser.add_argument("--images", type=int, default=256, help="trajectories sampled (two halves of half as many)")
     parser.add_argument("--chunk", type=int, default=8, help="images sampled at a time; divides --images")
     parser.add_argument("--splits", type=int, default=100, help="pairs of disjoint batches drawn and averaged")
@@ -172,7 +182,14 @@ def measure(args) -> dict:
     model.eval()  # the trainer's: no dropout in these models
     params = [p for p in model.parameters() if p.requires_grad]
     sketch = CountSketch(params, args.buckets, args.seed)
-    reward = GenEvalReward(**dict(config.reward_kwargs["geneval"]))
+    options = dict(config.reward_kwargs["geneval"])
+    if args.score:
+        options["score"] = args.score
+    reward = GenEvalReward(**options)
+    if args.reward == "jpeg_incompressibility":
+        from ddpo_group.rewards.registry import get_reward
+
+        jpeg = get_reward("jpeg_incompressibility")
     meta = {k: v for k, v in record.items() if k != "prompt"}
 
     start = time.perf_counter()
@@ -184,6 +201,8 @@ def measure(args) -> dict:
             batch = policy.sample([prompt] * args.chunk, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
                                   eta=s.eta, generator=generator, keep_steps=True)
         values, info = reward(batch.images.float(), [prompt] * args.chunk, [meta] * args.chunk)
+        if args.reward == "jpeg_incompressibility":
+            values = jpeg(batch.images.float(), [prompt] * args.chunk, [meta] * args.chunk)[0]
         rewards.append(np.asarray(values, dtype=np.float64))
         strict.append(np.asarray(info["strict_correct"], dtype=np.float64))
         for j in range(args.chunk):  # one image a call: its own score gradient at every step
@@ -202,6 +221,7 @@ def measure(args) -> dict:
     sizes = half_sizes(args.images)
     rng = np.random.default_rng([args.seed, 2])
     result = {"model": args.model, "variant": args.variant, "case": args.case, "prompt": prompt,
+              "reward": args.reward if args.reward != "geneval" else f"geneval ({options['score']})",
               "images": args.images, "splits": args.splits, "buckets": args.buckets,
               "seed": args.seed, "num_steps": s.num_steps, "eta": s.eta, "guidance_scale": s.guidance_scale,
               "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
@@ -230,7 +250,8 @@ def measure(args) -> dict:
 def table(result) -> str:
     sizes = result["half_sizes"]
     lines = [f"split-half agreement of the first GRPO update's gradient: {result['model']} ({result['variant']}), "
-             f"\"{result['prompt']}\", {result['images']} images (reward {result['reward_mean']:.3f}, "
+             f"\"{result['prompt']}\", {result['images']} images (reward {result.get('reward', 'geneval')} "
+             f"{result['reward_mean']:.3f}, "
              f"strict-correct {result['strict_correct']:.3f}), {result['splits']} pairs of batches a size",
              "| advantages | step | " + " | ".join(f"cos, batches of {m}" for m in sizes)
              + f" | one draw's spread at {sizes[-1]} | images for even odds | share of the gradient's norm "

@@ -876,7 +876,13 @@ def test_the_gradient_snr_runs_on_the_shipped_unet_and_refuses_a_bad_batch(tmp_p
         rows = saved["advantages"][name]
         assert [row["step"] for row in rows["steps"]] == list(range(10)) + ["all"]
         assert all(-1 <= c <= 1 for line in rows["cos"] for c in line)
-    assert result["images"] == 8
+    assert result["images"] == 8 and saved["reward"] == "geneval (partial)"
+    # the positive control's reward and the expected strict verdict's score are what is scored
+    jpeg = snr.main(["--images", "4", "--chunk", "4", "--splits", "2", "--buckets", "64", "--reward",
+                     "jpeg_incompressibility"])
+    assert jpeg["reward"] == "jpeg_incompressibility" and jpeg["reward_mean"] > 1  # kB, not a 0..1 verdict
+    expected = snr.main(["--images", "4", "--chunk", "4", "--splits", "2", "--buckets", "64", "--score", "expected"])
+    assert expected["reward"] == "geneval (expected)" and 0 <= expected["reward_mean"] <= 1
     with pytest.raises(SystemExit) as exit_info:
         snr.main(["--images", "10", "--chunk", "4"])
     assert exit_info.value.code == 2 and "--images" in capsys.readouterr().err

@@ -9,9 +9,13 @@ Each prompt's metadata is its GenEval record (``tag``, ``include``, ``exclude``;
 - "partial" (default): Flow-GRPO's partial score, a mean of per-clause terms that can be negative
   (protocol.py: ``flow_grpo_score``; what yifan123/flow_grpo trains on);
 - "strict": Flow-GRPO's ``strict_correct`` as 0 / 1 (exact counts, exclude clauses ignored);
-- "correct": GenEval's own verdict as 0 / 1 (what the evaluation protocol counts).
+- "correct": GenEval's own verdict as 0 / 1 (what the evaluation protocol counts);
+- "expected": Flow-GRPO's strict verdict averaged over the detector's scores read as class probabilities, no
+  threshold (expected.py): in [0, 1], smooth where the detector is unsure (a finer training reward; the ladder's
+  probe, docs/scenes.md).
 
-All three are returned in the info (reward_info/geneval/partial_score, strict_correct, correct).
+All are returned in the info (reward_info/geneval/partial_score, strict_correct, correct; expected_strict with
+"expected").
 ``detector``: "mask2former" (transformers Mask2Former + CLIP colours; ``detector_model``, ``clip_model``), or
 "shapes" (the exact shapes-world detector, variant tiny_geneval). ``jpeg_quality``: 0 scores the images as
 they are; 75 reproduces Flow-GRPO, which JPEG-encodes each image (PIL's default quality 75) to send it to its
@@ -44,7 +48,7 @@ from ddpo_group.rewards.geneval.protocol import (
     GenEvalScorer,
 )
 
-SCORES = ("partial", "strict", "correct")
+SCORES = ("partial", "strict", "correct", "expected")
 
 
 def records_of(prompts, metadata) -> list[dict]:
@@ -127,7 +131,8 @@ class GenEvalReward:
         self.score_name = score
         self.jpeg_quality = jpeg_quality
         found, colors = build_detector(detector, detector_model, clip_model, clip_tokenizer, device=device)
-        self.scorer = GenEvalScorer(found, colors, threshold, counting_threshold, max_objects, position_margin)
+        self.scorer = GenEvalScorer(found, colors, threshold, counting_threshold, max_objects, position_margin,
+                                    expected=score == "expected")
 
     @classmethod
     def check_prompts(cls, prompts, source: str = "", **_) -> None:
@@ -166,5 +171,8 @@ class GenEvalReward:
             "strict_correct": np.array([r["strict_correct"] for r in results], dtype=np.float64),
             "correct": np.array([r["correct"] for r in results], dtype=np.float64),
         }
-        key = {"partial": "partial_score", "strict": "strict_correct", "correct": "correct"}[self.score_name]
+        if self.score_name == "expected":
+            info["expected_strict"] = np.array([r["expected_strict"] for r in results], dtype=np.float64)
+        key = {"partial": "partial_score", "strict": "strict_correct", "correct": "correct",
+               "expected": "expected_strict"}[self.score_name]
         return info[key].copy(), info
