@@ -863,7 +863,30 @@ def test_grpo_advantages_of_one_prompt_and_the_count_sketch_s_inner_products():
     assert estimate / np.prod([np.linalg.norm(s) for s in sketches]) == pytest.approx(exact / np.prod(norms), abs=0.03)
 
 
+def test_the_sign_agreement_is_one_for_a_clean_signal_and_about_zero_for_noise_or_shuffled_rewards():
+    import numpy as np
+
+    snr = load_script("benchmarks/gradient_snr.py")
+    rng = np.random.default_rng(0)
+    n, steps, entries = 64, 2, 2000
+    rewards = rng.normal(size=n)
+    direction = rng.choice([-1.0, 1.0], size=entries)
+    clean = np.einsum("i,e->ie", rewards, direction)[:, None, :].repeat(steps, axis=1)  # each image: r_i u
+    agree, spread = snr.sign_agreement(clean, rewards, [8, 32], splits=5, rng=rng, clip=5.0)
+    # sum_i A_i r_i > 0 in any batch: both batches' gradients point along u, every entry agrees
+    np.testing.assert_allclose(agree, 1.0) and np.testing.assert_allclose(spread, 0.0, atol=1e-12)
+    noise = rng.normal(size=(n, steps, entries))
+    agree, _ = snr.sign_agreement(noise, rewards, [32], splits=40, rng=rng, clip=5.0)
+    assert np.abs(agree).max() < 0.1  # 2,000 independent signs: one draw's spread 0.022 (draws share the 64 images)
+    agree, spread = snr.sign_agreement(clean, rewards, [32], splits=40, rng=rng, clip=5.0, shuffle=True)
+    # the null: each batch's shuffled rewards give +u or -u at random, so a draw agrees +1 or -1 entirely; 40 draws
+    # average to 0 +- 0.16 (one spread 0.5 is three of them) and a single draw's spread is about 1
+    assert np.abs(agree).max() < 0.5 and (spread > 0.9).all()
+
+
 def test_the_gradient_snr_runs_on_the_shipped_unet_and_refuses_a_bad_batch(tmp_path, capsys):
+    import numpy as np
+
     snr = load_script("benchmarks/gradient_snr.py")
     output = tmp_path / "snr.json"
     result = snr.main(["--images", "8", "--chunk", "4", "--splits", "4", "--buckets", "512", "--output", str(output)])
@@ -876,13 +899,18 @@ def test_the_gradient_snr_runs_on_the_shipped_unet_and_refuses_a_bad_batch(tmp_p
         rows = saved["advantages"][name]
         assert [row["step"] for row in rows["steps"]] == list(range(10)) + ["all"]
         assert all(-1 <= c <= 1 for line in rows["cos"] for c in line)
-    assert result["images"] == 8 and saved["reward"] == "geneval (partial)"
-    # the positive control's reward and the expected strict verdict's score are what is scored
-    jpeg = snr.main(["--images", "4", "--chunk", "4", "--splits", "2", "--buckets", "64", "--reward",
-                     "jpeg_incompressibility"])
-    assert jpeg["reward"] == "jpeg_incompressibility" and jpeg["reward_mean"] > 1  # kB, not a 0..1 verdict
-    expected = snr.main(["--images", "4", "--chunk", "4", "--splits", "2", "--buckets", "64", "--score", "expected"])
-    assert expected["reward"] == "geneval (expected)" and 0 <= expected["reward_mean"] <= 1
+    assert result["images"] == 8 and saved["reward"] == "partial" and list(saved["rewards"]) == ["partial"]
+    # several rewards on the same trajectories: the positive control's (jpeg, kB) and the expected strict verdict
+    both = snr.main(["--images", "4", "--chunk", "4", "--splits", "2", "--buckets", "64", "--entries", "32",
+                     "--reward", "jpeg_incompressibility,expected"])
+    assert list(both["rewards"]) == ["jpeg_incompressibility", "expected"] and both["entries"] == 32
+    assert both["rewards"]["jpeg_incompressibility"]["reward_mean"] > 1 and both["reward"] == "jpeg_incompressibility"
+    assert 0 <= both["rewards"]["expected"]["reward_mean"] <= 1
+    agree = np.asarray(both["rewards"]["expected"]["advantages"]["real"]["sign_agreement"])
+    assert agree.shape == (1, 11) and (np.abs(agree) <= 1).all()
+    with pytest.raises(SystemExit):
+        snr.main(["--images", "8", "--chunk", "4", "--reward", "partial,soft"])
+    assert "--reward" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         snr.main(["--images", "10", "--chunk", "4"])
     assert exit_info.value.code == 2 and "--images" in capsys.readouterr().err
