@@ -8,6 +8,8 @@ Modules (docs/geneval.md says how they fit):
 - ``protocol``: the rules of djghosh13/geneval ``evaluation/evaluate_images.py`` and ``summary_scores.py`` (an
   image is correct or not; the per-tag and overall table) and Flow-GRPO's partial score (yifan123/reward-server
   ``gen_eval.py``), on detections from any detector.
+- ``expected``: Flow-GRPO's strict verdict averaged over the detector's scores read as probabilities (the reward
+  score "expected"; uses ``protocol``'s rules, and ``reward`` hands it to the scorer).
 - ``detectors``: the detector and colour-classifier interface; Mask2Former and CLIP through transformers.
 - ``shapes_scenes``: several shapes-world objects in one image, and an exact detector and colour classifier
   for them, so that the protocol can be checked on images whose answer is known.

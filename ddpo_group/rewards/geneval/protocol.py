@@ -325,9 +325,11 @@ class GenEvalScorer:
 
     def __init__(self, detector, color_classifier, threshold: float = THRESHOLD,
                  counting_threshold: float = COUNTING_THRESHOLD, max_objects: int = MAX_OBJECTS,
-                 position_margin: float = POSITION_MARGIN, expected: bool = False):
+                 position_margin: float = POSITION_MARGIN, expected: Callable | None = None):
         self.detector = detector
-        self.expected = expected  # also the expected strict verdict (expected.py), a training reward's
+        # expected(raw detections, record, classify, margin) -> (value, _): expected.py's expected_strict, passed in
+        # by the reward that trains on it (this module stays below expected.py, which uses its rules)
+        self.expected = expected
         self.color_classifier = color_classifier
         self.threshold = threshold
         self.counting_threshold = counting_threshold
@@ -338,7 +340,8 @@ class GenEvalScorer:
         """images uint8 (B, H, W, 3), records: B GenEval metadata records -> B dicts with "tag", "prompt",
         "correct" (GenEval's), "strict_correct" and "partial_score" (Flow-GRPO's), "reason", "detections"
         ({class: [[x1, y1, x2, y2, score], ...]} of the kept detections), "metadata" (record_key); with
-        `expected`, "expected_strict" too (expected.py: Flow-GRPO's verdict averaged over the detector's scores)."""
+        `expected` given, "expected_strict" too (expected.py: Flow-GRPO's verdict averaged over the detector's
+        scores, all of them before the threshold)."""
         images = np.asarray(images)
         if len(images) != len(records):
             raise ValueError(f"GenEval: got {len(images)} images but {len(records)} metadata records")
@@ -363,10 +366,8 @@ class GenEvalScorer:
                                for name, found in objects.items()},
                 "metadata": record_key(record),
             })
-            if self.expected:
-                from ddpo_group.rewards.geneval.expected import expected_strict
-
-                results[-1]["expected_strict"] = expected_strict(raw, record, classify, self.position_margin)[0]
+            if self.expected is not None:
+                results[-1]["expected_strict"] = self.expected(raw, record, classify, self.position_margin)[0]
         return results
 
 

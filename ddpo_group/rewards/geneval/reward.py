@@ -39,6 +39,7 @@ from PIL import Image
 
 from ddpo_group.rewards.base import RewardError, register_reward, to_uint8_images
 from ddpo_group.rewards.geneval.detectors import CLIP_MODEL, MASK2FORMER_MODEL, build_detector
+from ddpo_group.rewards.geneval.expected import expected_strict
 from ddpo_group.rewards.geneval.metadata import GenEvalFormatError, check_record, check_vocabulary, read_metadata
 from ddpo_group.rewards.geneval.protocol import (
     COUNTING_THRESHOLD,
@@ -132,7 +133,7 @@ class GenEvalReward:
         self.jpeg_quality = jpeg_quality
         found, colors = build_detector(detector, detector_model, clip_model, clip_tokenizer, device=device)
         self.scorer = GenEvalScorer(found, colors, threshold, counting_threshold, max_objects, position_margin,
-                                    expected=score == "expected")
+                                    expected=expected_strict if score == "expected" else None)
 
     @classmethod
     def check_prompts(cls, prompts, source: str = "", **_) -> None:
