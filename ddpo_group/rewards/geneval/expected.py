@@ -16,7 +16,7 @@ training reward on the ladder: docs/scenes.md, "The expected strict verdict as t
 Only the record's include classes matter to the strict verdict (it ignores exclude clauses), so each object has
 at most (include classes + 1) outcomes; objects whose outcome is certain (p >= 1 - 1e-9) are fixed and objects
 with no include class do not enter. Above ``MAX_ASSIGNMENTS`` assignments, the most certain objects are fixed to
-their likeliest outcome one by one until the rest fit (an approximation, reported as "fixed" objects). On a
+their likeliest outcome one by one until the rest fit (an approximation; ``expected_strict`` returns how many). On a
 rendered scene every object's true class scores > 0.98, so the value is within a few hundredths of the verdict;
 on an unsure blob it moves smoothly with the scores instead of jumping at a threshold.
 
