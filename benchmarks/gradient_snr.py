@@ -232,7 +232,7 @@ def measure(args) -> dict:
     from ddpo_group.data import scenes
     from ddpo_group.diffusion.base import configure_from_sample
     from ddpo_group.diffusion.policy import load_policy
-    from ddpo_group.rewards.geneval.reward import GenEvalReward
+    from ddpo_group.rewards.geneval.reward import INFO_KEYS, GenEvalReward
 
     torch.set_num_threads(1)
     config = grpo.get_config(args.variant)
@@ -259,8 +259,6 @@ def measure(args) -> dict:
 
         jpeg = get_reward("jpeg_incompressibility")
     meta = {k: v for k, v in record.items() if k != "prompt"}
-    info_key = {"partial": "partial_score", "strict": "strict_correct", "correct": "correct",
-                "expected": "expected_strict"}
 
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(args.seed)
@@ -277,7 +275,7 @@ def measure(args) -> dict:
         strict.append(np.asarray(info["strict_correct"], dtype=np.float64))
         for name in names:
             values = (jpeg(images, [prompt] * args.chunk, [meta] * args.chunk)[0] if name == "jpeg_incompressibility"
-                      else info[info_key[name]])
+                      else info[INFO_KEYS[name]])
             rewards[name].append(np.asarray(values, dtype=np.float64))
         for j in range(args.chunk):  # one image a call: its own score gradient at every step
             for t in range(s.num_steps):

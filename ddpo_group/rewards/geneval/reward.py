@@ -50,6 +50,9 @@ from ddpo_group.rewards.geneval.protocol import (
 )
 
 SCORES = ("partial", "strict", "correct", "expected")
+# each score's key in the reward's info (the reward of an image is info[INFO_KEYS[score]])
+INFO_KEYS = {"partial": "partial_score", "strict": "strict_correct", "correct": "correct",
+             "expected": "expected_strict"}
 
 
 def records_of(prompts, metadata) -> list[dict]:
@@ -174,6 +177,4 @@ class GenEvalReward:
         }
         if self.score_name == "expected":
             info["expected_strict"] = np.array([r["expected_strict"] for r in results], dtype=np.float64)
-        key = {"partial": "partial_score", "strict": "strict_correct", "correct": "correct",
-               "expected": "expected_strict"}[self.score_name]
-        return info[key].copy(), info
+        return info[INFO_KEYS[self.score_name]].copy(), info
