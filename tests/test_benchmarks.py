@@ -917,3 +917,36 @@ def test_the_gradient_snr_runs_on_the_shipped_unet_and_refuses_a_bad_batch(tmp_p
     with pytest.raises(SystemExit):
         snr.main(["--images", "8", "--chunk", "4", "--output", str(output)])  # never written over
     assert "exists" in capsys.readouterr().err
+
+
+def test_the_sft_ceiling_fine_tunes_the_unet_and_scores_each_measurement_with_geneval_s_strict_verdict(tmp_path, capsys):
+    """benchmarks/scenes_sft_ceiling.py (docs/scenes.md): two measurements (the base, then 2 optimizer steps of 2
+    rendered scenes) of rung b's two_object prompt, 2 images each. Each row's strict-correct is the share of strict
+    verdicts in the images' own verdict file, its scenes seen the steps times the batch; the base row has no loss."""
+    ceiling = load_script("benchmarks/scenes_sft_ceiling.py")
+    output = tmp_path / "two_object"
+    document = ceiling.main(["--case", "two_object", "--steps", "0,2", "--scenes", "4", "--batch", "2",
+                             "--images", "2", "--output", str(output)])
+    assert document["record"]["prompt"] == "a photo of a star and a triangle"
+    assert document["area_range"] == [150.0, 260.0]  # the shipped tiny-scenes' coarse scale
+    assert [(r["step"], r["scenes_seen"]) for r in document["rows"]] == [(0, 0), (2, 4)]
+    assert document["rows"][0]["loss"] is None and document["rows"][1]["loss"] > 0
+    for row in document["rows"]:
+        verdicts = [json.loads(line)["strict_correct"]
+                    for line in (output / f"images_{row['step']}" / "verdicts.jsonl").read_text().splitlines()]
+        assert len(verdicts) == 2 and row["strict_correct"] == sum(verdicts) / 2
+    assert json.loads((output / "ceiling.json").read_text())["rows"] == document["rows"]
+    assert "step     2  scenes seen      4" in capsys.readouterr().out
+    import numpy as np
+    from PIL import Image
+
+    figure = np.asarray(Image.open(output / "samples.png"))
+    assert figure.shape == (2 * 72, 16 * 72, 3)  # a row per measurement, 16 tiles of 72 px, 2 of them drawn
+    assert (figure[:, 2 * 72 :] == 255).all() and figure[:, : 2 * 72].std() > 0
+
+
+def test_the_sft_ceiling_refuses_steps_that_are_not_whole_numbers(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("benchmarks/scenes_sft_ceiling.py").main(["--steps", "0,ten", "--output", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--steps '0,ten'" in capsys.readouterr().err
