@@ -135,6 +135,8 @@ def main(argv=None):
     for name in ("scenes", "batch", "images"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)}: a number >= 1")
+    if os.path.exists(os.path.join(args.output, "ceiling.json")):  # a measurement is never written over
+        parser.error(f"--output {args.output}: holds a measurement (ceiling.json); choose a new folder")
 
     import torch
 
@@ -143,7 +145,15 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)
     folder = str(SHIPPED_SCENES[args.model]) if args.model in SHIPPED_SCENES else args.model
-    pipeline = load_pipeline(args.model)
+    not_unet = f"--model {args.model}: not a UNet pipeline; this measures the UNet base (tiny-scenes)"
+    if args.model == "tiny-scenes-sd3":
+        parser.error(not_unet)
+    try:
+        pipeline = load_pipeline(args.model)
+    except (ValueError, OSError) as err:
+        parser.error(f"--model {args.model}: {str(err).splitlines()[0]}")
+    if getattr(pipeline, "unet", None) is None:
+        parser.error(not_unet)
     records = {r["prompt"]: r for tag_records in scenes.training_records().values() for r in tag_records}
     record = records[RUNG_B_PROMPTS[args.case]]
     area_range = scenes.area_range_of_pipeline(folder)

@@ -944,9 +944,22 @@ def test_the_sft_ceiling_fine_tunes_the_unet_and_scores_each_measurement_with_ge
     assert figure.shape == (2 * 72, 16 * 72, 3)  # a row per measurement, 16 tiles of 72 px, 2 of them drawn
     assert (figure[:, 2 * 72 :] == 255).all() and figure[:, : 2 * 72].std() > 0
 
+    with pytest.raises(SystemExit) as exit_info:  # a measurement is never written over
+        ceiling.main(["--case", "two_object", "--steps", "0", "--output", str(output)])
+    assert exit_info.value.code == 2
+    assert "holds a measurement" in capsys.readouterr().err
+
 
 def test_the_sft_ceiling_refuses_steps_that_are_not_whole_numbers(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         load_script("benchmarks/scenes_sft_ceiling.py").main(["--steps", "0,ten", "--output", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "--steps '0,ten'" in capsys.readouterr().err
+
+
+def test_the_sft_ceiling_refuses_a_flow_model(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("benchmarks/scenes_sft_ceiling.py").main(["--model", "tiny-scenes-sd3", "--output", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--model tiny-scenes-sd3: not a UNet pipeline" in capsys.readouterr().err
+    assert not (tmp_path / "ceiling.json").exists()
