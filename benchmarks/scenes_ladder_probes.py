@@ -44,17 +44,18 @@ def read_run(results, family, case, seed):
     with open(path) as handle:
         rows = [json.loads(line) for line in handle if line.strip()]
     key = strict_key(rows)  # the null control's true verdicts have their own key
-    rows = [dict(r, strict_correct=r[key]) for r in rows if key in r and "steps/grad_share" in r]
+    # a forward-process objective (DiffusionNFT, AWM) has no per-step policy gradient: its rows carry no shares
+    forward = any("forward/old_decay" in r for r in rows)
+    rows = [dict(r, strict_correct=r[key]) for r in rows if key in r and ("steps/grad_share" in r or forward)]
     return rows, os.path.isfile(os.path.join(run_dir, "finished.json"))
 
 
 def summarise(label, rows, finished):
     strict = [r["strict_correct"] for r in rows]
     windows = [sum(strict[i:i + WINDOW]) / WINDOW for i in range(max(1, len(strict) - WINDOW + 1))]
-    shares = [r["steps/grad_share"] for r in rows]
-    n_steps = len(shares[0])
+    shares = [r["steps/grad_share"] for r in rows if "steps/grad_share" in r]
     mean_share = []
-    for k in range(n_steps):
+    for k in range(len(shares[0]) if shares else 0):  # none: a forward-process objective's run
         values = [s[k] for s in shares if s[k] is not None]
         mean_share.append(sum(values) / len(values) if values else None)
     return {"label": label, "epochs": len(rows), "finished": finished, "strict_correct": strict,
@@ -142,11 +143,11 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|")
     for p in probes:
         shares = [(s, k) for k, s in enumerate(p["grad_share_mean"]) if s is not None]
-        top, step = max(shares)
+        top = "{:.2f} (step {})".format(*max(shares)) if shares else "- (no per-step gradient)"
+        kl = f"{p['approx_kl'][0]:.3f}" if p["approx_kl"][0] is not None else "-"
         epochs = f"{p['epochs']}" + ("" if p["finished"] else " (stopped)")
         print(f"| {p['label']} | {epochs} | {p['strict_first']:.3f} | {p['strict_lowest']:.3f} | "
-              f"{p['strict_best_window']:.3f} | {p['strict_last']:.3f} | {p['approx_kl'][0]:.3f} | "
-              f"{top:.2f} (step {step}) |")
+              f"{p['strict_best_window']:.3f} | {p['strict_last']:.3f} | {kl} | {top} |")
     document = {"case": args.case, "seed": args.seed, "family": args.family, "probes": probes,
                 "command": "python benchmarks/scenes_ladder_probes.py " + " ".join(
                     f"'{a}'" if " " in a else a for a in (argv if argv is not None else sys.argv[1:]))}

@@ -78,3 +78,21 @@ def test_the_ddim_step_std_is_diffusers_variance_on_the_shipped_unet_s_schedule(
         a_prev = alphas[prev] if prev >= 0 else alphas[0]
         assert std == pytest.approx(np.sqrt((1 - a_prev) / (1 - alphas[t]) * (1 - alphas[t] / a_prev)), rel=1e-4)
     assert rows[8][2] < rows[7][2] / 6  # t 101 -> 1: the step whose log-probability dominates (docs/scenes.md)
+
+
+def test_a_forward_process_run_is_read_without_per_step_gradient_shares(tmp_path, capsys):
+    """A DiffusionNFT / AWM run logs no steps/grad_share (no per-step policy gradient) but forward/old_decay: its
+    epochs are read, its shares are empty, and the table says so."""
+    results = str(tmp_path / "nft")
+    run_dir = os.path.join(results, "runs", "b", "unet", "counting", "seed_42")
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for epoch, value in enumerate([0.4, 0.6, 0.5]):
+            f.write(json.dumps({"epoch": epoch, "reward_mean": value, "forward/old_decay": 0.001 * epoch,
+                                "reward_info/geneval/strict_correct": value}) + "\n")
+    out = str(tmp_path / "out" / "probes")
+    probes.main(["--case", "counting", "--probe", f"nft={results}", "--output", out])
+    (probe,) = json.load(open(out + ".json"))["probes"]
+    assert probe["epochs"] == 3 and probe["strict_best_window"] == pytest.approx(0.5)
+    assert probe["grad_share_mean"] == [] and probe["approx_kl"] == [None, None, None]
+    assert "| nft | 3 (stopped) | 0.400 | 0.400 | 0.500 | 0.500 | - | - (no per-step gradient) |" in capsys.readouterr().out
