@@ -135,6 +135,8 @@ def main(argv=None):
     for name in ("scenes", "batch", "images"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)}: a number >= 1")
+    if args.warmup < 0 or not args.lr > 0:
+        parser.error(f"--lr {args.lr} --warmup {args.warmup}: a learning rate > 0 and warm-up steps >= 0")
     if os.path.exists(os.path.join(args.output, "ceiling.json")):  # a measurement is never written over
         parser.error(f"--output {args.output}: holds a measurement (ceiling.json); choose a new folder")
 

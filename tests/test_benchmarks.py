@@ -955,6 +955,10 @@ def test_the_sft_ceiling_refuses_steps_that_are_not_whole_numbers(tmp_path, caps
         load_script("benchmarks/scenes_sft_ceiling.py").main(["--steps", "0,ten", "--output", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "--steps '0,ten'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("benchmarks/scenes_sft_ceiling.py").main(["--lr", "0", "--output", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "a learning rate > 0" in capsys.readouterr().err
 
 
 def test_the_sft_ceiling_refuses_a_flow_model(tmp_path, capsys):
