@@ -950,20 +950,14 @@ def test_the_sft_ceiling_fine_tunes_the_unet_and_scores_each_measurement_with_ge
     assert "holds a measurement" in capsys.readouterr().err
 
 
-def test_the_sft_ceiling_refuses_steps_that_are_not_whole_numbers(tmp_path, capsys):
+@pytest.mark.parametrize("arguments, message", [
+    (["--steps", "0,ten"], "--steps '0,ten'"),
+    (["--lr", "0"], "a learning rate > 0"),
+    (["--model", "tiny-scenes-sd3"], "--model tiny-scenes-sd3: not a UNet pipeline"),
+])
+def test_the_sft_ceiling_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, capsys, arguments, message):
     with pytest.raises(SystemExit) as exit_info:
-        load_script("benchmarks/scenes_sft_ceiling.py").main(["--steps", "0,ten", "--output", str(tmp_path)])
+        load_script("benchmarks/scenes_sft_ceiling.py").main([*arguments, "--output", str(tmp_path)])
     assert exit_info.value.code == 2
-    assert "--steps '0,ten'" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_info:
-        load_script("benchmarks/scenes_sft_ceiling.py").main(["--lr", "0", "--output", str(tmp_path)])
-    assert exit_info.value.code == 2
-    assert "a learning rate > 0" in capsys.readouterr().err
-
-
-def test_the_sft_ceiling_refuses_a_flow_model(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        load_script("benchmarks/scenes_sft_ceiling.py").main(["--model", "tiny-scenes-sd3", "--output", str(tmp_path)])
-    assert exit_info.value.code == 2
-    assert "--model tiny-scenes-sd3: not a UNet pipeline" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "ceiling.json").exists()
