@@ -33,48 +33,39 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def render_latents(pipeline, record, count, area_range, seed):
-    """(posterior means, posterior stds) (count, 4, h, w) of `count` rendered scenes of `record`, unscaled."""
+    """(posterior means, posterior stds) (count, 4, h, w) of `count` rendered scenes of `record`, unscaled (the
+    pretraining's encoding, cli.pretrain.encode_scenes)."""
     import numpy as np
-    import torch
 
+    from ddpo_group.cli.pretrain import encode_scenes
     from ddpo_group.data import scenes
 
     rng = np.random.default_rng(seed)
     images = np.stack([scenes.render_record(record, rng, area_range=area_range) for _ in range(count)])
-    x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-    with torch.no_grad():
-        posterior = pipeline.vae.encode(x).latent_dist
-    return posterior.mean, posterior.std
+    return encode_scenes(pipeline.vae, images)
 
 
-def fine_tune(pipeline, latents, ids, empty_ids, steps, args, state):
-    """`steps` more optimizer steps of the epsilon loss on the UNet (state: optimizer, generator, losses)."""
+def fine_tune(pipeline, latents, prompt_ids, steps, args, state):
+    """`steps` more optimizer steps of the pretraining's loss on the UNet (cli.pretrain: scenes_batch draws the
+    scenes and the 10 % empty captions, denoiser_loss the noise, the time and the epsilon loss); `prompt_ids` is
+    (2, L): the record's prompt, then the empty one. state: optimizer, schedule, generator, losses."""
     import torch
-    import torch.nn.functional as F
 
-    unet, scheduler = pipeline.unet, pipeline.scheduler
+    from ddpo_group.cli.pretrain import denoiser_loss, scenes_batch
+
     mean, std = latents
-    abar_all = scheduler.alphas_cumprod.to(torch.float32)
-    generator = state["generator"]
-    with torch.no_grad():
-        cond, empty = pipeline.text_encoder(ids)[0], pipeline.text_encoder(empty_ids)[0]
-    unet.train()
+    rows = torch.zeros(mean.shape[0], dtype=torch.long)
+    scaling = pipeline.vae.config.scaling_factor
+    pipeline.unet.train()
     for _ in range(steps):
-        idx = torch.randint(0, mean.shape[0], (args.batch,), generator=generator)
-        z0 = mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=generator)
-        z0 = z0 * pipeline.vae.config.scaling_factor
-        noise = torch.randn(z0.shape, generator=generator)
-        t = torch.randint(0, scheduler.config.num_train_timesteps, (args.batch,), generator=generator)
-        abar = abar_all[t].view(-1, 1, 1, 1)
-        drop = (torch.rand(args.batch, generator=generator) < 0.1).view(-1, 1, 1)
-        embeds = torch.where(drop, empty.expand(args.batch, -1, -1), cond.expand(args.batch, -1, -1))
-        loss = F.mse_loss(unet(abar.sqrt() * z0 + (1 - abar).sqrt() * noise, t, embeds).sample, noise)
+        z, batch_rows = scenes_batch(mean, std, rows, 1, args.batch, 0.1, state["generator"])
+        loss = denoiser_loss(pipeline, "sd", z * scaling, prompt_ids[batch_rows], state["generator"])
         state["optimizer"].zero_grad(set_to_none=True)
         loss.backward()
         state["optimizer"].step()
         state["schedule"].step()
         state["losses"].append(float(loss.detach()))
-    unet.eval()
+    pipeline.unet.eval()
 
 
 def samples_figure(output, count=16):
@@ -166,7 +157,7 @@ def main(argv=None):
         return tokenizer([text], padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
                          return_tensors="pt").input_ids
 
-    ids, empty_ids = tokens(record["prompt"]), tokens("")
+    prompt_ids = torch.cat([tokens(record["prompt"]), tokens("")])
     for p in pipeline.text_encoder.parameters():
         p.requires_grad_(False)
     optimizer = torch.optim.AdamW(pipeline.unet.parameters(), lr=args.lr, weight_decay=1e-2)
@@ -180,7 +171,7 @@ def main(argv=None):
         copy = os.path.join(work, "pipeline")
         shutil.copytree(folder, copy)
         for step in steps:
-            fine_tune(pipeline, latents, ids, empty_ids, step - done, args, state)
+            fine_tune(pipeline, latents, prompt_ids, step - done, args, state)
             done = step
             pipeline.unet.save_pretrained(os.path.join(copy, "unet"))
             _, verdicts = sample_prompt(["--model", copy], record, args.images, sampler, work, f"step{step}")

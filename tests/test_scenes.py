@@ -371,6 +371,28 @@ def test_the_flow_pretraining_draws_its_noise_levels_as_asked(times):
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
 
 
+def test_a_denoiser_batch_draws_scenes_their_posterior_latents_and_empty_captions_in_order():
+    """cli.pretrain.scenes_batch, shared by the pretraining and benchmarks/scenes_sft_ceiling.py: by hand, the same
+    generator's draws (scene indices, then the posterior's noise, then the caption coins)."""
+    from ddpo_group.cli.pretrain import _import_torch, scenes_batch
+
+    _import_torch()
+    mean = torch.arange(5.0).view(5, 1, 1, 1).expand(5, 2, 2, 2).contiguous()
+    std = torch.full((5, 2, 2, 2), 0.5)
+    rows = torch.tensor([10, 11, 12, 13, 14])
+    z, batch_rows = scenes_batch(mean, std, rows, 99, 6, 0.5, torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 5, (6,), generator=generator)
+    eps = torch.randn(6, 2, 2, 2, generator=generator)
+    coins = torch.rand(6, generator=generator)
+    assert torch.allclose(z, idx.float().view(6, 1, 1, 1) + 0.5 * eps)
+    assert batch_rows.tolist() == [99 if c < 0.5 else 10 + i for i, c in zip(idx.tolist(), coins.tolist())]
+    assert rows.tolist() == [10, 11, 12, 13, 14]  # the caller's rows are not changed
+    _, none_empty = scenes_batch(mean, std, rows, 99, 50, 0.0, torch.Generator().manual_seed(4))
+    _, all_empty = scenes_batch(mean, std, rows, 99, 50, 1.0, torch.Generator().manual_seed(4))
+    assert 99 not in none_empty.tolist() and set(all_empty.tolist()) == {99}
+
+
 def test_noise_levels_other_than_ddpm_s_are_the_flow_model_s_alone(capsys):
     with pytest.raises(SystemExit):
         load_script("scripts/pretrain_tiny.py").parse_args(["--world", "scenes", "--arch", "sd", "--flow-times",

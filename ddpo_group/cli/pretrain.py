@@ -630,6 +630,20 @@ def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, gene
     return F.mse_loss(prediction, noise - z0)
 
 
+def scenes_batch(latent_mean, latent_std, rows, empty_row: int, batch_size: int, cond_dropout: float, generator):
+    """A denoiser batch: `batch_size` scenes drawn with replacement, each latent drawn from its posterior (mean + std
+    * N(0, 1), unscaled, on latent_mean's device), and their prompts' `rows` (a CPU tensor), each replaced by
+    `empty_row` with probability `cond_dropout` (classifier-free guidance). The draws come from `generator` (a CPU
+    one) in that order. Returns (latents, rows)."""
+    device = latent_mean.device
+    idx = torch.randint(0, latent_mean.shape[0], (batch_size,), generator=generator)
+    z = latent_mean[idx.to(device)] + latent_std[idx.to(device)] * torch.randn(
+        (batch_size,) + tuple(latent_mean.shape[1:]), generator=generator).to(device)
+    batch_rows = rows[idx].clone()
+    batch_rows[torch.rand(batch_size, generator=generator) < cond_dropout] = empty_row
+    return z, batch_rows
+
+
 class Stopped(Exception):
     """The time budget ran out; the state is saved and the same command resumes."""
 
@@ -792,7 +806,8 @@ def _train_scenes_vae(pipeline, images, args, state_dir, deadline) -> dict:
 
 
 @no_grad
-def _scenes_latents(vae, images, chunk=64):
+@no_grad
+def encode_scenes(vae, images, chunk=64):
     """Posterior mean and std (N, 4, h, w) of every image, on the CPU (encoded on the VAE's device)."""
     device = vae.device
     chunk = chunk if device.type == "cpu" else 1024
@@ -867,12 +882,9 @@ def _train_scenes_denoiser(pipeline, args, latents, rows, prompt_ids, state_dir,
             progress.total = total_steps[0]
             print(f"--denoiser-minutes {args.denoiser_minutes}: {per_step * 1000:.1f} ms a step -> "
                   f"{total_steps[0]} steps")
-        idx = torch.randint(0, latent_mean.shape[0], (args.batch_size,), generator=generator)
-        z = latent_mean[idx.to(device)] + latent_std[idx.to(device)] * torch.randn(
-            (args.batch_size,) + tuple(latent_mean.shape[1:]), generator=generator).to(device)
+        z, batch_rows = scenes_batch(latent_mean, latent_std, rows, empty_row, args.batch_size, args.cond_dropout,
+                                     generator)
         z0 = (z - shift) * scaling
-        batch_rows = rows[idx].clone()
-        batch_rows[torch.rand(args.batch_size, generator=generator) < args.cond_dropout] = empty_row
         loss = denoiser_loss(pipeline, args.arch, z0, prompt_ids[batch_rows], generator, args.flow_times)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -910,7 +922,7 @@ def held_out_loss(pipeline, args, images=None, prompts=None) -> float:
     if images is None:
         images, prompts = sample_dataset(FRESH_SCENES, seed=10**6 + args.seed, workers=args.render_workers,
                                          area_range=area_range_of(args))
-    latent_mean, latent_std = _scenes_latents(pipeline.vae, images)
+    latent_mean, latent_std = encode_scenes(pipeline.vae, images)
     scaling = pipeline.vae.config.scaling_factor
     shift = pipeline.vae.config.shift_factor or 0.0
     generator = torch.Generator().manual_seed(12345)
@@ -1005,7 +1017,7 @@ def _pretrain_scenes(args) -> dict:
                 raise damaged_state(latents_path, err, "remove it (the images are encoded again with the state's "
                                     "VAE, and the denoiser starts over from its step 0)") from None
         else:
-            latent_mean, latent_std = _scenes_latents(pipeline.vae, images)
+            latent_mean, latent_std = encode_scenes(pipeline.vae, images)
             atomic_save((latent_mean, latent_std), latents_path)
             sample = latent_mean + latent_std * torch.randn(latent_mean.shape, generator=torch.Generator().manual_seed(args.seed))
             # SD3 / FLUX convention: latents = (z - shift) * scaling with unit variance; SD: no shift
