@@ -72,6 +72,22 @@ def test_collect_gives_each_run_s_trajectory_and_a_case_passes_on_a_majority_of_
     assert (tmp_path / "ladder_b.png").stat().st_size > 1000
 
 
+def test_rung_b_is_judged_on_its_30_epochs_when_a_run_is_given_more(tmp_path):
+    # a 40-epoch run whose 3-epoch mean first reaches 0.9 at epochs 31-33 reached the target, but not within the
+    # rung's 30 epochs: it does not pass (the ladder once counted against the run's --epochs); one that reaches it
+    # at epochs 28-30 does
+    spec = {"rung": "b", "family": "unet", "case": "two_object", "prompt": "a photo of a star and a triangle",
+            "epochs": 40, "images": 0, "model": ""}
+    late = [0.5] * 30 + [0.9] * 10
+    in_time = [0.5] * 27 + [0.9] * 13
+    write_run(tmp_path, "b", "unet", "two_object", 42, strict_rows(late), {**spec, "seed": 42})
+    write_run(tmp_path, "b", "unet", "two_object", 43, strict_rows(in_time), {**spec, "seed": 43})
+    rows, _ = ladder.main(["--collect", "--results", str(tmp_path)])
+    by_seed = {r["seed"]: r for r in rows}
+    assert by_seed[42]["epochs_to_strict_0.9"] == 33 and not by_seed[42]["passed"]
+    assert by_seed[43]["epochs_to_strict_0.9"] == 30 and by_seed[43]["passed"]
+
+
 def test_a_null_control_s_strict_correct_is_its_images_true_verdicts_under_its_reward_s_name(tmp_path):
     # benchmarks/null_reward.py: the trainer sees shuffled scores, the images' true verdicts are logged under the
     # reward's own name; the ladder reports them as the run's strict-correct (rows with several such names refuse)
