@@ -806,7 +806,6 @@ def _train_scenes_vae(pipeline, images, args, state_dir, deadline) -> dict:
 
 
 @no_grad
-@no_grad
 def encode_scenes(vae, images, chunk=64):
     """Posterior mean and std (N, 4, h, w) of every image, on the CPU (encoded on the VAE's device)."""
     device = vae.device
