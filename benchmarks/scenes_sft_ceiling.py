@@ -74,6 +74,8 @@ def samples_figure(output, count=16):
     import numpy as np
     from PIL import Image
 
+    from ddpo_group.runs.grids import save_png
+
     steps = sorted(int(name.split("_")[1]) for name in os.listdir(output)
                    if name.startswith("images_") and name.split("_")[1].isdigit())
     rows = []
@@ -91,7 +93,7 @@ def samples_figure(output, count=16):
     if not rows:
         return None
     path = os.path.join(output, "samples.png")
-    Image.fromarray(np.concatenate(rows, axis=0)).save(path)
+    save_png(Image.fromarray(np.concatenate(rows, axis=0)), path)  # atomic: a stopped run leaves no half figure
     return path
 
 
