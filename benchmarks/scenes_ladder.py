@@ -64,6 +64,7 @@ import functools
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 
@@ -469,10 +470,17 @@ def all_pass(rows, family):
 def write_outputs(results, argv, samples=0):
     rows, verdicts, metrics = collect(results)
     os.makedirs(results, exist_ok=True)
+    command = "python benchmarks/scenes_ladder.py " + shlex.join(argv)
+    # every command that wrote this folder, in order: a later --collect (or one more seed) keeps the commands
+    # that trained its runs instead of replacing them
+    before = _read_json(os.path.join(results, "summary.json")) or {}
+    commands = list(before.get("commands") or ([before["command"]] if before.get("command") else []))
+    if not commands or commands[-1] != command:
+        commands.append(command)
     write_json(os.path.join(results, "summary.json"), {
         "runs": rows, "rungs": verdicts,
         "definitions": __doc__.split("Rungs (")[1].split("Cost.")[0].strip(),
-        "command": "python benchmarks/scenes_ladder.py " + " ".join(argv),
+        "command": command, "commands": commands,
     })
     write_json(os.path.join(results, "metrics.json.gz"), metrics, compress=True)
     figures(rows, results)

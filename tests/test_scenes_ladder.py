@@ -72,6 +72,23 @@ def test_collect_gives_each_run_s_trajectory_and_a_case_passes_on_a_majority_of_
     assert (tmp_path / "ladder_b.png").stat().st_size > 1000
 
 
+def test_a_later_collect_keeps_the_commands_that_wrote_the_folder(tmp_path):
+    # --collect once replaced the summary's command, so the command that trained the runs was lost from it
+    spec = {"rung": "b", "family": "flow", "case": "counting", "prompt": "a photo of three semicircles",
+            "epochs": 5, "images": 0, "model": ""}
+    write_run(tmp_path, "b", "flow", "counting", 42, strict_rows([0.3, 0.9, 0.9, 0.95, 1.0]), {**spec, "seed": 42})
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"command": "python benchmarks/scenes_ladder.py --rungs b --set train.beta=0.1"}))
+    ladder.main(["--collect", "--results", str(tmp_path)])
+    ladder.main(["--collect", "--results", str(tmp_path)])  # the same command again is not listed twice
+    ladder.main(["--collect", "--samples", "0", "--results", str(tmp_path)])
+    summary = json.load(open(tmp_path / "summary.json"))
+    collect = f"python benchmarks/scenes_ladder.py --collect --results {tmp_path}"
+    assert summary["commands"] == ["python benchmarks/scenes_ladder.py --rungs b --set train.beta=0.1", collect,
+                                   f"python benchmarks/scenes_ladder.py --collect --samples 0 --results {tmp_path}"]
+    assert summary["command"] == summary["commands"][-1]
+
+
 def test_rung_b_is_judged_on_its_30_epochs_when_a_run_is_given_more(tmp_path):
     # a 40-epoch run whose 3-epoch mean first reaches 0.9 at epochs 31-33 reached the target, but not within the
     # rung's 30 epochs: it does not pass (the ladder once counted against the run's --epochs); one that reaches it
