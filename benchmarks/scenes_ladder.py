@@ -28,7 +28,8 @@ another base):
        after the last epoch is above the base's. Default 40 epochs (the variant's).
 
 A case (rung, family, prompt or tag) passes when a majority of its seeds pass; a rung passes for a family when
-every case does.
+every case of the rung ran on at least SEEDS = 3 seeds and passed. A folder that holds only some of them (one
+probe, one case, one seed) reads INCOMPLETE when what it holds passes, never PASS.
 
 Cost. Every run keeps its variant's sampler, learning rate and KL; an epoch is 8 groups of 8 images (64, the
 variants' own; --images changes the count, in whole sampling batches). Flow-GRPO's GenEval recipe samples 48
@@ -90,6 +91,7 @@ RUNG_B_PROMPTS = {
 }
 TARGET = 0.9
 WINDOW = 3
+SEEDS = 3  # a rung's verdict needs every case on at least this many seeds
 STRICT = "reward_info/geneval/strict_correct"
 CONFIG_FILE = "ladder_config.json"
 
@@ -294,12 +296,34 @@ def collect(results):
             row["case"], {"seeds": [], "seeds_passed": 0})
         case["seeds"].append(row["seed"])
         case["seeds_passed"] += bool(row["passed"])
-    for families in verdicts.values():
+    for rung, families in verdicts.items():
         for family in families.values():
             for case in family["cases"].values():
                 case["passed"] = case["seeds_passed"] * 2 > len(case["seeds"])
-            family["passed"] = all(c["passed"] for c in family["cases"].values())
+            # a folder of some of a rung's cases, or of fewer than its 3 seeds, does not pass the rung: it once
+            # read "PASS" for a folder that held rung b's two_object alone
+            family.update(rung_verdict(rung, family["cases"]))
     return rows_out, verdicts, metrics
+
+
+def rung_verdict(rung, case_verdicts):
+    """{"passed", "complete", "missing_cases", "short_of_seeds"} of one family on a rung: it passes when every
+    case of the rung ran on at least SEEDS seeds and each passed on a majority of its seeds."""
+    expected = [c for c, _ in cases(rung)] if rung in ("a", "b", "d") else list(case_verdicts)  # c: its --tag
+    missing = [c for c in expected if c not in case_verdicts]
+    short = sorted(c for c, v in case_verdicts.items() if len(v["seeds"]) < SEEDS)
+    complete = not missing and not short and bool(case_verdicts)
+    return {"passed": complete and all(v["passed"] for v in case_verdicts.values()), "complete": complete,
+            "missing_cases": missing, "short_of_seeds": short}
+
+
+def verdict_word(verdict):
+    """PASS, FAIL (a case run on its seeds failed) or INCOMPLETE (every case run passes, but not all ran)."""
+    if verdict["passed"]:
+        return "PASS"
+    if all(v["passed"] for v in verdict["cases"].values()) and not verdict["complete"]:
+        return "INCOMPLETE"
+    return "FAIL"
 
 
 def _cell(value, digits=3):
@@ -313,7 +337,10 @@ def render(rows, verdicts):
         mine = [r for r in rows if r["rung"] == rung]
         if not mine:
             continue
-        verdict = ", ".join(f"{f} {'PASS' if v['passed'] else 'FAIL'}" for f, v in verdicts[rung].items())
+        verdict = ", ".join(f"{f} {verdict_word(v)}" + (f": not run: {', '.join(v['missing_cases'])}" if
+                                                         v["missing_cases"] else "")
+                            + (f"; under {SEEDS} seeds: {', '.join(v['short_of_seeds'])}" if v["short_of_seeds"] else "")
+                            for f, v in verdicts[rung].items())
         lines += ["", f"## rung {rung} ({verdict})", "",
                   "| family | case | seed | epochs | reward first -> last | strict-correct first -> last "
                   "| epochs to 0.9 | held-out base -> final | s/epoch | pass |",
@@ -331,7 +358,7 @@ def render(rows, verdicts):
     return "\n".join(lines)
 
 
-def figures(rows, results):
+def figures(rows, verdicts, results):
     """RESULTS/ladder_<rung>.png per rung that ran: training reward (top) and strict-correct (bottom, when logged)
     per epoch, a column per family, a colour per case, a line per seed. Returns the paths."""
     import matplotlib
@@ -357,7 +384,7 @@ def figures(rows, results):
                 if with_strict and r["strict_correct"]:
                     axes[1][j].plot(range(len(r["strict_correct"])), r["strict_correct"], color=colors[r["case"]],
                                     alpha=0.8)
-            axes[0][j].set_title(f"rung {rung}, {family} ({'PASS' if all_pass(mine, family) else 'FAIL'})")
+            axes[0][j].set_title(f"rung {rung}, {family} ({verdict_word(verdicts[rung][family])})")
             axes[0][j].set_ylabel("training reward" if rung != "a" else "jpeg_incompressibility (kB)")
             axes[0][j].legend(fontsize=7)
             if with_strict:
@@ -459,14 +486,6 @@ def sample_figure(rows, results, count):
     return path
 
 
-def all_pass(rows, family):
-    by_case = {}
-    for r in rows:
-        if r["family"] == family:
-            by_case.setdefault(r["case"], []).append(bool(r["passed"]))
-    return all(sum(v) * 2 > len(v) for v in by_case.values())
-
-
 def write_outputs(results, argv, samples=0):
     rows, verdicts, metrics = collect(results)
     os.makedirs(results, exist_ok=True)
@@ -483,7 +502,7 @@ def write_outputs(results, argv, samples=0):
         "command": command, "commands": commands,
     })
     write_json(os.path.join(results, "metrics.json.gz"), metrics, compress=True)
-    figures(rows, results)
+    figures(rows, verdicts, results)
     if samples:
         sample_figure(rows, results, samples)
     print(render(rows, verdicts))

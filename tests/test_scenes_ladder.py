@@ -68,8 +68,41 @@ def test_collect_gives_each_run_s_trajectory_and_a_case_passes_on_a_majority_of_
     assert by_seed[42]["prompt"] == "a photo of three semicircles" and by_seed[42]["model"] == "tiny-scenes-sd3"
     assert verdicts["b"]["flow"]["cases"]["counting"] == {"seeds": [42, 43, 44], "seeds_passed": 2, "passed": True}
     summary = json.load(open(tmp_path / "summary.json"))
-    assert summary["rungs"]["b"]["flow"]["passed"] and len(summary["runs"]) == 3
+    assert summary["rungs"]["b"]["flow"]["cases"]["counting"]["passed"] and len(summary["runs"]) == 3
+    # counting alone is one of rung b's five cases: the rung is not passed (it once read PASS)
+    assert not summary["rungs"]["b"]["flow"]["passed"]
+    assert summary["rungs"]["b"]["flow"]["missing_cases"] == ["two_object", "colors", "position", "color_attr"]
     assert (tmp_path / "ladder_b.png").stat().st_size > 1000
+
+
+def test_a_rung_passes_only_with_every_case_on_three_seeds_and_a_partial_folder_reads_incomplete(tmp_path):
+    prompts = {"two_object": "a photo of a star and a triangle", "counting": "a photo of three semicircles",
+               "colors": "a photo of a magenta star", "position": "a photo of a star above a cross",
+               "color_attr": "a photo of a magenta cross and a yellow star"}  # rung b's five cases
+
+    def run(folder, case, seed, strict):
+        spec = {"rung": "b", "family": "unet", "case": case, "prompt": prompts[case], "epochs": 3, "images": 0,
+                "model": ""}
+        write_run(folder, "b", "unet", case, seed, strict_rows(strict), {**spec, "seed": seed})
+
+    partial = tmp_path / "partial"
+    run(partial, "two_object", 42, [0.9, 0.9, 0.9])
+    run(partial, "two_object", 43, [0.9, 0.9, 0.9])
+    _, verdicts = ladder.main(["--collect", "--results", str(partial)])
+    unet = verdicts["b"]["unet"]
+    assert not unet["passed"] and not unet["complete"] and unet["short_of_seeds"] == ["two_object"]
+    assert ladder.verdict_word(unet) == "INCOMPLETE"
+    assert "unet INCOMPLETE: not run: counting, colors, position, color_attr; under 3 seeds: two_object" in \
+        ladder.render(*ladder.collect(str(partial))[:2])
+    for name, position in (("whole", [0.9, 0.9, 0.9]), ("failing", [0.1, 0.1, 0.1])):
+        for case in prompts:
+            for seed in (42, 43, 44):
+                # in "failing", position passes on one seed of three
+                run(tmp_path / name, case, seed, position if case == "position" and seed > 42 else [0.9, 0.9, 0.9])
+        _, verdicts = ladder.main(["--collect", "--results", str(tmp_path / name)])
+        assert verdicts["b"]["unet"]["complete"]
+        assert ladder.verdict_word(verdicts["b"]["unet"]) == ("PASS" if name == "whole" else "FAIL")
+        assert verdicts["b"]["unet"]["passed"] == (name == "whole")
 
 
 def test_a_later_collect_keeps_the_commands_that_wrote_the_folder(tmp_path):
@@ -128,7 +161,9 @@ def test_rung_c_passes_when_its_tag_s_held_out_number_ends_above_the_base(tmp_pa
     write_run(tmp_path, "c", "unet", "colors", 42, rows)
     rows, verdicts = ladder.main(["--collect", "--results", str(tmp_path)])
     assert rows[0]["lift"] == pytest.approx(0.05) and rows[0]["passed"]  # colors, not the overall that fell
-    assert verdicts["c"]["unet"]["passed"]
+    assert verdicts["c"]["unet"]["cases"]["colors"]["passed"]
+    # one seed of the rung's three: the case passes, the rung is not yet judged
+    assert ladder.verdict_word(verdicts["c"]["unet"]) == "INCOMPLETE" and not verdicts["c"]["unet"]["missing_cases"]
 
 
 def test_a_folder_whose_finished_run_had_another_config_is_refused_and_the_same_config_resumes(tmp_path):
