@@ -29,7 +29,8 @@ another base):
 
 A case (rung, family, prompt or tag) passes when a majority of its seeds pass; a rung passes for a family when
 every case of the rung ran on at least SEEDS = 3 seeds and passed. A folder that holds only some of them (one
-probe, one case, one seed) reads INCOMPLETE when what it holds passes, never PASS.
+probe, one case, one seed) reads INCOMPLETE, never PASS, unless a case in it has already failed on two seeds of
+three (FAIL).
 
 Cost. Every run keeps its variant's sampler, learning rate and KL; an epoch is 8 groups of 8 images (64, the
 variants' own; --images changes the count, in whole sampling batches). Flow-GRPO's GenEval recipe samples 48
@@ -318,12 +319,15 @@ def rung_verdict(rung, case_verdicts):
 
 
 def verdict_word(verdict):
-    """PASS, FAIL (a case run on its seeds failed) or INCOMPLETE (every case run passes, but not all ran)."""
+    """PASS; FAIL when a case has failed on enough seeds that no more seeds can give it a majority of SEEDS (or of
+    the seeds it ran, when more); else INCOMPLETE (cases or seeds not run yet)."""
     if verdict["passed"]:
         return "PASS"
-    if all(v["passed"] for v in verdict["cases"].values()) and not verdict["complete"]:
-        return "INCOMPLETE"
-    return "FAIL"
+    for case in verdict["cases"].values():
+        failures = len(case["seeds"]) - case["seeds_passed"]
+        if failures * 2 >= max(len(case["seeds"]), SEEDS):
+            return "FAIL"
+    return "INCOMPLETE"
 
 
 def _cell(value, digits=3):

@@ -94,6 +94,12 @@ def test_a_rung_passes_only_with_every_case_on_three_seeds_and_a_partial_folder_
     assert ladder.verdict_word(unet) == "INCOMPLETE"
     assert "unet INCOMPLETE: not run: counting, colors, position, color_attr; under 3 seeds: two_object" in \
         ladder.render(*ladder.collect(str(partial))[:2])
+    run(partial, "counting", 42, [0.1, 0.1, 0.1])  # one failed seed of three: the case is not decided yet
+    _, verdicts = ladder.main(["--collect", "--results", str(partial)])
+    assert ladder.verdict_word(verdicts["b"]["unet"]) == "INCOMPLETE"
+    run(partial, "counting", 43, [0.1, 0.1, 0.1])  # two of three: no third seed can give it a majority
+    _, verdicts = ladder.main(["--collect", "--results", str(partial)])
+    assert ladder.verdict_word(verdicts["b"]["unet"]) == "FAIL" and not verdicts["b"]["unet"]["passed"]
     for name, position in (("whole", [0.9, 0.9, 0.9]), ("failing", [0.1, 0.1, 0.1])):
         for case in prompts:
             for seed in (42, 43, 44):
