@@ -101,7 +101,8 @@ def stopped_state(pretrain, tmp_path):
 @pytest.mark.parametrize("option,value,recorded", [("--seed", "1", "0"), ("--unet-lr", "0.002", "0.001"),
                                                    ("--unet-steps", "5", "3"), ("--arch", "sd", "sd3"),
                                                    ("--patch", "1", "2"), ("--object-scale", "coarse", "fine"),
-                                                   ("--flow-times", "uniform", "logit-normal")])
+                                                   ("--flow-times", "uniform", "logit-normal"),
+                                                   ("--init", "adaln-zero", "default")])
 def test_a_resume_with_another_option_than_its_state_refuses_in_one_line(pretrain, stopped_state, option, value,
                                                                         recorded):
     args, state = stopped_state

@@ -115,3 +115,44 @@ def test_patch_is_the_transformers_and_refused_for_the_unet(capsys):
         pretrain.parse_args(["--world", "scenes", "--arch", "sd", "--patch", "1"])
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--patch" in error and "--arch sd" in error
+
+
+def test_adaln_zero_starts_every_block_as_the_identity_and_predicts_zero():
+    """--init adaln-zero (DiT's initialisation): with every modulation and the output layer at zero, each joint
+    block returns its input unchanged and the model's prediction is exactly zero, whatever the latents, text and
+    time; PyTorch's default initialisation (the shipped model's) predicts something else. The other weights are
+    the default ones, drawn from the same seed."""
+    import torch
+    from ddpo_group.data.scenes import SCENE_WORDS
+    from ddpo_group.diffusion.tiny import build_tiny_scenes_pipeline
+
+    zero = build_tiny_scenes_pipeline(SCENE_WORDS, "sd3", seed=3, init="adaln-zero").transformer
+    default = build_tiny_scenes_pipeline(SCENE_WORDS, "sd3", seed=3).transformer
+    latents, text = torch.randn(2, 4, 16, 16), torch.randn(2, 32, 64)
+    pooled, time = torch.randn(2, 64), torch.tensor([900.0, 20.0])
+    with torch.no_grad():
+        out = zero(latents, encoder_hidden_states=text, pooled_projections=pooled, timestep=time).sample
+        other = default(latents, encoder_hidden_states=text, pooled_projections=pooled, timestep=time).sample
+        hidden = zero.pos_embed(latents)
+        context = zero.context_embedder(text)
+        temb = zero.time_text_embed(time, pooled)
+        new_context, new_hidden = zero.transformer_blocks[0](hidden_states=hidden, encoder_hidden_states=context,
+                                                             temb=temb)
+    assert out.shape == latents.shape and torch.count_nonzero(out) == 0
+    assert other.abs().max() > 0.01
+    assert torch.equal(new_hidden, hidden) and torch.equal(new_context, context)
+    kept = {name: p for name, p in default.named_parameters() if ".norm1" not in name and "norm_out" not in name
+            and "proj_out" not in name}
+    assert all(torch.equal(p, dict(zero.named_parameters())[name]) for name, p in kept.items())
+    with pytest.raises(ValueError, match="init='adaln-zero'"):
+        build_tiny_scenes_pipeline(SCENE_WORDS, "sd", init="adaln-zero")
+
+
+def test_init_is_the_transformers_and_refused_for_the_unet(capsys):
+    pretrain = load_script("scripts/pretrain_tiny.py")
+    assert pretrain.parse_args(["--world", "scenes", "--arch", "sd3", "--init", "adaln-zero"]).init == "adaln-zero"
+    assert pretrain.parse_args(["--world", "scenes", "--arch", "sd3"]).init == "default"
+    with pytest.raises(SystemExit):
+        pretrain.parse_args(["--world", "scenes", "--arch", "sd", "--init", "adaln-zero"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--init" in error and "--arch sd" in error

@@ -155,6 +155,10 @@ def parse_args(argv=None, prog=None):
     parser.add_argument("--flow-times", choices=("logit-normal", "uniform"), default="logit-normal",
                         help="scenes world, --arch sd3: the noise levels the flow model trains at, SD3's "
                              "logit-normal(0, 1) or uniform in (0, 1) (seven times as many below 0.1)")
+    parser.add_argument("--init", choices=("default", "adaln-zero"), default="default",
+                        help="scenes world, --arch sd3: the transformer's initialisation, PyTorch's default (the shipped "
+                             "tiny-scenes-sd3) or DiT's adaLN-Zero (every block's modulation and the output layer "
+                             "at zero: ddpo_group.diffusion.tiny.adaln_zero_init)")
     parser.add_argument("--device", default="cpu",
                         help="scenes world: where the models train and sample (cpu, cuda, cuda:1...); the random "
                              "draws stay on the CPU's generator, so a device changes only the floating-point sums")
@@ -246,6 +250,8 @@ def parse_args(argv=None, prog=None):
                      "timesteps")
     if args.patch != 2 and args.arch != "sd3":
         parser.error(f"argument --patch: the transformer's (--arch sd3); --arch {args.arch} has no patches")
+    if args.init != "default" and args.arch != "sd3":
+        parser.error(f"argument --init: the transformer's (--arch sd3); --arch {args.arch} has no adaptive norms")
     if scenes:  # the scenes world's defaults where the shapes world's were not given
         for name, value in SCENES_DEFAULTS[args.arch].items():
             if name not in given:
@@ -268,7 +274,7 @@ AUTO_STEPS_PROBE = 50  # steps timed to set the denoiser's step count from --den
 
 # Options of the scenes world alone: on the shapes world they are refused.
 SCENES_ONLY = ("state_dir", "max_minutes", "checkpoint_every", "stop_at_step", "vae_from", "vae_crop", "object_scale",
-               "flow_times")
+               "flow_times", "init")
 
 
 def new_output_dir(args) -> str:
@@ -657,12 +663,12 @@ def _scenes_paths(args):
 # What a scenes state is made with: a resume with another value would silently train another schedule (or load
 # weights of another shape), so it is refused. The session's own options (--max-minutes, --stop-at-step,
 # --checkpoint-every, --threads, --output-dir, the evaluation's) may change between parts.
-RECORDED_OPTIONS = ("world", "arch", "size", "patch", "object_scale", "flow_times", "quick", "seed", "dataset_size",
+RECORDED_OPTIONS = ("world", "arch", "size", "patch", "object_scale", "flow_times", "init", "quick", "seed", "dataset_size",
                     "vae_from", "vae_crop", "vae_steps", "vae_batch_size", "vae_lr", "kl_weight", "unet_steps",
                     "denoiser_minutes", "batch_size", "unet_lr", "cond_dropout", "ema_decay", "warmup_steps")
 OPTIONS_FILE = "options.json"
 DEFAULTS_OF_LATER_OPTIONS = {"size": "s", "patch": 2, "denoiser_minutes": None, "object_scale": "fine",
-                             "flow_times": "logit-normal"}
+                             "flow_times": "logit-normal", "init": "default"}
 
 
 def recorded_options(args) -> dict:
@@ -981,7 +987,7 @@ def _pretrain_scenes(args) -> dict:
     deadline = time.time() + args.max_minutes * 60 if args.max_minutes else math.inf
     torch.manual_seed(args.seed)
     pipeline = build_tiny_scenes_pipeline(SCENE_WORDS, args.arch, seed=args.seed, size=args.size,
-                                          patch=args.patch)
+                                          patch=args.patch, init=args.init)
     start = time.time()
     images, rows, unique_prompts = _scenes_data(args, state_dir, pipeline)  # rendered before the device is touched
     pipeline.to(args.device)
@@ -1041,7 +1047,7 @@ def _pretrain_scenes(args) -> dict:
     log = {
         "world": "scenes", "arch": args.arch, "size": args.size, "patch": args.patch, "seed": args.seed,
         "quick": args.quick, "object_scale": args.object_scale, "object_area": list(area_range_of(args)),
-        **({"flow_times": args.flow_times} if args.arch == "sd3" else {}),
+        **({"flow_times": args.flow_times, "init": args.init} if args.arch == "sd3" else {}),
         # the zero T5 tokens the flow model was trained and is sampled with (diffusion/sd3.trained_text_length)
         **({"text_tokens": pipeline.tokenizer.model_max_length} if args.arch == "sd3" else {}),
         "device": str(args.device), "render_workers": args.render_workers,

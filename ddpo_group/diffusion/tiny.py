@@ -522,13 +522,37 @@ def scenes_component_configs(vocab_size, size="s", patch=2):
     }
 
 
-def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s", patch=2):
+def adaln_zero_init(transformer) -> None:
+    """DiT's initialisation (Peebles & Xie, 2023, section 3.2, "adaLN-Zero") on a SD3Transformer2DModel: every
+    block's adaptive-norm modulation (its shifts, scales and residual gates) and the output layer start at zero, so
+    that each block starts as the identity and the first prediction is zero. diffusers builds the model with
+    PyTorch's default initialisation (its weights are meant to be loaded); ``pretrain --init adaln-zero``."""
+    from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero
+
+    with torch.no_grad():
+        for module in transformer.modules():
+            if isinstance(module, (AdaLayerNormZero, AdaLayerNormContinuous)):
+                module.linear.weight.zero_()
+                if module.linear.bias is not None:
+                    module.linear.bias.zero_()
+        transformer.proj_out.weight.zero_()
+        transformer.proj_out.bias.zero_()
+
+
+INITS = ("default", "adaln-zero")  # the scenes transformer's initialisations (``pretrain --init``)
+
+
+def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s", patch=2, init="default"):
     """The scenes world's tiny pipeline with random weights drawn from ``seed`` (CPU, float32), built offline:
     arch "sd3" a StableDiffusion3Pipeline (two 16-token CLIP encoders, no T5, FlowMatchEulerDiscreteScheduler
     shift 3.0, the VAE with SD3's scaling and shift), "sd" a StableDiffusionPipeline with DDIM. ``words``: the
     tokenizer's whole words (``ddpo_group.data.scenes.SCENE_WORDS``; this layer does not import the world). The
     pretrained copies are the shipped ``tiny-scenes-sd3`` and ``tiny-scenes``. ``size``: SCENES_SIZES; ``patch``:
-    the transformer's (scenes_component_configs)."""
+    the transformer's (scenes_component_configs); ``init`` (INITS, sd3): "adaln-zero" applies adaln_zero_init."""
+    if init not in INITS:
+        raise ValueError(f"init={init!r} is not one of {INITS}")
+    if init != "default" and arch != "sd3":
+        raise ValueError(f"init={init!r} is the transformer's (arch 'sd3'); arch {arch!r} has no adaptive norms")
     tokenizer = build_tiny_tokenizer(words, model_max_length=SCENES_MAX_LENGTH)
     configs = scenes_component_configs(len(tokenizer), size, patch)
     if arch == "sd":
@@ -546,6 +570,8 @@ def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s", patch=2):
         transformer = SD3Transformer2DModel(**configs["transformer"])
         vae = _tiny_flow_vae(configs)
         text_encoder, text_encoder_2 = clip(), clip()
+    if init == "adaln-zero":
+        adaln_zero_init(transformer)
     pipeline = StableDiffusion3Pipeline(
         transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
         vae=vae.eval(), text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
