@@ -23,9 +23,12 @@ another base):
        single_object has no training prompt (all eight are held out), so five runs per seed.
     c  one tag's training prompts (--tag, default colors; its training records in the GenEval mix); passes when
        the held-out set's number for that tag (eval/geneval/<tag>, 2 fixed-noise images per record) after the
-       last epoch is above the base's (the same evaluation at epoch 0). Default 30 epochs.
+       last epoch is above the base's (the same evaluation at epoch 0) by more than 2 standard errors of the
+       difference (each score a share of the tag's images: p (1 - p) / images, the images being the tag's
+       held-out records x eval_images_per_prompt), as rung a asks of its rise. Default 30 epochs.
     d  the full task (the variant as it is: every tag in GenEval's proportions); passes when the held-out overall
-       after the last epoch is above the base's. Default 40 epochs (the variant's).
+       after the last epoch is above the base's by more than 2 standard errors (the overall is the mean of the six
+       tags' shares, its variance the sum of theirs over 36). Default 40 epochs (the variant's).
 
 A case (rung, family, prompt or tag) passes when a majority of its seeds pass; a rung passes for a family when
 every case of the rung ran on at least SEEDS = 3 seeds and passed. A folder that holds only some of them (one
@@ -262,8 +265,34 @@ def run_row(rung, family, case, seed, rows, document):
         key = case if rung == "c" else "overall"
         done = evals and evals[-1]["epoch"] > evals[0]["epoch"] and evals[0].get(f"eval/geneval/{key}") is not None
         row["lift"] = (evals[-1][f"eval/geneval/{key}"] - evals[0][f"eval/geneval/{key}"]) if done else None
-        row["passed"] = bool(done and row["lift"] > 0)
+        row["lift_error"] = (math.hypot(held_out_error(row["base"], key, config),
+                                        held_out_error(row["final"], key, config)) if done else None)
+        row["passed"] = bool(done and row["lift"] > 2 * row["lift_error"])
     return row
+
+
+@functools.lru_cache(maxsize=8)
+def held_out_images(prompts, images_per_prompt):
+    """{tag: images} behind a held-out evaluation's tag scores: the tag's records in `prompts` (a file in
+    ddpo_group/assets/prompts or a path) times the images per record."""
+    from ddpo_group.rewards.geneval.metadata import read_metadata
+
+    path = prompts if os.path.exists(prompts) else os.path.join(REPO_ROOT, "ddpo_group", "assets", "prompts", prompts)
+    counts = {}
+    for record in read_metadata(path):
+        counts[record["tag"]] = counts.get(record["tag"], 0) + images_per_prompt
+    return counts
+
+
+def held_out_error(scores, key, config):
+    """The standard error of one held-out evaluation's `key` (a tag, or "overall", the unweighted mean of the tags
+    present), each tag's score a share of its images (held_out_images; the run's eval prompts and images per
+    record, the variants' geneval_scenes.jsonl and 2 when its config is not known)."""
+    counts = held_out_images(config.get("eval_prompt_fn") or "geneval_scenes.jsonl",
+                             int(config.get("eval_images_per_prompt") or 2))
+    tags = [key] if key != "overall" else [t for t in TAGS if scores.get(t) is not None and counts.get(t)]
+    variance = sum(scores[t] * (1 - scores[t]) / counts[t] for t in tags) / len(tags) ** 2
+    return math.sqrt(variance)
 
 
 def finished_runs(results):
@@ -355,6 +384,8 @@ def render(rows, verdicts):
             if "base" in r:
                 key = r["case"] if rung == "c" else "overall"
                 held = f"{_cell(r['base'][key])} -> {_cell(r['final'][key])} ({key})"
+                if r.get("lift_error") is not None:
+                    held += f", lift {r['lift']:+.3f} +- {r['lift_error']:.3f}"
             extra = f" (rise {r['rise']:.3f} +- {r['rise_error']:.3f})" if rung == "a" and r.get("rise") is not None else ""
             lines.append(f"| {r['family']} | {r['case']} | {r['seed']} | {r['epochs']} | {_cell(r['first_reward'])} -> "
                          f"{_cell(r['last_reward'])}{extra} | {strict} | {r['epochs_to_strict_0.9'] or '-'} | {held} | "

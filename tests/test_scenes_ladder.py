@@ -159,17 +159,35 @@ def test_a_null_control_s_strict_correct_is_its_images_true_verdicts_under_its_r
         ladder.strict_key([{"reward_info/a/strict_correct": 1, "reward_info/b/strict_correct": 0}])
 
 
-def test_rung_c_passes_when_its_tag_s_held_out_number_ends_above_the_base(tmp_path):
+def test_rung_c_passes_when_its_tag_s_held_out_number_ends_above_the_base_by_two_standard_errors(tmp_path):
+    """The held-out colors score is a share of 32 records x 2 images = 64 images (the shipped set, the variants'
+    2 images a record): a lift of 0.05 from 0.30 is inside its noise, a lift of 0.30 is not. Rung d's overall is the
+    mean of the six tags' shares. (Until 2026-12-06 any lift above 0 passed: one seed of rung c's two_object read
+    "yes" on +0.083 over 36 images, which 288 images at the eval seed read as +0.010.)"""
     base = {"eval/geneval/overall": 0.2, "eval/geneval/colors": 0.30}
     rows = strict_rows([0.5, 0.6])
     rows[0].update(base)
     rows.append({"epoch": 2, "eval/geneval/overall": 0.19, "eval/geneval/colors": 0.35})
     write_run(tmp_path, "c", "unet", "colors", 42, rows)
+    rows[-1]["eval/geneval/colors"] = 0.60
+    write_run(tmp_path, "c", "unet", "colors", 43, rows)
     rows, verdicts = ladder.main(["--collect", "--results", str(tmp_path)])
-    assert rows[0]["lift"] == pytest.approx(0.05) and rows[0]["passed"]  # colors, not the overall that fell
-    assert verdicts["c"]["unet"]["cases"]["colors"]["passed"]
-    # one seed of the rung's three: the case passes, the rung is not yet judged
+    small, large = sorted(rows, key=lambda r: r["seed"])
+    assert small["lift"] == pytest.approx(0.05)  # colors, not the overall that fell
+    assert small["lift_error"] == pytest.approx(math.sqrt(0.3 * 0.7 / 64 + 0.35 * 0.65 / 64))  # 0.083
+    assert not small["passed"]
+    assert large["lift"] == pytest.approx(0.30)
+    assert large["lift_error"] == pytest.approx(math.sqrt(0.3 * 0.7 / 64 + 0.6 * 0.4 / 64))  # 0.084
+    assert large["passed"]
+    # one seed of each way: the case has no majority yet, the rung is not judged
     assert ladder.verdict_word(verdicts["c"]["unet"]) == "INCOMPLETE" and not verdicts["c"]["unet"]["missing_cases"]
+    # rung d: the overall's error from the six tags' (8 / 18 / 16 / 32 / 38 / 38 records x 2 images)
+    tags = {"single_object": 0.5, "two_object": 0.5, "counting": 0.5, "colors": 0.5, "position": 0.5,
+            "color_attr": 0.5}
+    images = {"single_object": 16, "two_object": 36, "counting": 32, "colors": 64, "position": 76, "color_attr": 76}
+    expected = math.sqrt(sum(0.25 / n for n in images.values())) / 6
+    assert ladder.held_out_error(tags, "overall", {}) == pytest.approx(expected)
+    assert ladder.held_out_error(tags, "counting", {"eval_images_per_prompt": 4}) == pytest.approx(math.sqrt(0.25 / 64))
 
 
 def test_a_folder_whose_finished_run_had_another_config_is_refused_and_the_same_config_resumes(tmp_path):
