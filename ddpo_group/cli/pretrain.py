@@ -156,8 +156,8 @@ def parse_args(argv=None, prog=None):
                         help="scenes world, --arch sd3: the noise levels the flow model trains at, SD3's "
                              "logit-normal(0, 1) or uniform in (0, 1) (seven times as many below 0.1)")
     parser.add_argument("--init", choices=("default", "adaln-zero"), default="default",
-                        help="scenes world, --arch sd3: the transformer's initialisation, PyTorch's default (the shipped "
-                             "tiny-scenes-sd3) or DiT's adaLN-Zero (every block's modulation and the output layer "
+                        help="scenes world, --arch sd3: the transformer's initialisation, PyTorch's default (the "
+                             "shipped tiny-scenes-sd3) or DiT's adaLN-Zero (every block's modulation and the output layer "
                              "at zero: ddpo_group.diffusion.tiny.adaln_zero_init)")
     parser.add_argument("--device", default="cpu",
                         help="scenes world: where the models train and sample (cpu, cuda, cuda:1...); the random "
@@ -663,9 +663,9 @@ def _scenes_paths(args):
 # What a scenes state is made with: a resume with another value would silently train another schedule (or load
 # weights of another shape), so it is refused. The session's own options (--max-minutes, --stop-at-step,
 # --checkpoint-every, --threads, --output-dir, the evaluation's) may change between parts.
-RECORDED_OPTIONS = ("world", "arch", "size", "patch", "object_scale", "flow_times", "init", "quick", "seed", "dataset_size",
-                    "vae_from", "vae_crop", "vae_steps", "vae_batch_size", "vae_lr", "kl_weight", "unet_steps",
-                    "denoiser_minutes", "batch_size", "unet_lr", "cond_dropout", "ema_decay", "warmup_steps")
+RECORDED_OPTIONS = ("world", "arch", "size", "patch", "object_scale", "flow_times", "init", "quick", "seed",
+                    "dataset_size", "vae_from", "vae_crop", "vae_steps", "vae_batch_size", "vae_lr", "kl_weight",
+                    "unet_steps", "denoiser_minutes", "batch_size", "unet_lr", "cond_dropout", "ema_decay", "warmup_steps")
 OPTIONS_FILE = "options.json"
 DEFAULTS_OF_LATER_OPTIONS = {"size": "s", "patch": 2, "denoiser_minutes": None, "object_scale": "fine",
                              "flow_times": "logit-normal", "init": "default"}
