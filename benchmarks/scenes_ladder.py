@@ -9,7 +9,7 @@ easiest lesson up? A rung that fails stops the climb until its cause is found (d
 
 Rungs (every one on both families: "flow" is Flow-GRPO on the flow model, variant tiny_scenes on tiny-scenes-sd3;
 "unet" is GRPO + KL on the UNet, variant tiny_scenes_sd on tiny-scenes; --model-flow / --model-unet train
-another base):
+another base; a flow base may be an SD3 pipeline or a flow-matching UNet, the sd_flow family's, e.g. tiny-scenes-flow):
 
     a  DDPO's sanity check: reward_fn jpeg_incompressibility on one prompt (RUNG_A_PROMPT); passes when the
        training reward rises: the mean of the last WINDOW epochs exceeds the first WINDOW's by more than 2
@@ -135,6 +135,10 @@ def ladder_config(rung, family, case, prompt, seed, run_dir, epochs=0, images=0,
     config.num_epochs = epochs or DEFAULT_EPOCHS[rung]
     if model:
         config.pretrained.model = model
+        from ddpo_group.diffusion.policy import family_for_model
+
+        if family_for_model(model).family == "sd_flow":  # a flow UNet's CLIP: no zero T5 tokens to count
+            config.sample.max_sequence_length = 0
     if rung == "a":
         config.reward_fn = "jpeg_incompressibility"
         config.reward_kwargs = {}

@@ -35,7 +35,8 @@ one_prompt_per_call=True (each row's noise its own generator), one without load_
 shape, an entry in FAMILY_CONTRACT_ELSEWHERE naming the test file that checks the contract and why. Each pipeline
 is built once for the module (the `tiny` fixture); clauses 4 and 5 train, the costly part: resume=False on the
 families whose resume another test covers (the SD 1.x "test" variant's: the trainer's tests) or whose saving and
-loading is a covered subclass's (sd3, flux, qwen_image: FlowMatchingPolicy's, as wan's, as flux2, flux2_klein, zimage, sana; flux_kontext, qwen_image_edit(_plus) and hunyuan_video15_i2v subclass
+loading is a covered subclass's (sd3, flux, qwen_image: FlowMatchingPolicy's, as wan's, as flux2, flux2_klein, zimage, sana;
+sd_flow: StableDiffusionPolicy's; flux_kontext, qwen_image_edit(_plus) and hunyuan_video15_i2v subclass
 flux, qwen_image and hunyuan_video15), to hold the suite's time.
 """
 
@@ -67,6 +68,7 @@ from ddpo_group.diffusion.qwen_image import (
     build_tiny_qwen_image_pipeline,
 )
 from ddpo_group.diffusion.sana import build_tiny_sana_pipeline
+from ddpo_group.diffusion.sd_flow import build_tiny_sd_flow_pipeline
 from ddpo_group.diffusion.sampling import trajectory_log_probs
 from ddpo_group.diffusion.tiny import (
     build_tiny_flux_pipeline,
@@ -97,6 +99,28 @@ def _call_ddim(pipeline, prompts, steps, guidance, eta, generator):
 def _call_flow(pipeline, prompts, steps, guidance, eta, generator):
     return pipeline(prompt=prompts, num_inference_steps=steps, guidance_scale=guidance, output_type="pt",
                     generator=generator).images
+
+
+def _call_sd_flow(pipeline, prompts, steps, guidance, eta, generator):
+    # StableDiffusionPipeline.__call__ steps DDIM (no flow sampler): its components in diffusers' own Euler loop,
+    # written here from the scheduler's step, CFG as the pipeline combines it, the latents of its prepare_latents
+    from diffusers.utils.torch_utils import randn_tensor
+
+    cond, uncond = pipeline.encode_prompt(prompts, "cpu", 1, guidance > 1, negative_prompt=[""] * len(prompts))
+    side = pipeline.unet.config.sample_size
+    latents = randn_tensor((len(prompts), pipeline.unet.config.in_channels, side, side), generator=generator)
+    pipeline.scheduler.set_timesteps(steps)
+    with torch.no_grad():
+        for t in pipeline.scheduler.timesteps:
+            if guidance > 1:
+                u, c = pipeline.unet(torch.cat([latents] * 2), t, torch.cat([uncond, cond])).sample.chunk(2)
+                velocity = u + guidance * (c - u)
+            else:
+                velocity = pipeline.unet(latents, t, cond).sample
+            latents = pipeline.scheduler.step(velocity, t, latents).prev_sample
+        vae = pipeline.vae
+        images = vae.decode(latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)).sample
+    return (images / 2 + 0.5).clamp(0, 1)
 
 
 def _call_wan(pipeline, prompts, steps, guidance, eta, generator):
@@ -249,6 +273,8 @@ ROWS = {
     "sdxl": Row(build_tiny_sdxl_pipeline, "tiny_sdxl", (1.0, 5.0), _call_ddim, sde_types=("",), eta=1.0,
                 pipeline_etas=(0.0, 1.0)),
     "sd3": Row(build_tiny_sd3_pipeline, "tiny_sd3", (4.5,), _call_flow, tolerance=1e-4, resume=False),
+    "sd_flow": Row(build_tiny_sd_flow_pipeline, "tiny_sd_flow", (1.0, 4.5), _call_sd_flow, tolerance=1e-4,
+                   resume=False),
     "flux": Row(build_tiny_flux_pipeline, "tiny_flux", (3.5,), _call_flow, tolerance=1e-4, resume=False),
     "flux_kontext": Row(build_tiny_flux_kontext_pipeline, "tiny_flux_kontext", (2.5,), _call_kontext,
                         configure=dict(max_sequence_length=16, resolution=32), sde_types=("sde", "cps"),

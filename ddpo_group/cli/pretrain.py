@@ -119,8 +119,10 @@ def parse_args(argv=None, prog=None):
     parser.add_argument("--world", choices=("shapes", "scenes"), default="shapes",
                         help="shapes: one shape per 32-px image (tiny-shapes); scenes: 1-4 shapes per 64-px image with "
                              "GenEval captions (tiny-scenes, tiny-scenes-sd3)")
-    parser.add_argument("--arch", choices=("sd", "sd3"), default="sd",
-                        help="sd: UNet + DDIM (StableDiffusionPipeline); sd3: MMDiT flow matching (scenes world only)")
+    parser.add_argument("--arch", choices=("sd", "sd3", "sd-flow"), default="sd",
+                        help="sd: UNet + DDIM (StableDiffusionPipeline); sd3: MMDiT flow matching (scenes world only); "
+                             "sd-flow: the UNet trained by flow matching, a StableDiffusionPipeline with SD3's "
+                             "flow scheduler (scenes world only; the sd_flow family)")
     parser.add_argument("--output-dir", default=None,
                         help="where the pipeline directory is written, never inside the package (default: a new "
                              "folder runs/pretrain_WORLD[_ARCH][_quick]_TIME under the current directory; the "
@@ -153,7 +155,7 @@ def parse_args(argv=None, prog=None):
                         help="scenes world: the objects' areas, fine 80-160 px (issue 42's world) or coarse 150-260 px "
                              "(issue 53's: 1.4x as wide; ddpo_group.data.scenes.COARSE_AREA_RANGE, docs/scenes.md)")
     parser.add_argument("--flow-times", choices=("logit-normal", "uniform"), default="logit-normal",
-                        help="scenes world, --arch sd3: the noise levels the flow model trains at, SD3's "
+                        help="scenes world, --arch sd3 or sd-flow: the noise levels the flow model trains at, SD3's "
                              "logit-normal(0, 1) or uniform in (0, 1) (seven times as many below 0.1)")
     parser.add_argument("--init", choices=("default", "adaln-zero"), default="default",
                         help="scenes world, --arch sd3: the transformer's initialisation, PyTorch's default (the "
@@ -243,10 +245,10 @@ def parse_args(argv=None, prog=None):
     if args.denoiser_minutes is not None and args.warmup_steps < AUTO_STEPS_PROBE:
         parser.error(f"argument --denoiser-minutes: needs --warmup-steps >= {AUTO_STEPS_PROBE} (the speed is measured "
                      f"inside the warmup), got {args.warmup_steps}")
-    if args.arch == "sd3" and not scenes:
-        parser.error("--arch sd3 is for --world scenes (the shapes world's tiny-shapes is a UNet)")
-    if args.flow_times != "logit-normal" and args.arch != "sd3":
-        parser.error(f"argument --flow-times: the flow model's (--arch sd3); --arch {args.arch} trains at DDPM's "
+    if args.arch != "sd" and not scenes:
+        parser.error(f"--arch {args.arch} is for --world scenes (the shapes world's tiny-shapes is a DDIM UNet)")
+    if args.flow_times != "logit-normal" and args.arch == "sd":
+        parser.error("argument --flow-times: the flow models' (--arch sd3 or sd-flow); --arch sd trains at DDPM's "
                      "timesteps")
     if args.patch != 2 and args.arch != "sd3":
         parser.error(f"argument --patch: the transformer's (--arch sd3); --arch {args.arch} has no patches")
@@ -299,6 +301,9 @@ SCENES_DEFAULTS = {
             "eval_steps": 20, "eval_images_per_prompt": 4, "guidance_scale": 4.5},
     "sd": {"dataset_size": 20000, "vae_steps": 2000, "unet_steps": 8000, "batch_size": 32, "unet_lr": 1e-3,
            "eval_steps": 20, "eval_images_per_prompt": 4, "guidance_scale": 5.0},
+    # the UNet's schedule, evaluated as the flow model is (the Euler ODE at CFG 4.5)
+    "sd-flow": {"dataset_size": 20000, "vae_steps": 2000, "unet_steps": 8000, "batch_size": 32, "unet_lr": 1e-3,
+                "eval_steps": 20, "eval_images_per_prompt": 4, "guidance_scale": 4.5},
 }
 
 
@@ -586,7 +591,7 @@ def _pretrain(args) -> dict:
 
 # The scenes world (--world scenes): 64-px scenes of one to four shapes, GenEval captions, resumable.
 
-SCENES_DEFAULT_OUTPUT = {"sd3": "tiny_scenes_sd3", "sd": "tiny_scenes"}
+SCENES_DEFAULT_OUTPUT = {"sd3": "tiny_scenes_sd3", "sd": "tiny_scenes", "sd-flow": "tiny_scenes_flow"}
 
 
 def atomic_save(obj, path: str) -> None:
@@ -611,7 +616,8 @@ def flow_text_embeddings(pipeline, ids: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, generator,
                   flow_times: str = "logit-normal") -> torch.Tensor:
-    """One batch's loss on scaled latents z0 (module docstring): epsilon prediction (sd) or flow matching (sd3),
+    """One batch's loss on scaled latents z0 (module docstring): epsilon prediction (sd) or flow matching (sd3, and
+    sd-flow: the same loss with the UNet and its one text encoder as the velocity predictor),
     its noise levels s logit-normal(0, 1) (SD3's) or uniform in (0, 1) (`flow_times`, ``--flow-times``). The draws
     come from `generator` (a CPU one) and move to z0's device."""
     device = z0.device
@@ -630,6 +636,9 @@ def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, gene
     else:
         sigma = torch.sigmoid(torch.randn(n, generator=generator)).view(-1, 1, 1, 1).to(device)  # logit-normal(0, 1)
     noisy = (1 - sigma) * z0 + sigma * noise
+    if arch == "sd-flow":
+        prediction = pipeline.unet(noisy, sigma.view(-1) * 1000, pipeline.text_encoder(ids)[0]).sample
+        return F.mse_loss(prediction, noise - z0)
     hidden, pooled = flow_text_embeddings(pipeline, ids)
     prediction = pipeline.transformer(noisy, encoder_hidden_states=hidden, pooled_projections=pooled,
                                       timestep=sigma.view(-1) * 1000).sample
@@ -961,6 +970,13 @@ def evaluate_scenes(pipeline, args) -> dict:
     images = []
     for i in tqdm(range(0, len(records), 50), desc="eval", dynamic_ncols=True):
         batch = [r["prompt"] for r in records[i : i + 50]]
+        if args.arch == "sd-flow":  # StableDiffusionPipeline() has no flow sampler: the family's, its Euler ODE
+            from ddpo_group.diffusion.policy import policy_for
+
+            output = policy_for(pipeline).sample(batch, args.eval_steps, args.guidance_scale, 0.0,
+                                                 generator=generator, keep_steps=False).images
+            images.append((output.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8))
+            continue
         output = pipeline(batch, num_inference_steps=args.eval_steps, guidance_scale=args.guidance_scale,
                           generator=generator, output_type="np", **kwargs)
         images.append((np.clip(output.images, 0, 1) * 255).round().astype(np.uint8))
@@ -1025,8 +1041,8 @@ def _pretrain_scenes(args) -> dict:
             latent_mean, latent_std = encode_scenes(pipeline.vae, images)
             atomic_save((latent_mean, latent_std), latents_path)
             sample = latent_mean + latent_std * torch.randn(latent_mean.shape, generator=torch.Generator().manual_seed(args.seed))
-            # SD3 / FLUX convention: latents = (z - shift) * scaling with unit variance; SD: no shift
-            shift = float(sample.mean()) if args.arch == "sd3" else None
+            # SD3 / FLUX convention (the flow models): latents = (z - shift) * scaling with unit variance; SD: no shift
+            shift = float(sample.mean()) if args.arch != "sd" else None
             scaling = float(1.0 / (sample - (shift or 0.0)).std())
             pipeline.vae.register_to_config(scaling_factor=scaling, shift_factor=shift)
             state = {"stage": "denoiser", "step": 0, "vae_stats": vae_stats, "fresh": True}
@@ -1047,7 +1063,8 @@ def _pretrain_scenes(args) -> dict:
     log = {
         "world": "scenes", "arch": args.arch, "size": args.size, "patch": args.patch, "seed": args.seed,
         "quick": args.quick, "object_scale": args.object_scale, "object_area": list(area_range_of(args)),
-        **({"flow_times": args.flow_times, "init": args.init} if args.arch == "sd3" else {}),
+        **({"flow_times": args.flow_times} if args.arch != "sd" else {}),
+        **({"init": args.init} if args.arch == "sd3" else {}),
         # the zero T5 tokens the flow model was trained and is sampled with (diffusion/sd3.trained_text_length)
         **({"text_tokens": pipeline.tokenizer.model_max_length} if args.arch == "sd3" else {}),
         "device": str(args.device), "render_workers": args.render_workers,

@@ -34,6 +34,7 @@ their map. A variant is read against the ones it derives from (tiny_* from tiny,
     tiny_sd3_dppo, tiny_sd3_grpo_guard  tiny_sd3 with the dppo / grpo_guard policy loss; tests and smoke checks
     tiny_sd3_dgpo   tiny_sd3 trained with DGPO on flow-ODE samples, seconds
     tiny_sd3_dpo    tiny_sd3 trained with Diffusion-DPO's online pairs, seconds
+    tiny_sd_flow    a random-weight tiny SD UNet stepped by flow matching (the sd_flow family), seconds; tests
     tiny_flux       a random-weight tiny FLUX pipeline (flow matching), seconds; tests and smoke checks
     qwen_image      GRPO on Qwen-Image (flow matching, true CFG) with LoRA r64, Flow-Factory / verl settings, one GPU
     tiny_qwen_image  a random-weight tiny Qwen-Image pipeline (Qwen2.5-VL text, true CFG), seconds; tests and smoke checks
@@ -104,6 +105,7 @@ from ddpo_group.config.variants.flow import (  # noqa: F401
     tiny_sd3_grpo_guard,
     tiny_sd3_dgpo,
     tiny_sd3_dpo,
+    tiny_sd_flow,
     tiny_zimage,
     tiny_zimage_turbo,
     zimage,
@@ -204,6 +206,7 @@ VARIANTS = {
     "tiny_sd3_grpo_guard": tiny_sd3_grpo_guard,
     "tiny_sd3_dgpo": tiny_sd3_dgpo,
     "tiny_sd3_dpo": tiny_sd3_dpo,
+    "tiny_sd_flow": tiny_sd_flow,
     "tiny_flux": tiny_flux,
     "qwen_image": qwen_image,
     "tiny_qwen_image": tiny_qwen_image,

@@ -249,6 +249,8 @@ class DiffusionPolicy:
                                           classmethod: the family's offline names, a directory or a hub id
     offline_models, pipeline_class_names  class attributes: the names `load` builds offline, and the
                                           diffusers pipeline classes (model_index.json's _class_name) it loads
+    scheduler_class_names                 class attribute: the schedulers that make a directory of such a class
+                                          this family's when another family loads the class too (empty: any)
     configure(sde_type, max_sequence_length, resolution, cps_log_prob, flow_grid, flow_grid_shift)
                                           the config's sampling options (ValueError naming the field when the
                                           family has no use for one)
@@ -305,6 +307,10 @@ class DiffusionPolicy:
     family = "abstract"
     offline_models = ()
     pipeline_class_names = ()
+    # the schedulers (model_index.json's scheduler entry) that make a directory of one of pipeline_class_names this
+    # family's, where two families share a pipeline class (sd_flow: a StableDiffusionPipeline stepped by flow
+    # matching); empty: any scheduler
+    scheduler_class_names = ()
     # whether `flow_grpo_kl_std` applies (train.kl_type="flow_grpo"): flow-matching families only
     supports_flow_grpo_kl = False
     # whether samples are videos (B, F, 3, H, W) with latents (B, C, f, h, w); images (B, 3, H, W) otherwise

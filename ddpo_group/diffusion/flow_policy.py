@@ -116,7 +116,11 @@ class FlowMatchingPolicy(DiffusionPolicy):
         self.cps_log_prob = "normalized"
         self.flow_grid, self.flow_grid_shift = "pipeline", 3.0
         self.max_sequence_length = self.default_max_sequence_length
-        self.resolution = self.pipeline.default_sample_size * self.pipeline.vae_scale_factor
+        self.resolution = self.default_resolution()
+
+    def default_resolution(self):
+        """The side in pixels sampled when config.sample.resolution is 0: the pipeline's default."""
+        return self.pipeline.default_sample_size * self.pipeline.vae_scale_factor
 
     @classmethod
     def supports(cls, pipeline):
@@ -333,7 +337,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
         vae = self.pipeline.vae
         pixels = (images.to(execution_device(self.pipeline), torch.float32) * 2 - 1).to(vae.dtype)
         latents = vae.encode(pixels).latent_dist.mean.float()
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
 
     @torch.no_grad()
     def conditioning(self, prompts, guidance_scale):
@@ -385,7 +389,7 @@ class FlowMatchingPolicy(DiffusionPolicy):
 
     def _decode(self, latents):
         vae = self.pipeline.vae
-        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)  # SD's VAEs have no shift
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 

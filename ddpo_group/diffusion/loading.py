@@ -15,7 +15,8 @@ from ddpo_group.diffusion.tiny import build_sd15_random_pipeline, build_tiny_pip
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 TINY_SHAPES_DIR = ASSETS_DIR / "tiny_shapes"
 # The scenes world's shipped models (scripts/pretrain_tiny.py --world scenes --arch sd | sd3): name -> directory
-SHIPPED_SCENES = {"tiny-scenes": ASSETS_DIR / "tiny_scenes", "tiny-scenes-sd3": ASSETS_DIR / "tiny_scenes_sd3"}
+SHIPPED_SCENES = {"tiny-scenes": ASSETS_DIR / "tiny_scenes", "tiny-scenes-sd3": ASSETS_DIR / "tiny_scenes_sd3",
+                  "tiny-scenes-flow": ASSETS_DIR / "tiny_scenes_flow"}
 
 OFFLINE_HINT = (
     "To run offline, use the tiny model (`--config config/grpo.py:tiny`, model 'tiny' or 'tiny-shapes') "
@@ -24,11 +25,11 @@ OFFLINE_HINT = (
 
 
 def shipped_dir(model: str) -> Path:
-    """The directory of a shipped scenes model ("tiny-scenes", "tiny-scenes-sd3"); ValueError saying how to make
+    """The directory of a shipped scenes model ("tiny-scenes", "tiny-scenes-sd3", "tiny-scenes-flow"); ValueError saying how to make
     it when it is missing."""
     path = SHIPPED_SCENES[model]
     if not (path / "model_index.json").is_file():
-        arch = "sd3" if model.endswith("sd3") else "sd"
+        arch = {"tiny-scenes-sd3": "sd3", "tiny-scenes-flow": "sd-flow"}.get(model, "sd")
         raise ValueError(f"model {model!r}: the pretrained scenes model is missing from {path}; create it with "
                          f"`python scripts/pretrain_tiny.py --world scenes --arch {arch} --replace-shipped`")
     return path
@@ -47,6 +48,10 @@ def load_tiny_scenes_sd3(torch_dtype=torch.float32):
 
 
 def _finish(pipeline, torch_dtype):
+    if type(pipeline.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler":  # DDIM from its config would be silent
+        raise ValueError(f"{pipeline.config._name_or_path!r} is a flow-matching UNet (its scheduler is "
+                         "FlowMatchEulerDiscreteScheduler), not a DDIM one: load it with "
+                         "ddpo_group.diffusion.policy.load_policy (the sd_flow family)")
     pipeline.scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)
     pipeline.safety_checker = None
     pipeline.register_to_config(requires_safety_checker=False)

@@ -19,6 +19,7 @@ from ddpo_group.diffusion import flux2  # noqa: F401  FLUX.2 [dev] and [klein]
 from ddpo_group.diffusion import zimage  # noqa: F401  Z-Image and Z-Image-Turbo
 from ddpo_group.diffusion import wan_i2v, wan_moe  # noqa: F401  Wan image-to-video, Wan 2.2 A14B's two experts
 from ddpo_group.diffusion import hunyuan_video15, ltx2, sana  # noqa: F401  issue 46 (Qwen-Image-Edit-2509: qwen_image)
+from ddpo_group.diffusion import sd_flow  # noqa: F401  SD's UNet stepped by flow matching (tiny-scenes-flow)
 from ddpo_group.diffusion.base import FAMILIES, DiffusionPolicy, register_family  # noqa: F401  (re-exported)
 from ddpo_group.config.registry import ConfigError, register_config_check
 
@@ -34,9 +35,17 @@ def policy_for(pipeline):
     )
 
 
+def _index_classes(index):
+    """(pipeline class, scheduler class) names of a model_index.json dict (None where it does not say)."""
+    entry = index.get("scheduler") if isinstance(index, dict) else None
+    return (index.get("_class_name") if isinstance(index, dict) else None,
+            entry[1] if isinstance(entry, list | tuple) and len(entry) == 2 else None)
+
+
 def family_for_model(model, revision=None):
-    """The family that loads `model`: by its offline name, else by model_index.json's `_class_name`
-    (a local directory, or the hub's copy when reachable); Stable Diffusion when neither tells."""
+    """The family that loads `model`: by its offline name, else by model_index.json's `_class_name` (a local
+    directory, or the hub's copy when reachable) and, where two families load one class, its scheduler entry
+    (``scheduler_class_names``); Stable Diffusion when neither tells."""
     import json
     import os
 
@@ -44,10 +53,10 @@ def family_for_model(model, revision=None):
         if model in cls.offline_models:
             return cls
     path = os.path.expanduser(str(model))
-    class_name = None
+    class_name, scheduler = None, None
     if os.path.isfile(os.path.join(path, "model_index.json")):
         with open(os.path.join(path, "model_index.json")) as f:
-            class_name = json.load(f).get("_class_name")
+            class_name, scheduler = _index_classes(json.load(f))
     elif not os.path.exists(path) and not str(model).startswith((".", "/", "~")) and str(model).count("/") == 1:
         from ddpo_group.diffusion.hub import check_hub
 
@@ -56,11 +65,15 @@ def family_for_model(model, revision=None):
             from diffusers import DiffusionPipeline
 
             offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-            class_name = DiffusionPipeline.load_config(model, revision=revision, local_files_only=offline).get("_class_name")
+            class_name, scheduler = _index_classes(
+                DiffusionPipeline.load_config(model, revision=revision, local_files_only=offline))
         except Exception:
             class_name = None  # the default family's loader names the model in its error
+    for cls in FAMILIES.values():  # a family that names its schedulers first (sd_flow before stable_diffusion)
+        if class_name in cls.pipeline_class_names and scheduler in cls.scheduler_class_names:
+            return cls
     for cls in FAMILIES.values():
-        if class_name in cls.pipeline_class_names:
+        if class_name in cls.pipeline_class_names and not cls.scheduler_class_names:
             return cls
     return FAMILIES["stable_diffusion"]
 

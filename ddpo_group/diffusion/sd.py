@@ -47,6 +47,8 @@ from ddpo_group.diffusion.lora import add_lora
 from ddpo_group.diffusion.tiny import build_random_sdxl_pipeline, build_tiny_sdxl_pipeline
 
 LORA_TARGET_MODULES = ("to_k", "to_q", "to_v", "to_out.0")
+# a StableDiffusionPipeline with one of these schedulers is a flow-matching UNet: the sd_flow family's (sd_flow.py)
+FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler",)
 
 
 def _added_cond_kwargs(added_cond, dtype):
@@ -329,8 +331,8 @@ class StableDiffusionPolicy(DiffusionPolicy):
         self.resolution = None
 
     @classmethod
-    def supports(cls, pipeline):
-        return isinstance(pipeline, StableDiffusionPipeline)
+    def supports(cls, pipeline):  # a flow-matching scheduler makes it the sd_flow family's (sd_flow.py)
+        return isinstance(pipeline, StableDiffusionPipeline) and type(pipeline.scheduler).__name__ not in FLOW_SCHEDULERS
 
     @classmethod
     def check_config(cls, config):

@@ -545,9 +545,10 @@ INITS = ("default", "adaln-zero")  # the scenes transformer's initialisations (`
 def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s", patch=2, init="default"):
     """The scenes world's tiny pipeline with random weights drawn from ``seed`` (CPU, float32), built offline:
     arch "sd3" a StableDiffusion3Pipeline (two 16-token CLIP encoders, no T5, FlowMatchEulerDiscreteScheduler
-    shift 3.0, the VAE with SD3's scaling and shift), "sd" a StableDiffusionPipeline with DDIM. ``words``: the
+    shift 3.0, the VAE with SD3's scaling and shift), "sd" a StableDiffusionPipeline with DDIM, "sd-flow" the same
+    UNet pipeline with SD3's FlowMatchEulerDiscreteScheduler (shift 3.0; the sd_flow family). ``words``: the
     tokenizer's whole words (``ddpo_group.data.scenes.SCENE_WORDS``; this layer does not import the world). The
-    pretrained copies are the shipped ``tiny-scenes-sd3`` and ``tiny-scenes``. ``size``: SCENES_SIZES; ``patch``:
+    pretrained copies are the shipped ``tiny-scenes-sd3``, ``tiny-scenes`` and ``tiny-scenes-flow``. ``size``: SCENES_SIZES; ``patch``:
     the transformer's (scenes_component_configs); ``init`` (INITS, sd3): "adaln-zero" applies adaln_zero_init."""
     if init not in INITS:
         raise ValueError(f"init={init!r} is not one of {INITS}")
@@ -555,10 +556,15 @@ def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s", patch=2, ini
         raise ValueError(f"init={init!r} is the transformer's (arch 'sd3'); arch {arch!r} has no adaptive norms")
     tokenizer = build_tiny_tokenizer(words, model_max_length=SCENES_MAX_LENGTH)
     configs = scenes_component_configs(len(tokenizer), size, patch)
-    if arch == "sd":
-        return _random_sd_pipeline(configs, tokenizer, seed)
+    if arch in ("sd", "sd-flow"):
+        pipeline = _random_sd_pipeline(configs, tokenizer, seed)
+        if arch == "sd-flow":  # the UNet stepped by flow matching (diffusion/sd_flow.py), SD3's grid shift
+            from diffusers import FlowMatchEulerDiscreteScheduler
+
+            pipeline.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+        return pipeline
     if arch != "sd3":
-        raise ValueError(f"arch={arch!r} is not one of 'sd', 'sd3'")
+        raise ValueError(f"arch={arch!r} is not one of 'sd', 'sd-flow', 'sd3'")
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 

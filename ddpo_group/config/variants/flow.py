@@ -105,6 +105,14 @@ def tiny_sd3():
     return _tiny_flow("tiny-sd3")
 
 
+def tiny_sd_flow():
+    """A random-weight tiny SD UNet stepped by flow matching (the sd_flow family: SD3's scheduler, CLIP's fixed
+    length, no T5 tokens to count), seconds: tests and smoke runs."""
+    config = _tiny_flow("tiny-sd-flow")
+    config.sample.max_sequence_length = 0
+    return config
+
+
 def tiny_sd3_dppo():
     """tiny_sd3 with Flow-DPPO's loss (train.policy_loss "dppo"): tests and smoke runs."""
     config = tiny_sd3()
