@@ -90,9 +90,11 @@ def _family_modules():
 
 
 # A family module that extends another family's policy class (a subclass, its builders): the only family-to-family
-# arrows. Wan 2.2 A14B's two experts and Wan image-to-video build on the Wan family (issue 46).
+# arrows. Wan 2.2 A14B's two experts and Wan image-to-video build on the Wan family (issue 46); the flow-matching UNet
+# (sd_flow) takes Stable Diffusion's conditioning, trainable UNet and LoRA format from sd.
 EXTENDS = {"ddpo_group.diffusion.wan_moe": {"ddpo_group.diffusion.wan"},
-           "ddpo_group.diffusion.wan_i2v": {"ddpo_group.diffusion.wan", "ddpo_group.diffusion.wan_moe"}}
+           "ddpo_group.diffusion.wan_i2v": {"ddpo_group.diffusion.wan", "ddpo_group.diffusion.wan_moe"},
+           "ddpo_group.diffusion.sd_flow": {"ddpo_group.diffusion.sd"}}
 
 
 def test_the_diffusion_base_imports_no_family_and_families_import_only_the_base():

@@ -220,7 +220,8 @@ def test_pretraining_in_parts_gives_the_weights_of_one_run(tmp_path):
     assert log["vae"]["steps"] == 3 and log["denoiser"]["steps"] == 3
 
 
-@pytest.mark.parametrize("name,directory", [("tiny-scenes-sd3", "tiny_scenes_sd3"), ("tiny-scenes", "tiny_scenes")])
+@pytest.mark.parametrize("name,directory", [("tiny-scenes-sd3", "tiny_scenes_sd3"), ("tiny-scenes", "tiny_scenes"),
+                                            ("tiny-scenes-flow", "tiny_scenes_flow")])
 def test_a_shipped_scenes_model_loads_by_name_and_samples_64_px_scenes(name, directory):
     path = os.path.join(ASSETS, directory)
     if not os.path.exists(os.path.join(path, "model_index.json")):
@@ -235,6 +236,7 @@ def test_a_shipped_scenes_model_loads_by_name_and_samples_64_px_scenes(name, dir
     from ddpo_group.diffusion.policy import load_policy
 
     policy = load_policy(name)
+    assert policy.family == {"tiny-scenes-sd3": "sd3", "tiny-scenes": "stable_diffusion", "tiny-scenes-flow": "sd_flow"}[name]
     trajectories = policy.sample(["a photo of a red circle and a blue square"], num_steps=2, guidance_scale=4.5,
                                  eta=1.0, generator=torch.Generator().manual_seed(0))
     assert trajectories.images.shape == (1, 3, 64, 64)
@@ -397,4 +399,4 @@ def test_noise_levels_other_than_ddpm_s_are_the_flow_model_s_alone(capsys):
     with pytest.raises(SystemExit):
         load_script("scripts/pretrain_tiny.py").parse_args(["--world", "scenes", "--arch", "sd", "--flow-times",
                                                              "uniform"])
-    assert "--flow-times: the flow model's" in capsys.readouterr().err
+    assert "--flow-times: the flow models' (--arch sd3 or sd-flow)" in capsys.readouterr().err
