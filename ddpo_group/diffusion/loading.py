@@ -18,6 +18,9 @@ TINY_SHAPES_DIR = ASSETS_DIR / "tiny_shapes"
 SHIPPED_SCENES = {"tiny-scenes": ASSETS_DIR / "tiny_scenes", "tiny-scenes-sd3": ASSETS_DIR / "tiny_scenes_sd3",
                   "tiny-scenes-flow": ASSETS_DIR / "tiny_scenes_flow"}
 
+# a StableDiffusionPipeline with one of these schedulers is a flow-matching UNet: the sd_flow family's (sd_flow.py)
+FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler",)
+
 OFFLINE_HINT = (
     "To run offline, use the tiny model (`--config config/grpo.py:tiny`, model 'tiny' or 'tiny-shapes') "
     "or pass a local directory written by StableDiffusionPipeline.save_pretrained."
@@ -48,7 +51,7 @@ def load_tiny_scenes_sd3(torch_dtype=torch.float32):
 
 
 def _finish(pipeline, torch_dtype):
-    if type(pipeline.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler":  # DDIM from its config would be silent
+    if type(pipeline.scheduler).__name__ in FLOW_SCHEDULERS:  # DDIM from its config would be silent
         raise ValueError(f"{pipeline.config._name_or_path!r} is a flow-matching UNet (its scheduler is "
                          "FlowMatchEulerDiscreteScheduler), not a DDIM one: load it with "
                          "ddpo_group.diffusion.policy.load_policy (the sd_flow family)")

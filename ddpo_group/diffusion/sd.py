@@ -42,13 +42,11 @@ from ddpo_group.diffusion.base import (
 )
 from ddpo_group.diffusion.ddim import ddim_step_with_logprob, ddim_x0_hat, flow_time_step
 from ddpo_group.diffusion.flow_policy import load_pretrained
-from ddpo_group.diffusion.loading import load_pipeline
+from ddpo_group.diffusion.loading import FLOW_SCHEDULERS, load_pipeline
 from ddpo_group.diffusion.lora import add_lora
 from ddpo_group.diffusion.tiny import build_random_sdxl_pipeline, build_tiny_sdxl_pipeline
 
 LORA_TARGET_MODULES = ("to_k", "to_q", "to_v", "to_out.0")
-# a StableDiffusionPipeline with one of these schedulers is a flow-matching UNet: the sd_flow family's (sd_flow.py)
-FLOW_SCHEDULERS = ("FlowMatchEulerDiscreteScheduler",)
 
 
 def _added_cond_kwargs(added_cond, dtype):

@@ -11,27 +11,27 @@ projections. The pipeline class is the one the ``stable_diffusion`` family loads
 """
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusionPipeline
+from diffusers import StableDiffusionPipeline
 from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 from diffusers.utils.torch_utils import randn_tensor
 
 from ddpo_group.diffusion.base import register_family
 from ddpo_group.diffusion.flow_policy import FlowMatchingPolicy, load_pretrained
-from ddpo_group.diffusion.loading import shipped_dir
+from ddpo_group.diffusion.loading import FLOW_SCHEDULERS, shipped_dir
 from ddpo_group.diffusion.sd import LORA_TARGET_MODULES, StableDiffusionPolicy, _encode_prompts, _predict_noise
-from ddpo_group.diffusion.tiny import build_tiny_pipeline
+from ddpo_group.diffusion.tiny import build_tiny_pipeline, sd3_flow_scheduler
 
 
 def is_flow_unet(pipeline) -> bool:
     """A StableDiffusionPipeline with a flow-matching scheduler (this family's, not ``stable_diffusion``'s)."""
-    return isinstance(pipeline, StableDiffusionPipeline) and isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler)
+    return isinstance(pipeline, StableDiffusionPipeline) and type(pipeline.scheduler).__name__ in FLOW_SCHEDULERS
 
 
 def build_tiny_sd_flow_pipeline(seed=0):
     """The tiny random StableDiffusionPipeline (``tiny.build_tiny_pipeline``: 32-px images) with SD3's flow scheduler
     (FlowMatchEulerDiscreteScheduler, shift 3.0) in place of DDIM: this family's seconds-long tests and smoke runs."""
     pipeline = build_tiny_pipeline(seed)
-    pipeline.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    pipeline.scheduler = sd3_flow_scheduler()
     return pipeline
 
 
@@ -52,7 +52,7 @@ class StableDiffusionFlowPolicy(FlowMatchingPolicy):
     shard_blocks = StableDiffusionPolicy.shard_blocks
     pipeline_class = StableDiffusionPipeline
     pipeline_class_names = ("StableDiffusionPipeline",)
-    scheduler_class_names = ("FlowMatchEulerDiscreteScheduler",)
+    scheduler_class_names = FLOW_SCHEDULERS
     offline_models = ("tiny-sd-flow", "tiny-scenes-flow")
     default_max_sequence_length = 0  # CLIP's fixed length: no T5 tokens to count
     lora_target_modules = LORA_TARGET_MODULES

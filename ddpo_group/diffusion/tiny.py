@@ -539,7 +539,15 @@ def adaln_zero_init(transformer) -> None:
         transformer.proj_out.bias.zero_()
 
 
-INITS = ("default", "adaln-zero")  # the scenes transformer's initialisations (``pretrain --init``)
+INITS = ("default", "adaln-zero")
+
+
+def sd3_flow_scheduler():
+    """SD3's flow-matching scheduler with the tiny flow models' shift 3.0, for a UNet stepped by flow matching (the
+    sd_flow family's tiny builders)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # the scenes transformer's initialisations (``pretrain --init``)
 
 
 def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s", patch=2, init="default"):
@@ -559,9 +567,7 @@ def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s", patch=2, ini
     if arch in ("sd", "sd-flow"):
         pipeline = _random_sd_pipeline(configs, tokenizer, seed)
         if arch == "sd-flow":  # the UNet stepped by flow matching (diffusion/sd_flow.py), SD3's grid shift
-            from diffusers import FlowMatchEulerDiscreteScheduler
-
-            pipeline.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+            pipeline.scheduler = sd3_flow_scheduler()
         return pipeline
     if arch != "sd3":
         raise ValueError(f"arch={arch!r} is not one of 'sd', 'sd-flow', 'sd3'")
