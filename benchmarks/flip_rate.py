@@ -7,7 +7,7 @@
 For each split of scenes prompts (the held-out set, assets/prompts/geneval_scenes.jsonl, and the RL training
 prompts, ``scenes.scene_training_prompts``), `--prompts` records drawn at random, `--images-per-prompt` images each,
 sampled as the trainer samples them: the model's scenes variant (config/grpo.py tiny_scenes for a flow model,
-tiny_scenes_sd for a UNet) gives the steps, the noise level eta, the SDE type and the guidance. Then Gaussian noise
+tiny_scenes_sd for a UNet, tiny_scenes_flow for a flow-matching UNet) gives the steps, the noise level eta, the SDE type and the guidance. Then Gaussian noise
 the size of the last SDE step (its std sigma_T, from the policy's own ``step_log_prob`` of that step) is added to
 the final latents, x' = x_T + sigma_T eps, and x' is decoded. The flip rate is the share of images whose training
 reward (reward ``geneval``'s score, the variant's: Flow-GRPO's partial score) differs between x_T's image and x''s
@@ -47,15 +47,18 @@ FLIP_TOLERANCE = 1e-9
 def model_label(model: str) -> str:
     """The result's file stem: the shipped model's directory name (loading.SHIPPED_SCENES, named here so that the
     overwrite check runs before diffusers is imported), or the directory's own name."""
-    shipped = {"tiny-scenes": "tiny_scenes", "tiny-scenes-sd3": "tiny_scenes_sd3"}
+    shipped = {"tiny-scenes": "tiny_scenes", "tiny-scenes-sd3": "tiny_scenes_sd3", "tiny-scenes-flow": "tiny_scenes_flow"}
     return shipped[model] if model in shipped else Path(model).resolve().name
 
 
 def sampling_config(policy):
-    """config.sample of the scenes variant of the policy's family (flow: tiny_scenes, UNet: tiny_scenes_sd)."""
-    from ddpo_group.config.variants.tasks import tiny_scenes, tiny_scenes_sd
+    """config.sample of the scenes variant of the policy's family (flow: tiny_scenes, UNet: tiny_scenes_sd, flow
+    UNet: tiny_scenes_flow)."""
+    from ddpo_group.config.variants.tasks import tiny_scenes, tiny_scenes_flow, tiny_scenes_sd
 
-    return (tiny_scenes_sd() if policy.family in ("stable_diffusion", "sdxl") else tiny_scenes())
+    if policy.family in ("stable_diffusion", "sdxl"):
+        return tiny_scenes_sd()
+    return tiny_scenes_flow() if policy.family == "sd_flow" else tiny_scenes()
 
 
 def split_records(split: str, n: int, seed: int) -> list[dict]:

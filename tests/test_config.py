@@ -35,7 +35,7 @@ def test_config_error_is_a_value_error():
 
 
 VARIANTS = ["sd15", "ddpo", "group_ppo", "group_ppo_alg2", "tiny", "tiny_ddpo", "tiny_group_ppo", "tiny_group_ppo_alg2",
-            "tiny_gae", "test", "sd35", "flux"]
+            "tiny_gae", "test", "sd35", "flux", "tiny_scenes", "tiny_scenes_sd", "tiny_scenes_flow"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

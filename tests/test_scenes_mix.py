@@ -56,7 +56,7 @@ def test_the_geneval_mix_of_chosen_tags_weighs_them_by_geneval_s_counts():
 
 
 def test_the_scenes_variants_train_on_the_geneval_mix():
-    for variant in ("tiny_scenes", "tiny_scenes_sd"):
+    for variant in ("tiny_scenes", "tiny_scenes_sd", "tiny_scenes_flow"):
         assert grpo.get_config(variant).prompt_fn_kwargs["mix"] == "geneval"
 
 

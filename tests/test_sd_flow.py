@@ -104,3 +104,32 @@ def test_the_ladders_flow_family_trains_a_flow_unet_with_clips_fixed_length(tmp_
                      resolution=config.sample.resolution)
     assert ladder.ladder_config("a", "flow", "jpeg", "a photo of three circles", 42,
                                 str(tmp_path / "run")).sample.max_sequence_length == 16  # tiny-scenes-sd3's
+
+
+def test_the_tiny_scenes_flow_variant_configures_the_shipped_flow_unet_with_its_settings():
+    """config/grpo.py:tiny_scenes_flow is tiny_scenes's Flow-GRPO recipe on tiny-scenes-flow; the shipped model takes
+    its sampler settings at 64 px (tiny_scenes's 16 T5 tokens would be refused by its CLIP)."""
+    from ddpo_group.config import grpo
+
+    config = grpo.get_config("tiny_scenes_flow")
+    policy = load_policy(config.pretrained.model)
+    assert policy.family == "sd_flow"
+    with pytest.raises(ValueError, match="max_sequence_length=16"):
+        policy.configure(sde_type="sde", max_sequence_length=grpo.get_config("tiny_scenes").sample.max_sequence_length)
+    policy.configure(sde_type=config.sample.sde_type, max_sequence_length=config.sample.max_sequence_length,
+                     resolution=config.sample.resolution)
+    assert policy.resolution == 64
+
+
+def test_the_flip_rate_benchmark_samples_a_flow_unet_as_its_variant_does():
+    """benchmarks/flip_rate.py --model tiny-scenes-flow took tiny_scenes's settings (16 T5 tokens: refused by the
+    UNet's CLIP); it takes tiny_scenes_flow's, and names its result after the shipped directory."""
+    from helpers import load_script
+
+    bench = load_script("benchmarks/flip_rate.py")
+    policy = policy_for(build_tiny_sd_flow_pipeline(seed=0))
+    sample = bench.sampling_config(policy).sample
+    assert sample.max_sequence_length == 0 and sample.sde_type == "sde" and sample.eta == 0.7
+    policy.configure(sde_type=sample.sde_type, max_sequence_length=sample.max_sequence_length)
+    assert bench.sampling_config(policy_for(build_tiny_pipeline(seed=0))).sample.eta == 1.0  # the UNet's DDIM
+    assert bench.model_label("tiny-scenes-flow") == "tiny_scenes_flow"

@@ -135,7 +135,7 @@ def test_a_learning_rate_other_than_the_main_jobs_is_named_in_the_docstring():
 
 # The scenes world's main jobs (docs/scenes.md): another task and model, with Flow-GRPO's recipe (tiny_scenes) and the
 # main job's method on the UNet (tiny_scenes_sd); their methods are compared among themselves, not with tiny's.
-SCENES_TASKS = {"tiny_scenes", "tiny_scenes_sd"}
+SCENES_TASKS = {"tiny_scenes", "tiny_scenes_sd", "tiny_scenes_flow"}
 # A full-size preset's tiny twin that carries its preset's recipe (SDE window, KL), not the main job's method.
 PRESET_TWINS = {"tiny_zimage_turbo"}
 # A family's tiny pipeline with another policy loss (smoke runs of the loss on that family, not the main job's task).
@@ -221,7 +221,8 @@ def test_task_variant_differs_from_tiny_only_in_its_declared_task_fields(variant
     assert all(TASK_FIELDS.match(field) for field in differ)
 
 
-@pytest.mark.parametrize("variant,model", [("tiny_scenes", "tiny-scenes-sd3"), ("tiny_scenes_sd", "tiny-scenes")])
+@pytest.mark.parametrize("variant,model", [("tiny_scenes", "tiny-scenes-sd3"), ("tiny_scenes_sd", "tiny-scenes"),
+                                           ("tiny_scenes_flow", "tiny-scenes-flow")])
 def test_scenes_main_jobs_train_on_generated_prompts_and_evaluate_on_the_held_out_set(variant, model):
     config = grpo.get_config(variant)
     assert config.pretrained.model == model
@@ -234,6 +235,9 @@ def test_scenes_main_jobs_train_on_generated_prompts_and_evaluate_on_the_held_ou
     assert changed(unet, flow) - {"variant"} == {
         "pretrained.model", "sample.eta", "sample.sde_type", "sample.guidance_scale", "sample.max_sequence_length",
         "sample.resolution", "train.kl_type", "train.beta", "train.skip_last_steps"}
+    # the flow-matching UNet keeps the flow model's recipe whole: only the model and its CLIP prompt length differ
+    assert changed(flat(grpo.get_config("tiny_scenes_flow")), flow) - {"variant"} == {
+        "pretrained.model", "sample.max_sequence_length"}
 
 
 # ---- where the variants live: ddpo_group/config/variants/, one module per purpose; grpo.py only assembles them

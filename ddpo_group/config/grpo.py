@@ -59,6 +59,7 @@ their map. A variant is read against the ones it derives from (tiny_* from tiny,
     tiny_scenes     the second main job: Flow-GRPO's GenEval recipe on the shipped flow model tiny-scenes-sd3 (1-4 shapes
                     per 64-px scene, GenEval's six tags), evaluated on the held-out geneval_scenes.jsonl, CPU, minutes
     tiny_scenes_sd  the same task and evaluation on the shipped UNet + DDIM scenes model tiny-scenes (GRPO + KL)
+    tiny_scenes_flow  tiny_scenes's Flow-GRPO recipe and task on the shipped flow-matching UNet tiny-scenes-flow
     sd35_geneval    Flow-GRPO's GenEval recipe on SD3.5-Medium: the geneval reward (partial score), generated prompts
     sd35_nft_geneval  DiffusionNFT's GenEval recipe on SD3.5-Medium (sd35_nft with the geneval reward)
     flux2           FLUX.2 [dev] (32B) with Flow-Factory's GRPO LoRA recipe, one GPU (docs/flux2_zimage.md)
@@ -130,6 +131,7 @@ from ddpo_group.config.variants.tasks import (  # noqa: F401
     sd35_pickscore,
     tiny_geneval,
     tiny_scenes,
+    tiny_scenes_flow,
     tiny_scenes_sd,
 )
 from ddpo_group.config.variants.tiny import (  # noqa: F401
@@ -232,6 +234,7 @@ VARIANTS = {
     "sd35_nft_geneval": sd35_nft_geneval,
     "tiny_scenes": tiny_scenes,
     "tiny_scenes_sd": tiny_scenes_sd,
+    "tiny_scenes_flow": tiny_scenes_flow,
     "flux2": flux2,
     "flux2_klein": flux2_klein,
     "zimage": zimage,
