@@ -14,9 +14,10 @@ Detector (``ShapesDetector``), exact on rendered scenes (objects 2 px apart, as 
 1. background b = the per-channel median of the 1-pixel border;
 2. segmentation, colour-agnostic (``shape_segments``, the default): a pixel is foreground when it lies at least
    half the nearest palette colour's distance from b; each 4-connected foreground region takes its own colour c
-   (the median of its core pixels) and its mask is the region's pixels with alpha = <p - b, c - b> / |c - b|^2
-   >= 0.5, so a generated object whose hue wanders (a violet star with magenta tips) is one object, as it is to
-   an eye and to GenEval's Mask2Former. ``segmentation="palette"`` (issue 42's and issue 53's first detector):
+   (the median of its core pixels, those most covered by their nearest palette colour) and its mask is the
+   region's pixels with alpha = <p - b, c - b> / |c - b|^2 >= 0.5 (or covered by another palette colour, as a
+   red star's yellow tips), so a generated object whose hue wanders (a violet star with magenta tips) is one
+   object, as it is to an eye and to GenEval's Mask2Former. ``segmentation="palette"`` (issue 42's and issue 53's first detector):
    a pixel belongs to palette colour c when alpha_c >= 0.5 and the residual |p - b - alpha v| / (255 sqrt 3) <=
    0.15 (v = c - b), the smallest residual winning, one object per region of one colour. On rendered scenes the
    two give the same objects (``tests/test_shapes_detector_segmentation.py``);
@@ -60,7 +61,7 @@ TINY_GENEVAL_PROMPTS = "geneval_shapes_squares.jsonl"
 CONFIDENCES = ("calibrated", "unit")
 SEGMENTATIONS = ("shape", "palette")
 FOREGROUND_MIN = 0.5  # of the nearest palette colour's distance from the background: a pixel that far is foreground
-CORE_SHARE = 0.9  # an object's colour: the median of its pixels at least this share of its farthest one's distance
+CORE_SHARE = 0.9  # an object's colour: the median of its pixels covered at least this share of its most covered one
 MIN_AREA = 40  # px: half the scenes world's smallest object (AREA_RANGE 80 px); rendered objects keep >= 72
 TEMPERATURE = 0.025  # of the softmax over template overlaps: the least NLL of the true class (docs/scenes.md)
 QUALITY_RANGE = (0.4, 0.7)  # best template overlap at which the shape quality q starts to rise, reaches 1
@@ -166,30 +167,51 @@ def shape_segments(image: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.n
 
     1. foreground: pixels whose distance from the background b is at least FOREGROUND_MIN of the nearest palette
        colour's distance from b (so every pixel a palette colour covers by half or more is foreground);
-    2. each 4-connected region of the foreground gets its own colour c: the per-channel median of its pixels at
-       least CORE_SHARE as far from b as its farthest pixel (a rendered object's full-coverage core);
-    3. its coverage alpha = <p - b, c - b> / |c - b|^2, clipped to [0, 1]; its mask the region's pixels with
-       alpha >= ALPHA_MIN, split into 4-connected pieces.
+    2. each 4-connected region of the foreground gets its own colour c: the per-channel median of its core, the
+       pixels whose coverage of their nearest palette colour (``_palette_coverage``) is at least CORE_SHARE of the
+       region's highest (a rendered object's full-coverage pixels);
+    3. its coverage alpha = <p - b, c - b> / |c - b|^2, clipped to [0, 1], and where a pixel is at least
+       CORE_SHARE covered by a palette colour other than c's nearest, that coverage if larger (a yellow tip of a red
+       star is the star's; a rendered object has no such pixel); its mask the region's pixels with alpha >=
+       ALPHA_MIN, split into 4-connected pieces.
 
     On a rendered object c is its palette colour and the mask and coverage are ``palette_labels``' exactly; a
     generated object whose pixels wander between hues (a violet star, magenta at its tips) stays one object,
     which labelling pixels by palette colour cut into pieces too small to count (docs/scenes.md, "A shape is a
-    shape in any hue")."""
+    shape in any hue"). The core is measured in coverage, not in distance from b: a red star with yellow tips on
+    black has its tips 1.41 times as far from b as its body (yellow lights two channels), and a core of the
+    farthest pixels made it a yellow object that covered its own red body by half, lost under ALPHA_MIN
+    (docs/scenes.md, "A star with yellow tips")."""
     pixels = np.asarray(image).astype(np.float64)
     background = _background(pixels)
     reach = np.linalg.norm(PALETTE - background, axis=1)
     reach = reach[reach > 1e-3]
     offset = pixels - background
     distance = np.linalg.norm(offset, axis=-1)
+    coverage, nearest = _palette_coverage(pixels, background)
     segments = []
     for region in _components(distance >= FOREGROUND_MIN * float(reach.min())):
-        far = distance[region]
-        color = np.median(pixels[region][far >= CORE_SHARE * far.max()], axis=0)
+        share = coverage[region]
+        color = np.median(pixels[region][share >= CORE_SHARE * share.max()], axis=0)
         direction = color - background
-        alpha = np.clip(offset @ direction / float(direction @ direction), 0.0, 1.0) * _dilate(region)
+        alpha = np.clip(offset @ direction / float(direction @ direction), 0.0, 1.0)
+        # a pixel of another palette colour is the object's too (a yellow tip of a red star); none on a rendered one
+        other = (coverage >= CORE_SHARE) & (nearest != np.argmin(np.linalg.norm(PALETTE - color, axis=1)))
+        alpha = np.where(other, np.maximum(alpha, np.minimum(coverage, 1.0)), alpha) * _dilate(region)
         for piece in _components(region & (alpha >= ALPHA_MIN)):
             segments.append((piece, alpha, color))
     return segments
+
+
+def _palette_coverage(pixels: np.ndarray, background: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(coverage float (H, W), nearest int (H, W)): each pixel's distance from the background b over the distance
+    from b of the palette colour nearest to it (its index into PALETTE): 1 for a pixel of a palette colour,
+    whichever colour, alpha for a rendered mix alpha c + (1 - alpha) b with alpha >= 0.5 (whose nearest palette
+    colour is c). A palette colour equal to b is never nearest."""
+    reach = np.linalg.norm(PALETTE - background, axis=1)
+    gaps = np.linalg.norm(pixels[..., None, :] - PALETTE, axis=-1)
+    nearest = np.argmin(np.where(reach > 1e-3, gaps, np.inf), axis=-1)
+    return np.linalg.norm(pixels - background, axis=-1) / reach[nearest], nearest
 
 
 def _dilate(mask: np.ndarray) -> np.ndarray:
