@@ -4,16 +4,17 @@
     python benchmarks/flip_rate.py --model tiny-scenes               # the shipped UNet (DDIM, eta 1)
     python benchmarks/flip_rate.py --model path/to/pipeline --output /tmp/flip.json
 
-For each split of scenes prompts (the held-out set, assets/prompts/geneval_scenes.jsonl, and the RL training
-prompts, ``scenes.scene_training_prompts``), `--prompts` records drawn at random, `--images-per-prompt` images each,
-sampled as the trainer samples them: the model's scenes variant (config/grpo.py tiny_scenes for a flow model,
-tiny_scenes_sd for a UNet, tiny_scenes_flow for a flow-matching UNet) gives the steps, the noise level eta, the SDE type and the guidance. Then Gaussian noise
-the size of the last SDE step (its std sigma_T, from the policy's own ``step_log_prob`` of that step) is added to
-the final latents, x' = x_T + sigma_T eps, and x' is decoded. The flip rate is the share of images whose training
-reward (reward ``geneval``'s score, the variant's: Flow-GRPO's partial score) differs between x_T's image and x''s
-(|r' - r| > 1e-9). Rendered scenes (``scenes.sample_scene``, the same records) go through the model's VAE (encode,
-decode: the clean image) and the same noise on their latents (the noisy one), their objects at the areas the model was
-pretrained on (``scenes.area_range_of_pipeline``: issue 42's, or ``pretrain --object-scale coarse``'s).
+For each split of scenes prompts (the held-out set, assets/prompts/geneval_scenes.jsonl, and the RL training prompts,
+``scenes.scene_training_prompts``), `--prompts` records drawn at random, `--images-per-prompt` images each, sampled as
+the trainer samples them: the model's scenes variant (config/grpo.py tiny_scenes for a flow model, tiny_scenes_sd for
+a UNet, tiny_scenes_flow for a flow-matching UNet) gives the steps, the noise level eta, the SDE type and the
+guidance. Then Gaussian noise the size of the last SDE step (its std sigma_T, from the policy's own ``step_log_prob``
+of that step) is added to the final latents, x' = x_T + sigma_T eps, and x' is decoded. The flip rate is the share of
+images whose training reward (reward ``geneval``'s score, the variant's: Flow-GRPO's partial score) differs between
+x_T's image and x''s (|r' - r| > 1e-9). Rendered scenes (``scenes.sample_scene``, the same records) go through the
+model's VAE (encode, decode: the clean image) and the same noise on their latents (the noisy one), their objects at
+the areas the model was pretrained on (``scenes.area_range_of_pipeline``: issue 42's, or ``pretrain --object-scale
+coarse``'s).
 
 Three shapes detectors are measured (``DETECTORS``): "unit" (issue 42's: palette segmentation, every object 1.0,
 fragments of 4 px and more), "calibrated" (issue 53's first: palette segmentation, the calibrated score) and
@@ -47,7 +48,8 @@ FLIP_TOLERANCE = 1e-9
 def model_label(model: str) -> str:
     """The result's file stem: the shipped model's directory name (loading.SHIPPED_SCENES, named here so that the
     overwrite check runs before diffusers is imported), or the directory's own name."""
-    shipped = {"tiny-scenes": "tiny_scenes", "tiny-scenes-sd3": "tiny_scenes_sd3", "tiny-scenes-flow": "tiny_scenes_flow"}
+    shipped = {"tiny-scenes": "tiny_scenes", "tiny-scenes-sd3": "tiny_scenes_sd3",
+               "tiny-scenes-flow": "tiny_scenes_flow"}
     return shipped[model] if model in shipped else Path(model).resolve().name
 
 

@@ -12,15 +12,15 @@ anti-aliased coverage (``ddpo_group.data.shapes.shape_coverage``), later objects
 Detector (``ShapesDetector``), exact on rendered scenes (objects 2 px apart, as the scenes world places them):
 
 1. background b = the per-channel median of the 1-pixel border;
-2. segmentation, colour-agnostic (``shape_segments``, the default): a pixel is foreground when it lies at least
-   half the nearest palette colour's distance from b; each 4-connected foreground region takes its own colour c
-   (the median of its core pixels, those most covered by their nearest palette colour) and its mask is the
-   region's pixels with alpha = <p - b, c - b> / |c - b|^2 >= 0.5 (or covered by another palette colour, as a
-   red star's yellow tips), so a generated object whose hue wanders (a violet star with magenta tips) is one
-   object, as it is to an eye and to GenEval's Mask2Former. ``segmentation="palette"`` (issue 42's and issue 53's first detector):
-   a pixel belongs to palette colour c when alpha_c >= 0.5 and the residual |p - b - alpha v| / (255 sqrt 3) <=
-   0.15 (v = c - b), the smallest residual winning, one object per region of one colour. On rendered scenes the
-   two give the same objects (``tests/test_shapes_detector_segmentation.py``);
+2. segmentation, colour-agnostic (``shape_segments``, the default): a pixel is foreground when it lies at least half
+   the nearest palette colour's distance from b; each 4-connected foreground region takes its own colour c (the
+   median of its core pixels, those most covered by their nearest palette colour) and its mask is the region's pixels
+   with alpha = <p - b, c - b> / |c - b|^2 >= 0.5 (or covered by another palette colour, as a red star's yellow
+   tips), so a generated object whose hue wanders (a violet star with magenta tips) is one object, as it is to an eye
+   and to GenEval's Mask2Former. ``segmentation="palette"`` (issue 42's and issue 53's first detector): a pixel
+   belongs to palette colour c when alpha_c >= 0.5 and the residual |p - b - alpha v| / (255 sqrt 3) <= 0.15
+   (v = c - b), the smallest residual winning, one object per region of one colour. On rendered scenes the two give
+   the same objects (``tests/test_shapes_detector_segmentation.py``);
 3. each region (mask) with at least ``min_area`` pixels (``MIN_AREA`` = 40, half the scenes world's smallest
    object; smaller ones are fragments) is an object: its box (x1, y1, x2 + 1, y2 + 1) of the pixel extents;
 4. its template overlaps: for each shape, the soft IoU of the template of the same area and centroid with the
