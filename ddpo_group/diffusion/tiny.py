@@ -539,7 +539,7 @@ def adaln_zero_init(transformer) -> None:
         transformer.proj_out.bias.zero_()
 
 
-INITS = ("default", "adaln-zero")
+INITS = ("default", "adaln-zero")  # the scenes transformer's initialisations (``pretrain --init``)
 
 
 def sd3_flow_scheduler():
@@ -547,7 +547,7 @@ def sd3_flow_scheduler():
     sd_flow family's tiny builders)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # the scenes transformer's initialisations (``pretrain --init``)
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
 
 
 def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s", patch=2, init="default"):
@@ -556,8 +556,9 @@ def build_tiny_scenes_pipeline(words, arch="sd3", seed=0, size="s", patch=2, ini
     shift 3.0, the VAE with SD3's scaling and shift), "sd" a StableDiffusionPipeline with DDIM, "sd-flow" the same
     UNet pipeline with SD3's FlowMatchEulerDiscreteScheduler (shift 3.0; the sd_flow family). ``words``: the
     tokenizer's whole words (``ddpo_group.data.scenes.SCENE_WORDS``; this layer does not import the world). The
-    pretrained copies are the shipped ``tiny-scenes-sd3``, ``tiny-scenes`` and ``tiny-scenes-flow``. ``size``: SCENES_SIZES; ``patch``:
-    the transformer's (scenes_component_configs); ``init`` (INITS, sd3): "adaln-zero" applies adaln_zero_init."""
+    pretrained copies are the shipped ``tiny-scenes-sd3``, ``tiny-scenes`` and ``tiny-scenes-flow``. ``size``:
+    SCENES_SIZES; ``patch``: the transformer's (scenes_component_configs); ``init`` (INITS, sd3): "adaln-zero" applies
+    adaln_zero_init."""
     if init not in INITS:
         raise ValueError(f"init={init!r} is not one of {INITS}")
     if init != "default" and arch != "sd3":

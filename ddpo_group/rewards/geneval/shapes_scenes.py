@@ -185,12 +185,11 @@ def shape_segments(image: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.n
     pixels = np.asarray(image).astype(np.float64)
     background = _background(pixels)
     reach = np.linalg.norm(PALETTE - background, axis=1)
-    reach = reach[reach > 1e-3]
     offset = pixels - background
     distance = np.linalg.norm(offset, axis=-1)
-    coverage, nearest = _palette_coverage(pixels, background)
+    coverage, nearest = _palette_coverage(pixels, distance, reach)
     segments = []
-    for region in _components(distance >= FOREGROUND_MIN * float(reach.min())):
+    for region in _components(distance >= FOREGROUND_MIN * float(reach[reach > 1e-3].min())):
         share = coverage[region]
         color = np.median(pixels[region][share >= CORE_SHARE * share.max()], axis=0)
         direction = color - background
@@ -203,15 +202,15 @@ def shape_segments(image: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.n
     return segments
 
 
-def _palette_coverage(pixels: np.ndarray, background: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(coverage float (H, W), nearest int (H, W)): each pixel's distance from the background b over the distance
-    from b of the palette colour nearest to it (its index into PALETTE): 1 for a pixel of a palette colour,
-    whichever colour, alpha for a rendered mix alpha c + (1 - alpha) b with alpha >= 0.5 (whose nearest palette
-    colour is c). A palette colour equal to b is never nearest."""
-    reach = np.linalg.norm(PALETTE - background, axis=1)
+def _palette_coverage(pixels: np.ndarray, distance: np.ndarray, reach: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(coverage float (H, W), nearest int (H, W)) of float pixels (H, W, 3) given their distance (H, W) from the
+    background b and each palette colour's distance from b (`reach`, (K,)): a pixel's distance over that of the
+    palette colour nearest to it (its index into PALETTE): 1 for a pixel of a palette colour, whichever colour, alpha
+    for a rendered mix alpha c + (1 - alpha) b with alpha >= 0.5 (whose nearest palette colour is c). A palette
+    colour equal to b is never nearest."""
     gaps = np.linalg.norm(pixels[..., None, :] - PALETTE, axis=-1)
     nearest = np.argmin(np.where(reach > 1e-3, gaps, np.inf), axis=-1)
-    return np.linalg.norm(pixels - background, axis=-1) / reach[nearest], nearest
+    return distance / reach[nearest], nearest
 
 
 def _dilate(mask: np.ndarray) -> np.ndarray:
