@@ -6,6 +6,7 @@ on the held-out set (docs/scenes.md).
     python benchmarks/scenes_study.py --collect --results R                             # the table and JSON from what ran
     python benchmarks/scenes_study.py --eval-noise 1234,1,2,3,4,5,6,7 --results R       # the evaluation's own noise
     python benchmarks/scenes_study.py --reevaluate 1234,1,2,3 --jobs 2 --results R      # finals again: one sampler
+    python benchmarks/scenes_study.py --flow-model tiny-scenes-flow --methods flow_grpo,nft_kl --results R
 
 The committed study is R = benchmarks/results/scenes_study, the default folder: a command that writes there
 must name it (--results benchmarks/results/scenes_study), since its committed runs are otherwise skipped as
@@ -20,12 +21,13 @@ Probes, each in a results directory of its own (docs/scenes.md says what they sh
         --set sample.group_size=16 --set train.gradient_accumulation_steps=4 --results benchmarks/results/scenes_study_groups
     python benchmarks/scenes_study.py --reevaluate 1234,1,2,3 --results benchmarks/results/scenes_study_groups
 
-Each run is a variant of config/grpo.py (tiny_scenes on the flow model tiny-scenes-sd3, tiny_scenes_sd on the
-UNet tiny-scenes) with one method's fields changed, trained in a process of its own on one thread
-(OMP_NUM_THREADS=1) into RESULTS/runs/<method>/seed_<seed>/. A run whose directory holds finished.json is done
-and skipped, so the study runs in stages (a session at a time) and resumes where it stopped; an unfinished
-run is started again from scratch (its directory overwritten: only a run of this command's fields). A run
-directory there of other fields (another seed, --epochs or --set value), finished or not, is refused before
+Each run is a variant of config/grpo.py (tiny_scenes on the flow model tiny-scenes-sd3, or with --flow-model
+tiny-scenes-flow tiny_scenes_flow on the flow-matching UNet; tiny_scenes_sd on the UNet tiny-scenes) with one
+method's fields changed, trained in a process of its own on one thread (OMP_NUM_THREADS=1) into
+RESULTS/runs/<method>/seed_<seed>/. A run whose directory holds finished.json is done and skipped, so the study
+runs in stages (a session at a time) and resumes where it stopped; an unfinished run is started again from scratch
+(its directory overwritten: only a run of this command's fields). A run directory there of other fields (another
+seed, model, --epochs or --set value), finished or not, is refused before
 anything runs: a probe goes into a --results of its own. A run that fails ends the study with exit status 1,
 naming it and its log, without rewriting the table. Every method keeps its task's sampling work,
 learning rate, KL and evaluation: only its method's fields change (METHODS).
@@ -73,7 +75,21 @@ from run_pool import read_json as _read_json  # noqa: E402
 DEFAULT_RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study")
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 TIME_KEYS = ("time/sample", "time/reward", "time/advantages", "time/train", "time/critic")
-MODELS = {"tiny_scenes": "tiny-scenes-sd3", "tiny_scenes_sd": "tiny-scenes"}
+DEFAULT_FLOW_MODEL = "tiny-scenes-sd3"
+# --flow-model: the flow methods' variant per flow base, the same recipe, task and evaluation (config/grpo.py);
+# tiny-scenes-flow is the flow-matching UNet, the flow base that draws the world (docs/scenes.md)
+FLOW_VARIANTS = {"tiny-scenes-sd3": "tiny_scenes", "tiny-scenes-flow": "tiny_scenes_flow"}
+
+
+def models(flow_model=DEFAULT_FLOW_MODEL):
+    """{variant: model} of the study's two bases: the flow methods' (--flow-model) and the UNet methods'."""
+    return {FLOW_VARIANTS[flow_model]: flow_model, "tiny_scenes_sd": "tiny-scenes"}
+
+
+def variant_of(method, flow_model=DEFAULT_FLOW_MODEL):
+    """The variant a method's runs train: METHODS's, with the flow methods' ("tiny_scenes") on --flow-model's."""
+    variant = METHODS[method][0]
+    return FLOW_VARIANTS[flow_model] if variant == "tiny_scenes" else variant
 
 
 def _window(size, mode):
@@ -120,6 +136,18 @@ def _nft(config):
     return config
 
 
+def _nft_kl(config):
+    """The scenes ladder's DiffusionNFT recipe on the flow UNet (docs/scenes.md): DiffusionNFT's settings, a KL of
+    0.1 to the frozen reference, the conditional prediction only in training, 4 passes over each epoch's samples."""
+    config = _grpo_helpers()._diffusion_nft(config, weighting="uniform")
+    config.train.skip_last_steps = 0
+    config.train.use_reference_model = config.train.use_kl_loss = True
+    config.train.beta = 0.1
+    config.train.cfg = False
+    config.train.num_inner_epochs = 4
+    return config
+
+
 def _awm(config):
     config.train.objective = "awm"
     config.train.skip_last_steps = 0  # a forward-process objective trains no trajectory step
@@ -138,7 +166,7 @@ def _ddpo(config):
     return config
 
 
-# method -> (base variant, what it changes, what it is)
+# method -> (base variant, what it changes, what it is); "tiny_scenes" is the flow methods' (variant_of)
 METHODS = {
     "flow_grpo": ("tiny_scenes", lambda c: c, "Flow-GRPO: SDE at every step, every step but the last trained, KL"),
     "flow_grpo_fast": ("tiny_scenes", _window(2, "random"),
@@ -147,6 +175,7 @@ METHODS = {
     "cps": ("tiny_scenes", _fields(sample__sde_type="cps"), "Flow-CPS: coefficients-preserving SDE steps"),
     "dance": ("tiny_scenes", _fields(sample__sde_type="dance"), "DanceGRPO's SDE"),
     "nft": ("tiny_scenes", _nft, "DiffusionNFT: forward-process objective, no log-probs, no KL"),
+    "nft_kl": ("tiny_scenes", _nft_kl, "DiffusionNFT + KL 0.1 to the reference, 4 passes an epoch (the ladder's)"),
     "awm": ("tiny_scenes", _awm, "AWM: advantage-weighted matching, 4 timesteps, no KL"),
     "group_ppo": ("tiny_scenes", _group_ppo, "Group-PPO's default (1-step SDE window, segment start, group norm)"),
     "gae": ("tiny_scenes", _fields(algorithm__adv_estimator="gae"), "GAE with the learned critic (ValueNetwork)"),
@@ -159,14 +188,14 @@ METHODS = {
 }
 
 
-def method_config(method, seed, run_dir, epochs=None, overrides=()):
-    """The config of one run: the method's base variant, its fields, the seed and the run directory;
+def method_config(method, seed, run_dir, epochs=None, overrides=(), flow_model=DEFAULT_FLOW_MODEL):
+    """The config of one run: the method's base variant (variant_of), its fields, the seed and the run directory;
     overrides: "FIELD=VALUE" strings (a JSON value), applied after the method's fields (a probe's changes)."""
     from ddpo_group.config import grpo
     from ddpo_group.config.fields import set_field
 
-    variant, apply, _ = METHODS[method]
-    config = apply(grpo.get_config(variant))
+    apply = METHODS[method][1]
+    config = apply(grpo.get_config(variant_of(method, flow_model)))
     config.seed = seed
     if epochs:
         config.num_epochs = epochs
@@ -178,14 +207,14 @@ def method_config(method, seed, run_dir, epochs=None, overrides=()):
     return config
 
 
-def run_one(method, seed, run_dir, epochs, overrides=()):
+def run_one(method, seed, run_dir, epochs, overrides=(), flow_model=DEFAULT_FLOW_MODEL):
     """Train one run in this process (called in a subprocess of its own by `main`)."""
     import torch
 
     torch.set_num_threads(1)
     from ddpo_group.training.trainer import Trainer
 
-    config = method_config(method, seed, run_dir, epochs, overrides)
+    config = method_config(method, seed, run_dir, epochs, overrides, flow_model)
     # an unfinished run of this study's own (main checked it: `check_run_dirs`) starts again from scratch; never
     # a folder it did not make, nor a finished run
     config.overwrite = os.path.isdir(run_dir) and not os.path.exists(os.path.join(run_dir, "finished.json"))
@@ -200,15 +229,15 @@ def _plain(value):
     return json.loads(json.dumps(value))
 
 
-def run_differences(run_dir, method, seed, epochs, overrides):
-    """The fields this command sets (the seed, the epochs, each --set FIELD) on which the run stored in
+def run_differences(run_dir, method, seed, epochs, overrides, flow_model=DEFAULT_FLOW_MODEL):
+    """The fields this command sets (the seed, the epochs, the model, each --set FIELD) on which the run stored in
     `run_dir`/config.json differs from what the command would train: ["FIELD: stored X, this command Y"];
     None when run_dir holds no config.json."""
     stored = _read_json(os.path.join(run_dir, "config.json"))
     if not isinstance(stored, dict):
         return None
-    wanted = method_config(method, seed, run_dir, epochs, overrides)
-    fields = ["seed", "num_epochs"] + [item.partition("=")[0] for item in overrides]
+    wanted = method_config(method, seed, run_dir, epochs, overrides, flow_model)
+    fields = ["seed", "num_epochs", "pretrained.model"] + [item.partition("=")[0] for item in overrides]
     differences = []
     for field in dict.fromkeys(fields):
         node_stored, node_wanted = stored, wanted
@@ -220,7 +249,7 @@ def run_differences(run_dir, method, seed, epochs, overrides):
     return differences
 
 
-def check_run_dirs(results, methods, seeds, epochs, overrides):
+def check_run_dirs(results, methods, seeds, epochs, overrides, flow_model=DEFAULT_FLOW_MODEL):
     """Before any run starts: every run directory the command would skip (finished) or start again (unfinished)
     holds a run of this command's fields; a finished run of other fields would be reported as this command's
     result (a probe's --set that ran nothing), an unfinished one or a folder the study did not make would be
@@ -230,7 +259,7 @@ def check_run_dirs(results, methods, seeds, epochs, overrides):
             run_dir = os.path.join(results, "runs", method, f"seed_{seed}")
             if not os.path.isdir(run_dir) or not os.listdir(run_dir):
                 continue
-            differences = run_differences(run_dir, method, seed, epochs, overrides)
+            differences = run_differences(run_dir, method, seed, epochs, overrides, flow_model)
             finished = os.path.exists(os.path.join(run_dir, "finished.json"))
             if differences is None:
                 raise BenchmarkError(
@@ -280,8 +309,9 @@ def run_curve(rows):
     return curve
 
 
-def collect(results, target=None):
-    """summary rows, the table and the verdicts from the finished runs under results/runs."""
+def collect(results, target=None, flow_model=DEFAULT_FLOW_MODEL):
+    """summary rows, the table and the verdicts from the finished runs under results/runs; each row's model is the
+    one its run trained (its config.json), the bases' re-evaluations those of --flow-model's variants."""
     runs_root = os.path.join(results, "runs")
     summary, curves, metrics = [], {}, {}
     bases = {}
@@ -295,7 +325,8 @@ def collect(results, target=None):
             curve = run_curve(rows)
             if not curve:
                 continue
-            model = MODELS[METHODS[method][0]]
+            stored = (_read_json(os.path.join(run_dir, "config.json")) or {}).get("pretrained") or {}
+            model = stored.get("model") or models(flow_model)[variant_of(method, flow_model)]
             metrics[f"{method}/{seed}"] = rows
             curves[(method, seed)] = curve
             k, overall, tags, calls, seconds = curve[-1]
@@ -316,7 +347,7 @@ def collect(results, target=None):
                     bases[model] = ({"model": model, "method": "base", "seed": None, "overall": curve[0][1],
                                      **curve[0][2], "train_seconds": 0.0, "model_calls": 0}, own)
     bases = {model: row for model, (row, _) in bases.items()}
-    for variant, model in MODELS.items():
+    for variant, model in models(flow_model).items():
         again = _read_json(os.path.join(results, f"reeval_base_{variant}.json"))
         if again and model in bases:
             bases[model]["reeval"] = {**_mean_row(again["rows"]), **again["settings"]}
@@ -397,7 +428,7 @@ def render(table, target, summary):
     return "\n".join(lines)
 
 
-def _base_evaluator(variant, workdir, eta=None):
+def _base_evaluator(variant, workdir, eta=None, flow_model=DEFAULT_FLOW_MODEL):
     """A Trainer of `variant` on its base weights (one thread, in `workdir`), whose evaluator the modes below call
     with other eval seeds; eta: the evaluation's sampler noise (None: the variant's own, as its runs evaluate)."""
     import torch
@@ -405,8 +436,8 @@ def _base_evaluator(variant, workdir, eta=None):
     torch.set_num_threads(1)
     from ddpo_group.training.trainer import Trainer
 
-    method = next(m for m, (v, _, _) in METHODS.items() if v == variant)
-    config = method_config(method, 0, os.path.join(workdir, "runs", method, "seed_0"), epochs=1)
+    method = next(m for m in METHODS if variant_of(m, flow_model) == variant)
+    config = method_config(method, 0, os.path.join(workdir, "runs", method, "seed_0"), epochs=1, flow_model=flow_model)
     config.log_with = "none"
     trainer = Trainer(config)
     if eta is not None:  # after the trainer's checks, which refuse a deterministic sampler for training
@@ -427,7 +458,7 @@ def _evaluate_seeds(trainer, eval_seeds, label):
     return rows
 
 
-def eval_noise(eval_seeds, results):
+def eval_noise(eval_seeds, results, flow_model=DEFAULT_FLOW_MODEL):
     """The evaluation's own noise: each model's base (the shipped weights, before any update) evaluated as a run
     evaluates it (its variant's prompts, steps, guidance, eta, 2 images a record) with each of `eval_seeds` as
     config.eval_seed. A difference between two runs' finals smaller than this spread is not a difference the
@@ -435,9 +466,10 @@ def eval_noise(eval_seeds, results):
     import tempfile
 
     rows, spread = [], {}
-    for variant, model in MODELS.items():
+    for variant, model in models(flow_model).items():
         with tempfile.TemporaryDirectory(prefix="eval_noise_") as tmp:
-            rows += [{"model": model, **row} for row in _evaluate_seeds(_base_evaluator(variant, tmp), eval_seeds, model)]
+            evaluator = _base_evaluator(variant, tmp, flow_model=flow_model)
+            rows += [{"model": model, **row} for row in _evaluate_seeds(evaluator, eval_seeds, model)]
         values = [r["overall"] for r in rows if r["model"] == model]
         spread[model] = {**_spread(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
                          "n": len(values)}
@@ -458,7 +490,7 @@ TREND_EPOCHS = 10  # the training reward's start and end: the mean over the firs
 OWN_SAMPLER_METHODS = ("cps", "dance")
 
 
-def reevaluate(eval_seeds, results, eta=0.0, methods=None, base=True):
+def reevaluate(eval_seeds, results, eta=0.0, methods=None, base=True, flow_model=DEFAULT_FLOW_MODEL):
     """Every finished run's final weights (RESULTS/runs/<method>/seed_<s>/checkpoints/checkpoint_<last>) and each
     model's base evaluated again with one sampler for all (eta: 0, the deterministic ODE / DDIM sampler, as
     Flow-GRPO evaluates; the runs evaluated with their own training sampler, so cps and dance's numbers were on
@@ -469,12 +501,12 @@ def reevaluate(eval_seeds, results, eta=0.0, methods=None, base=True):
 
     settings = {"eval_seeds": list(eval_seeds), "eta": eta, "images_per_record": 2 * len(eval_seeds)}
     methods = list(methods or METHODS)
-    for variant, model in MODELS.items():
-        if not any(METHODS[m][0] == variant for m in methods):
+    for variant, model in models(flow_model).items():
+        if not any(variant_of(m, flow_model) == variant for m in methods):
             continue
         todo = []
         for method in methods:
-            if METHODS[method][0] != variant or not os.path.isdir(os.path.join(results, "runs", method)):
+            if variant_of(method, flow_model) != variant or not os.path.isdir(os.path.join(results, "runs", method)):
                 continue
             for name in sorted(os.listdir(os.path.join(results, "runs", method))):
                 run_dir = os.path.join(results, "runs", method, name)
@@ -497,7 +529,7 @@ def reevaluate(eval_seeds, results, eta=0.0, methods=None, base=True):
         if not todo and base_done:
             continue
         with tempfile.TemporaryDirectory(prefix="reeval_") as tmp:
-            trainer = _base_evaluator(variant, tmp, eta)
+            trainer = _base_evaluator(variant, tmp, eta, flow_model)
             module = trainer.trainable_module
             if not base_done:  # before any run's weights are loaded
                 write_json(base_path, {"model": model, "settings": settings,
@@ -545,29 +577,33 @@ def main(argv=None):
                              "seeds and one sampler (--eval-eta), into each run's reeval.json (resumes)")
     parser.add_argument("--eval-eta", type=float, default=0.0,
                         help="--reevaluate's sampler noise (0: the deterministic ODE / DDIM sampler)")
+    parser.add_argument("--flow-model", default=DEFAULT_FLOW_MODEL, choices=list(FLOW_VARIANTS),
+                        help="the flow methods' base (default tiny-scenes-sd3; tiny-scenes-flow: the flow-matching "
+                             "UNet, variant tiny_scenes_flow); the UNet methods train tiny-scenes either way")
     parser.add_argument("--no-base", action="store_true", help=argparse.SUPPRESS)  # a --reevaluate job's
     parser.add_argument("--run-one", nargs=4, metavar=("METHOD", "SEED", "RUN_DIR", "EPOCHS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_one:
         method, seed, run_dir, epochs = args.run_one
-        return run_one(method, int(seed), run_dir, int(epochs), args.set)
+        return run_one(method, int(seed), run_dir, int(epochs), args.set, args.flow_model)
     given, args.results = args.results is not None, args.results or DEFAULT_RESULTS
     try:  # every mode writes into the results folder: the committed study only when --results names it
         refuse_committed_default("--results", args.results, given)
     except BenchmarkError as err:
         parser.error(str(err))
     if args.eval_noise:
-        return eval_noise([int(s) for s in args.eval_noise.split(",") if s.strip()], args.results)
+        return eval_noise([int(s) for s in args.eval_noise.split(",") if s.strip()], args.results, args.flow_model)
     if args.reevaluate:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()] or list(METHODS)
         seeds = [int(s) for s in args.reevaluate.split(",") if s.strip()]
         if args.jobs <= 1:
-            return reevaluate(seeds, args.results, args.eval_eta, methods, base=not args.no_base)
+            return reevaluate(seeds, args.results, args.eval_eta, methods, base=not args.no_base,
+                              flow_model=args.flow_model)
         shares = [methods[i::args.jobs] for i in range(args.jobs)]  # the bases go with the first job's
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         processes = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--reevaluate", args.reevaluate,
                                        "--eval-eta", str(args.eval_eta), "--results", args.results,
-                                       "--methods", ",".join(share)]
+                                       "--methods", ",".join(share), "--flow-model", args.flow_model]
                                       + (["--no-base"] if i else []), env=env)
                      for i, share in enumerate(shares) if share]
         codes = [p.wait() for p in processes]
@@ -589,7 +625,7 @@ def main(argv=None):
         try:
             for method in methods:
                 check_config(method_config(method, seeds[0] if seeds else 0, os.path.join(args.results, "check"),
-                                           args.epochs, args.set), num_processes=1)
+                                           args.epochs, args.set, args.flow_model), num_processes=1)
         except ConfigError as err:
             parser.error(f"{err} (method {method})")
     failures = []
@@ -597,7 +633,7 @@ def main(argv=None):
         from run_pool import run_pool
 
         try:
-            check_run_dirs(args.results, methods, seeds, args.epochs, args.set)
+            check_run_dirs(args.results, methods, seeds, args.epochs, args.set, args.flow_model)
         except BenchmarkError as err:
             parser.error(str(err))
         pending = [(m, s) for m in methods for s in seeds
@@ -606,7 +642,7 @@ def main(argv=None):
         for method, seed in pending:
             run_dir = os.path.join(args.results, "runs", method, f"seed_{seed}")
             tasks.append((f"{method} seed {seed}", [sys.executable, os.path.abspath(__file__), "--run-one", method,
-                                                    str(seed), run_dir, str(args.epochs)]
+                                                    str(seed), run_dir, str(args.epochs), "--flow-model", args.flow_model]
                           + [f"--set={item}" for item in args.set], run_dir))
         codes = run_pool(tasks, args.jobs)
         for (label, _, run_dir) in tasks:
@@ -616,7 +652,7 @@ def main(argv=None):
         fail(parser.prog, f"{len(failures)} run{'s' if len(failures) > 1 else ''} failed: {', '.join(failures)}; "
                           "the finished runs are kept (--collect builds the table from them); the study's summary "
                           "and table are not rewritten", code=1)
-    summary, table, target, metrics = collect(args.results, args.target)
+    summary, table, target, metrics = collect(args.results, args.target, args.flow_model)
     os.makedirs(args.results, exist_ok=True)
     write_json(os.path.join(args.results, "summary.json"), summary)
     write_json(os.path.join(args.results, "study.json"), {

@@ -961,3 +961,52 @@ def test_the_sft_ceiling_refuses_bad_input_in_one_line_and_writes_nothing(tmp_pa
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "ceiling.json").exists()
+
+
+# The study on the flow-matching UNet (docs/scenes.md): --flow-model puts every flow method on tiny_scenes_flow.
+
+
+def test_the_scenes_study_puts_every_flow_method_on_the_flow_unet_with_flow_model_and_the_unet_methods_stay():
+    """`--set pretrained.model=tiny-scenes-flow` kept tiny_scenes's 16 T5 tokens (the UNet's CLIP refuses them) and
+    labelled its rows tiny-scenes-sd3; --flow-model takes the flow UNet's own variant, which the trainer's checks
+    accept for every flow method, and leaves the UNet methods on tiny-scenes."""
+    from ddpo_group.config.check import check_config
+
+    study = load_script("benchmarks/scenes_study.py")
+    unet_methods = {"grpo_kl", "ddpo", "group_ppo_sd", "alg2"}
+    for method in study.METHODS:
+        config = study.method_config(method, 42, "/nonexistent/runs/m/seed_42", flow_model="tiny-scenes-flow")
+        default = study.method_config(method, 42, "/nonexistent/runs/m/seed_42")
+        if method in unet_methods:
+            assert config.pretrained.model == default.pretrained.model == "tiny-scenes"
+            continue
+        assert default.pretrained.model == "tiny-scenes-sd3" and default.sample.max_sequence_length == 16
+        assert config.pretrained.model == "tiny-scenes-flow" and config.sample.max_sequence_length == 0
+        # the method's own fields, the same on either flow base
+        for field in ("train.objective", "train.beta", "sample.sde_type", "sample.sde_window_size",
+                      "algorithm.adv_estimator", "train.num_inner_epochs", "forward.num_timesteps"):
+            section, name = field.split(".")
+            assert config[section][name] == default[section][name], (method, field)
+        check_config(config, num_processes=1)
+    nft_kl = study.method_config("nft_kl", 42, "/nonexistent/runs/nft_kl/seed_42", flow_model="tiny-scenes-flow")
+    assert (nft_kl.train.objective, nft_kl.train.beta, nft_kl.train.use_kl_loss, nft_kl.train.num_inner_epochs,
+            nft_kl.train.cfg, nft_kl.forward.num_timesteps) == ("nft", 0.1, True, 4, False, 9)
+
+
+def test_the_scenes_study_refuses_a_run_of_the_other_flow_model_and_labels_rows_by_the_runs_model(tmp_path, capsys):
+    """A committed tiny-scenes-sd3 run in the folder of a --flow-model tiny-scenes-flow study would be skipped as
+    finished and reported as the flow UNet's; it is refused, naming the field. collect labels each row with the
+    model its run trained."""
+    import shutil
+
+    committed = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study", "runs", "flow_grpo", "seed_42")
+    shutil.copytree(committed, tmp_path / "runs" / "flow_grpo" / "seed_42")
+    study = load_script("benchmarks/scenes_study.py")
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--methods", "flow_grpo", "--seeds", "42", "--flow-model", "tiny-scenes-flow",
+                    "--results", str(tmp_path)])
+    assert exit_info.value.code == 2
+    line = _last_error_line(capsys)
+    assert 'pretrained.model: stored "tiny-scenes-sd3", this command "tiny-scenes-flow"' in line
+    summary, _, _, _ = study.collect(str(tmp_path), flow_model="tiny-scenes-flow")
+    assert {row["model"] for row in summary} == {"tiny-scenes-sd3"}
