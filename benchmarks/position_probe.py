@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 
@@ -84,26 +83,14 @@ def classify(row, a, b):
 
 
 def sample(model_args, record, images, seed, workdir, label):
-    """(images uint8 (N, H, W, 3), evaluation rows) of one record, by scripts/evaluate.py."""
-    import numpy as np
-    from PIL import Image
+    """(images uint8 (N, H, W, 3), evaluation rows) of one record, by scripts/evaluate.py (the ladder's
+    sample_record, SAMPLER)."""
+    from scenes_ladder import sample_record
 
-    prompts = os.path.join(workdir, f"{label}.jsonl")
-    with open(prompts, "w") as handle:
-        handle.write(json.dumps(record) + "\n")
-    folder, output = os.path.join(workdir, f"{label}_images"), os.path.join(workdir, f"{label}.json")
-    command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "evaluate.py"), *model_args, "--prompts", prompts,
-               "--protocol", "geneval", "--protocol-option", "detector=shapes", "--images-per-prompt", str(images),
-               "--num-steps", str(SAMPLER["num_steps"]), "--guidance-scale", str(SAMPLER["guidance_scale"]),
-               "--eta", str(SAMPLER["eta"]), "--seed", str(seed), "--output", output, "--save-images", folder]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise BenchmarkError(f"scripts/evaluate.py failed on {record['prompt']!r}: {last}")
-    rows = [json.loads(line) for line in open(output[:-len(".json")] + "_images.jsonl")]
-    pictures = np.stack([np.asarray(Image.open(os.path.join(folder, "00000", "samples", f"{i:04d}.png")).convert("RGB"))
-                         for i in range(images)])
-    return pictures, rows
+    try:
+        return sample_record(model_args, record, images, SAMPLER, workdir, label, seed)
+    except RuntimeError as err:
+        raise BenchmarkError(str(err)) from None
 
 
 def measure(model_args, prompt, images, seed):

@@ -448,8 +448,10 @@ def final_checkpoint(run_dir):
     return os.path.join(base, max(names, key=lambda n: int(n.split("_")[1]))) if names else None
 
 
-def sample_prompt(model_args, record, count, sampler, workdir, label):
-    """(images uint8 (count, H, W, 3), strict verdicts) of one GenEval record, by scripts/evaluate.py."""
+def sample_record(model_args, record, count, sampler, workdir, label, seed=1234):
+    """(images uint8 (count, H, W, 3), scripts/evaluate.py's rows) of one GenEval record: `count` images by
+    scripts/evaluate.py (the shapes detector, `sampler`'s num_steps / guidance_scale / eta, eval seed `seed`), on
+    one thread, its files in `workdir` under `label`. RuntimeError with evaluate.py's last line if it fails."""
     import subprocess
 
     import numpy as np
@@ -462,12 +464,21 @@ def sample_prompt(model_args, record, count, sampler, workdir, label):
     command = [sys.executable, os.path.join(REPO_ROOT, "scripts", "evaluate.py"), *model_args, "--prompts", prompts,
                "--protocol", "geneval", "--protocol-option", "detector=shapes", "--images-per-prompt", str(count),
                "--num-steps", str(sampler["num_steps"]), "--guidance-scale", str(sampler["guidance_scale"]),
-               "--eta", str(sampler["eta"]), "--seed", "1234", "--output", output, "--save-images", folder]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+               "--eta", str(sampler["eta"]), "--seed", str(seed), "--output", output, "--save-images", folder]
+    result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"scripts/evaluate.py failed on {record['prompt']!r} (exit {result.returncode}): {last}")
     rows = [json.loads(line) for line in open(output[:-len(".json")] + "_images.jsonl")]
     images = np.stack([np.asarray(Image.open(os.path.join(folder, "00000", "samples", f"{i:04d}.png")).convert("RGB"))
                        for i in range(count)])
+    return images, rows
+
+
+def sample_prompt(model_args, record, count, sampler, workdir, label):
+    """(images uint8 (count, H, W, 3), strict verdicts) of one GenEval record at eval seed 1234 (sample_record)."""
+    images, rows = sample_record(model_args, record, count, sampler, workdir, label)
     return images, [bool(r["strict_correct"]) for r in rows]
 
 

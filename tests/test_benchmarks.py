@@ -468,19 +468,24 @@ def test_the_scenes_study_refuses_its_committed_folder_unless_results_names_it(m
     assert "--results" in line and "committed" in line and "benchmarks/results/scenes_study" in line
 
 
-def test_the_scenes_study_refuses_a_finished_run_of_other_fields_in_its_results(tmp_path, capsys):
-    """A probe (--set train.learning_rate=1e-3) whose --results holds finished runs of the default learning rate
-    reported those as its own; now refused before anything runs, naming the field, both values and the run."""
+def _study_refusal(tmp_path, capsys, argv):
+    """(the study module, the error line) of `argv` run against a copy of the committed flow_grpo seed-42 run (the
+    default command's: tiny-scenes-sd3, 40 epochs, lr 2e-4) in tmp_path; the exit status must be 2."""
     import shutil
 
     committed = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study", "runs", "flow_grpo", "seed_42")
     shutil.copytree(committed, tmp_path / "runs" / "flow_grpo" / "seed_42")
     study = load_script("benchmarks/scenes_study.py")
     with pytest.raises(SystemExit) as exit_info:
-        study.main(["--methods", "flow_grpo", "--seeds", "42", "--set", "train.learning_rate=1e-3",
-                    "--results", str(tmp_path)])
+        study.main(["--methods", "flow_grpo", "--seeds", "42", *argv, "--results", str(tmp_path)])
     assert exit_info.value.code == 2
-    line = _last_error_line(capsys)
+    return study, _last_error_line(capsys)
+
+
+def test_the_scenes_study_refuses_a_finished_run_of_other_fields_in_its_results(tmp_path, capsys):
+    """A probe (--set train.learning_rate=1e-3) whose --results holds finished runs of the default learning rate
+    reported those as its own; now refused before anything runs, naming the field, both values and the run."""
+    _, line = _study_refusal(tmp_path, capsys, ["--set", "train.learning_rate=1e-3"])
     assert "train.learning_rate: stored 0.0002, this command 0.001" in line
     assert str(tmp_path / "runs" / "flow_grpo" / "seed_42") in line
     assert not (tmp_path / "study.json").exists()
@@ -997,16 +1002,7 @@ def test_the_scenes_study_refuses_a_run_of_the_other_flow_model_and_labels_rows_
     """A committed tiny-scenes-sd3 run in the folder of a --flow-model tiny-scenes-flow study would be skipped as
     finished and reported as the flow UNet's; it is refused, naming the field. collect labels each row with the
     model its run trained."""
-    import shutil
-
-    committed = os.path.join(REPO_ROOT, "benchmarks", "results", "scenes_study", "runs", "flow_grpo", "seed_42")
-    shutil.copytree(committed, tmp_path / "runs" / "flow_grpo" / "seed_42")
-    study = load_script("benchmarks/scenes_study.py")
-    with pytest.raises(SystemExit) as exit_info:
-        study.main(["--methods", "flow_grpo", "--seeds", "42", "--flow-model", "tiny-scenes-flow",
-                    "--results", str(tmp_path)])
-    assert exit_info.value.code == 2
-    line = _last_error_line(capsys)
+    study, line = _study_refusal(tmp_path, capsys, ["--flow-model", "tiny-scenes-flow"])
     assert 'pretrained.model: stored "tiny-scenes-sd3", this command "tiny-scenes-flow"' in line
     summary, _, _, _ = study.collect(str(tmp_path), flow_model="tiny-scenes-flow")
     assert {row["model"] for row in summary} == {"tiny-scenes-sd3"}
