@@ -45,14 +45,13 @@ RELATIONS = {"above": "below", "below": "above", "left of": "right of", "right o
 
 def parse_prompt(prompt):
     """(a, relation, b) of "a photo of a/an A RELATION a/an B"; BenchmarkError otherwise."""
-    words = prompt.strip().split()
     for relation in RELATIONS:
         parts = prompt.strip().split(f" {relation} ")
         if len(parts) == 2 and parts[0].startswith("a photo of "):
             a, b = parts[0][len("a photo of "):].split(), parts[1].split()
             if len(a) == 2 and len(b) == 2 and a[0] in ("a", "an") and b[0] in ("a", "an"):
                 return a[1], relation, b[1]
-    raise BenchmarkError(f"--prompt: {' '.join(words)!r} is not 'a photo of a A RELATION a B' with a relation of "
+    raise BenchmarkError(f"--prompt: {prompt.strip()!r} is not 'a photo of a A RELATION a B' with a relation of "
                          f"{list(RELATIONS)}")
 
 
@@ -72,7 +71,7 @@ def first_higher(a_box, b_box, relation):
 
 
 def classify(row, a, b):
-    """'correct', 'one of each' or 'wrong objects' of one image's evaluation row."""
+    """'correct', 'one of each' or 'wrong objects' of one image's evaluation row (a and b in either order)."""
     if row["strict_correct"]:
         return "correct"
     detections = row["detections"]
@@ -104,8 +103,7 @@ def measure(model_args, prompt, images, seed):
     with tempfile.TemporaryDirectory(prefix="position_probe_") as work:
         for label, record in prompts_of(a, relation, b):
             pictures[label], rows = sample(model_args, record, images, seed, work, label)
-            first, _, second = parse_prompt(record["prompt"])
-            verdicts = [classify(row, first, second) for row in rows]
+            verdicts = [classify(row, a, b) for row in rows]  # the same two shapes in each of the three prompts
             higher = [first_higher(row["detections"][a][0], row["detections"][b][0], relation)
                       for row, verdict in zip(rows, verdicts) if verdict != "wrong objects"]
             document["prompts"][label] = {
