@@ -26,7 +26,6 @@ below it: correct, 1+1 (one of each) or x (wrong objects)).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -36,7 +35,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
-from bench_outputs import BenchmarkError, fail  # noqa: E402
+from bench_outputs import BenchmarkError, fail, write_json  # noqa: E402
 
 SAMPLER = {"num_steps": 10, "guidance_scale": 4.5, "eta": 0.7}  # tiny_scenes_flow's training sampler
 FIGURE_IMAGES = 16
@@ -169,11 +168,7 @@ def main(argv=None):
     except BenchmarkError as err:
         fail(parser.prog, str(err))
     document["command"] = "python benchmarks/position_probe.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    tmp = args.output + ".tmp"
-    with open(tmp, "w") as handle:
-        json.dump(document, handle, indent=1)
-    os.replace(tmp, args.output)
+    write_json(args.output, document)
     figure(document, pictures, os.path.splitext(args.output)[0] + ".png")
     print(f"{'prompt':<40} {'correct':>7} {'placed':>6} {'wrong':>5} {document['side'] + ' of placed':>36} "
           f"{'pixel change':>12}")

@@ -615,23 +615,28 @@ def flow_text_embeddings(pipeline, ids: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, generator,
-                  flow_times: str = "logit-normal") -> torch.Tensor:
+                  flow_times: str = "logit-normal", levels=None) -> torch.Tensor:
     """One batch's loss on scaled latents z0 (module docstring): epsilon prediction (sd) or flow matching (sd3, and
     sd-flow: the same loss with the UNet and its one text encoder as the velocity predictor),
     its noise levels s logit-normal(0, 1) (SD3's) or uniform in (0, 1) (`flow_times`, ``--flow-times``). The draws
-    come from `generator` (a CPU one) and move to z0's device."""
+    come from `generator` (a CPU one) and move to z0's device, the noise first. `levels` (a CPU tensor, one per
+    sample) fixes the noise levels instead of drawing them: sd's integer timesteps, the flow models' s in (0, 1)
+    (benchmarks/relation_loss.py measures the loss level by level)."""
     device = z0.device
     noise = torch.randn(z0.shape, generator=generator).to(device)
     n = z0.shape[0]
     ids = ids.to(device)
     if arch == "sd":
-        timesteps = torch.randint(0, pipeline.scheduler.config.num_train_timesteps, (n,), generator=generator)
+        timesteps = levels.long() if levels is not None else torch.randint(
+            0, pipeline.scheduler.config.num_train_timesteps, (n,), generator=generator)
         abar = pipeline.scheduler.alphas_cumprod.to(torch.float32)[timesteps].view(-1, 1, 1, 1).to(device)
         timesteps = timesteps.to(device)
         noisy = abar.sqrt() * z0 + (1 - abar).sqrt() * noise
         prediction = pipeline.unet(noisy, timesteps, pipeline.text_encoder(ids)[0]).sample
         return F.mse_loss(prediction, noise)
-    if flow_times == "uniform":
+    if levels is not None:
+        sigma = levels.float().view(-1, 1, 1, 1).to(device)
+    elif flow_times == "uniform":
         sigma = torch.rand(n, generator=generator).view(-1, 1, 1, 1).to(device)
     else:
         sigma = torch.sigmoid(torch.randn(n, generator=generator)).view(-1, 1, 1, 1).to(device)  # logit-normal(0, 1)
