@@ -92,7 +92,8 @@ def finetune(pipeline, images, prompts, tag, fraction, steps, lr, save_every, ou
     smooth, began, written = None, time.time(), []
     for step in range(1, steps + 1):
         idx = torch.multinomial(weights, BATCH, replacement=True, generator=generator)
-        z = latent_mean[idx] + latent_std[idx] * torch.randn((BATCH,) + tuple(latent_mean.shape[1:]), generator=generator)
+        z = latent_mean[idx] + latent_std[idx] * torch.randn((BATCH,) + tuple(latent_mean.shape[1:]),
+                                                             generator=generator)
         batch_rows = rows[idx].clone()
         batch_rows[torch.rand(BATCH, generator=generator) < COND_DROPOUT] = len(unique)
         loss = pretrain.denoiser_loss(pipeline, arch, (z - shift) * scaling, ids[batch_rows], generator)
@@ -123,12 +124,14 @@ def finetune(pipeline, images, prompts, tag, fraction, steps, lr, save_every, ou
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] + " " + __doc__.splitlines()[1].strip())
-    parser.add_argument("--model", default="tiny-scenes-flow", help="a shipped scenes model's name or a pipeline folder")
+    parser.add_argument("--model", default="tiny-scenes-flow",
+                        help="a shipped scenes model's name or a pipeline folder")
     parser.add_argument("--share", default="position=1.0", help="TAG=FRACTION: the tag's share of the batches")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--save-every", type=int, default=750)
-    parser.add_argument("--dataset-size", type=int, default=20000, help="the pretraining's scenes (tiny-scenes-flow's: 20000)")
+    parser.add_argument("--dataset-size", type=int, default=20000,
+                        help="the pretraining's scenes (tiny-scenes-flow's: 20000)")
     parser.add_argument("--seed", type=int, default=0, help="the data's seed (the pretraining's: 0)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output-dir", required=True, help="a new or empty folder for the step_N pipelines")

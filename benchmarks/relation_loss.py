@@ -129,7 +129,8 @@ def relation_losses(pipeline, images, prompts, levels=LEVELS, batch: int = 128, 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-scenes-flow", help="a shipped scenes model's name or a pipeline folder")
+    parser.add_argument("--model", default="tiny-scenes-flow",
+                        help="a shipped scenes model's name or a pipeline folder")
     parser.add_argument("--scenes", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0, help="the scenes' and the noise's seed")
     parser.add_argument("--output", required=True, help="the JSON file to write")
@@ -150,7 +151,8 @@ def main(argv=None) -> int:
         share = "-" if row["relation_share"] is None else f"{row['relation_share']:.3f}"
         print(f"{row['level']:>6.2f} " + " ".join(f"{row[v]:>16.5f}" for v in VARIANTS) + f" {share:>15}")
     result = {"model": args.model, "scenes": args.scenes, "seed": args.seed, "arch": arch_of(pipeline),
-              "levels": rows, "command": "python benchmarks/relation_loss.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
+              "levels": rows,
+              "command": "python benchmarks/relation_loss.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
     write_json(args.output, result)
     print(f"wrote {args.output}")
     return 0
