@@ -11,8 +11,10 @@ pretraining data (``scenes.sample_dataset`` at its --dataset-size and --seed, it
 share of the batches raised (--share TAG=FRACTION: the scenes of TAG drawn with that probability, the rest in
 proportion): AdamW at --lr after 100 warm-up steps, batch 32, 10 % empty captions, gradients clipped at 1, an EMA
 of 0.999 that starts at the shipped weights. Every --save-every steps the EMA weights are saved as a pipeline
-folder (OUTPUT_DIR/step_N), which relation_loss.py and position_probe.py --model read; log.json has the smoothed
-loss and seconds at each. OUTPUT_DIR must be new or empty (the benchmark writes nothing else).
+folder (OUTPUT_DIR/step_N, with the base's pretrain_log.json and this fine-tuning in it: relation_loss.py reads
+its object areas), which relation_loss.py and position_probe.py --model read; log.json has the smoothed loss and
+seconds at each. The EMA starts at the base: at step N the saved weights still hold 0.999^N of it (22 % at 1,500,
+5 % at 3,000). OUTPUT_DIR must be new or empty (the benchmark writes nothing else).
 
 An experiment, not a shipped model: nothing here replaces a model in ddpo_group/assets.
 """
@@ -50,7 +52,7 @@ def parse_share(text: str) -> tuple[str, float]:
 
 def scene_weights(prompts, tag: str, fraction: float):
     """Each scene's probability of being drawn: `fraction` spread evenly over the scenes of `tag`, the rest over the
-    others (every scene alike when the data has no scene of `tag`, or nothing else)."""
+    others (every scene alike when the data has nothing else); BenchmarkError when it has no scene of `tag`."""
     import torch
 
     from ddpo_group.data.scenes import world_records
@@ -58,13 +60,33 @@ def scene_weights(prompts, tag: str, fraction: float):
     tag_of = {r["prompt"]: t for t, records in world_records().items() for r in records}
     chosen = torch.tensor([tag_of[p] == tag for p in prompts])
     n_chosen, n_other = int(chosen.sum()), int((~chosen).sum())
-    if n_chosen == 0 or n_other == 0:
+    if n_chosen == 0:
+        raise BenchmarkError(f"--share {tag}=...: the data has no scene of {tag} (its records are all held out, or "
+                             "none was drawn); choose another tag")
+    if n_other == 0:
         return torch.full((len(prompts),), 1.0 / len(prompts))
     return torch.where(chosen, fraction / n_chosen, (1.0 - fraction) / n_other)
 
 
-def finetune(pipeline, images, prompts, tag, fraction, steps, lr, save_every, output_dir, seed=0, log=print):
-    """The fine-tuning (module docstring); returns log.json's rows."""
+def base_log(model: str) -> dict:
+    """The shipped model's or the folder's pretrain_log.json ({} without one)."""
+    import json
+
+    from ddpo_group.diffusion.loading import SHIPPED_SCENES
+
+    path = os.path.join(str(SHIPPED_SCENES.get(model, model)), "pretrain_log.json")
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return {}
+
+
+def finetune(pipeline, images, prompts, tag, fraction, steps, lr, save_every, output_dir, seed=0, log=print,
+             pretrain_log=None):
+    """The fine-tuning (module docstring); returns log.json's rows. Each step folder gets `pretrain_log` (the base's
+    pretrain_log.json, whose object areas relation_loss.py and position_probe.py read) with this fine-tuning added
+    under "relation_finetune"."""
     import torch
 
     import ddpo_group.cli.pretrain as pretrain
@@ -113,7 +135,11 @@ def finetune(pipeline, images, prompts, tag, fraction, steps, lr, save_every, ou
             with torch.no_grad():
                 for average, p in zip(ema, params):
                     p.copy_(average)
-            pipeline.save_pretrained(os.path.join(output_dir, f"step_{step}"), safe_serialization=True)
+            folder = os.path.join(output_dir, f"step_{step}")
+            pipeline.save_pretrained(folder, safe_serialization=True)
+            if pretrain_log is not None:
+                write_json(os.path.join(folder, "pretrain_log.json"), {**pretrain_log, "relation_finetune": {
+                    "share": {tag: fraction}, "step": step, "lr": lr, "data_seed": seed, "scenes": len(prompts)}})
             with torch.no_grad():
                 for kept, p in zip(trained, params):
                     p.copy_(kept)
@@ -152,9 +178,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         pipeline, area_range = load_scenes_model(args.model)
         images, prompts = sample_dataset(args.dataset_size, seed=args.seed, area_range=area_range)
+        scene_weights(prompts, tag, fraction)  # a tag without scenes is refused before the folder is made
         os.makedirs(args.output_dir, exist_ok=True)
         finetune(pipeline, images, prompts, tag, fraction, args.steps, args.lr, args.save_every, args.output_dir,
-                 seed=args.seed)
+                 seed=args.seed, pretrain_log={**base_log(args.model), "object_area": list(area_range)})
     except BenchmarkError as err:
         fail(parser.prog, str(err))
     print(f"wrote {args.output_dir}")

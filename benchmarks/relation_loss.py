@@ -18,11 +18,15 @@ level, the share that the relation word tells it (given where the caption lowers
 it tells the denoiser less, the ratio is one of noise and is left out). A denoiser that ignores the relation (draws
 A and B anywhere) gives the flipped caption the caption's loss, 0; one that places A by it loses more with the
 wrong word, above 0.
-Levels: the flow models' s (x = (1 - s) x0 + s noise; the sampler's ten steps at shift 3 run s = 1.00, 0.96,
-0.91, 0.86, 0.79, 0.71, 0.60, 0.46, 0.28, 0.01), the DDIM UNet's timestep round(1000 s) - 1.
+`relation_share_stderr`: its standard error over the scenes (the flipped caption's loss minus the caption's is
+paired, one scene and one noise). Levels: the flow models' s (x = (1 - s) x0 + s noise; the sampler's ten steps at
+shift 3 run s = 1.00, 0.96, 0.91, 0.86, 0.79, 0.71, 0.60, 0.46, 0.28, 0.01), the DDIM UNet's timestep
+round(T s) - 1 of its T = 1000 (DDPM's noise there is not the flow's at the same s: s = 0.8 is about the flow's
+0.84, 0.2 its 0.36).
 
-Writes OUTPUT (JSON: the settings and each level's four losses and share) and prints the table. Deterministic: the
-same model and options give the same numbers.
+Writes OUTPUT (JSON: the settings, the object areas the scenes were drawn at, and each level's four losses, share
+and error) and prints the table. Deterministic: the same model and options give the same numbers. A folder written
+by relation_finetune.py carries its base's object areas (its pretrain_log.json).
 """
 
 from __future__ import annotations
@@ -106,24 +110,29 @@ def relation_losses(pipeline, images, prompts, levels=LEVELS, batch: int = 128, 
                                                 max_length=pipeline.tokenizer.model_max_length, truncation=True,
                                                 return_tensors="pt").input_ids
     ids = {variant: tokenize([c[variant] for c in captions]) for variant in VARIANTS}
+    timesteps = pipeline.scheduler.config.num_train_timesteps if arch == "sd" else None
     rows = []
     with torch.no_grad():
         for level in levels:
-            value = round(1000 * level) - 1 if arch == "sd" else level
-            losses = {}
+            value = max(0, round(timesteps * level) - 1) if arch == "sd" else level
+            per_scene = {}
             for variant in VARIANTS:
                 generator = torch.Generator().manual_seed(seed * 1000 + round(1000 * level))
-                total = 0.0
+                parts = []
                 for i in range(0, len(z0), batch):
                     chunk = z0[i : i + batch]
                     levels_t = torch.full((len(chunk),), value, dtype=torch.float64)
-                    loss = pretrain.denoiser_loss(pipeline, arch, chunk, ids[variant][i : i + batch], generator,
-                                                  levels=levels_t)
-                    total += float(loss) * len(chunk)
-                losses[variant] = total / len(z0)
+                    parts.append(pretrain.denoiser_loss(pipeline, arch, chunk, ids[variant][i : i + batch], generator,
+                                                        levels=levels_t, per_sample=True).double())
+                per_scene[variant] = torch.cat(parts)
+            losses = {variant: float(values.mean()) for variant, values in per_scene.items()}
             told = losses["empty"] - losses["prompt"]
-            share = (losses["relation_flipped"] - losses["prompt"]) / told if told > TOLD * losses["prompt"] else None
-            rows.append({"level": level, **losses, "relation_share": share})
+            flipped = per_scene["relation_flipped"] - per_scene["prompt"]  # paired: the same scene and noise
+            error = float(flipped.std() / len(flipped) ** 0.5) if len(flipped) > 1 else None
+            given = told >= TOLD * losses["prompt"]
+            rows.append({"level": level, **losses, "relation_share": float(flipped.mean()) / told if given else None,
+                         "flipped_minus_prompt_stderr": error,
+                         "relation_share_stderr": error / told if given and error is not None else None})
     return rows
 
 
@@ -140,17 +149,21 @@ def main(argv=None) -> int:
             raise BenchmarkError(f"--output {args.output!r}: give a .json path")
         if args.scenes < 1:
             raise BenchmarkError(f"--scenes {args.scenes}: give at least 1")
+        if args.seed < 0:
+            raise BenchmarkError(f"--seed {args.seed}: give a seed >= 0")
         pipeline, area_range = load_scenes_model(args.model)
         images, prompts = position_scenes(args.scenes, args.seed, area_range)
         rows = relation_losses(pipeline, images, prompts, seed=args.seed)
     except BenchmarkError as err:
         fail(parser.prog, str(err))
     print(f"{args.model}: {args.scenes} position scenes; the denoiser's loss under each caption")
-    print(f"{'level':>6} " + " ".join(f"{v:>16}" for v in VARIANTS) + f" {'relation share':>15}")
+    print(f"{'level':>6} " + " ".join(f"{v:>16}" for v in VARIANTS) + f" {'relation share':>16}")
     for row in rows:
-        share = "-" if row["relation_share"] is None else f"{row['relation_share']:.3f}"
-        print(f"{row['level']:>6.2f} " + " ".join(f"{row[v]:>16.5f}" for v in VARIANTS) + f" {share:>15}")
+        share = "-" if row["relation_share"] is None else (f"{row['relation_share']:.3f} +- "
+                                                             f"{row['relation_share_stderr']:.3f}")
+        print(f"{row['level']:>6.2f} " + " ".join(f"{row[v]:>16.5f}" for v in VARIANTS) + f" {share:>16}")
     result = {"model": args.model, "scenes": args.scenes, "seed": args.seed, "arch": arch_of(pipeline),
+              "object_area": list(area_range),
               "levels": rows,
               "command": "python benchmarks/relation_loss.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
     write_json(args.output, result)

@@ -1,6 +1,8 @@
 """benchmarks/relation_loss.py (docs/scenes.md, "Why position does not learn"): its captions, its loss against one
 computed here from the model's parts, and its share on a model blind to the relation word by construction."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -84,6 +86,33 @@ def test_a_denoiser_that_reads_the_relation_word_has_a_share(script, scenes):
     assert rows[0]["relation_flipped"] != rows[0]["prompt"]
 
 
+def test_the_share_and_its_error_from_the_paired_losses(script, scenes, monkeypatch):
+    """Per-scene losses chosen here (a stand-in for the denoiser): the share is the mean paired difference over the
+    caption's help, its error the paired differences' standard error over it; no share where the help is < 1 %."""
+    import ddpo_group.cli.pretrain as pretrain
+
+    images, prompts = scenes
+    per_caption = {"prompt": [1.0, 1.0, 1.0, 1.0], "relation_flipped": [1.1, 1.3, 1.1, 1.3],
+                   "nouns_swapped": [1.0, 1.0, 1.0, 1.0], "empty": [2.0, 2.0, 2.0, 2.0]}
+    captions = {}
+
+    def fake_loss(pipeline, arch, z0, ids, generator, flow_times="logit-normal", levels=None, per_sample=False):
+        caption = captions[tuple(ids[0].tolist())]
+        return torch.tensor(per_caption[caption], dtype=torch.float64)[: len(z0)]
+
+    pipeline = _pipeline()
+    for variant, text in script.opposite_prompts(prompts[0]).items():
+        captions[tuple(pipeline.tokenizer([text], padding="max_length", max_length=pipeline.tokenizer.model_max_length,
+                                          return_tensors="pt").input_ids[0].tolist())] = variant
+    monkeypatch.setattr(pretrain, "denoiser_loss", fake_loss)
+    same = [prompts[0]] * 4
+    row = script.relation_losses(pipeline, images, same, levels=(0.5,))[0]
+    assert row["relation_share"] == pytest.approx(0.2)  # (1.2 - 1.0) / (2.0 - 1.0)
+    assert row["relation_share_stderr"] == pytest.approx(np.std([0.1, 0.3, 0.1, 0.3], ddof=1) / 2)
+    per_caption["empty"] = [1.005] * 4  # the caption helps by 0.5 %: no share
+    assert script.relation_losses(pipeline, images, same, levels=(0.5,))[0]["relation_share"] is None
+
+
 def test_the_ddim_unet_is_measured_at_its_timesteps(script, scenes):
     images, prompts = scenes
     pipeline = _pipeline("sd")
@@ -126,7 +155,9 @@ def test_the_share_gives_a_tag_its_fraction_of_the_draws(finetune_script):
                + [records[tag][0]["prompt"] for tag in ("counting", "colors", "two_object", "color_attr")])
     weights = finetune_script.scene_weights(prompts, "position", 0.75)
     assert weights.tolist() == pytest.approx([0.375, 0.375, 0.0625, 0.0625, 0.0625, 0.0625])
-    assert finetune_script.scene_weights(prompts[2:], "position", 0.75).tolist() == pytest.approx([0.25] * 4)
+    assert finetune_script.scene_weights(prompts[:2], "position", 0.75).tolist() == pytest.approx([0.5, 0.5])
+    with pytest.raises(finetune_script.BenchmarkError, match="--share"):  # no scene of the tag: refused, not uniform
+        finetune_script.scene_weights(prompts[2:], "position", 0.75)
 
 
 @pytest.mark.parametrize("share", ["position", "shadow=0.5", "position=0", "position=1.5"])
@@ -152,8 +183,14 @@ def test_the_finetune_trains_and_saves_the_average_as_a_pipeline(finetune_script
     pipeline = _pipeline()
     before = {k: v.clone() for k, v in pipeline.unet.state_dict().items()}
     rows = finetune_script.finetune(pipeline, images, prompts, "position", 1.0, steps=2, lr=1e-3, save_every=2,
-                                    output_dir=str(tmp_path), log=lambda *a: None)
+                                    output_dir=str(tmp_path), log=lambda *a: None,
+                                    pretrain_log={"object_area": [150.0, 260.0], "arch": "sd-flow"})
     assert [r["step"] for r in rows] == [2]
+    # the step folder keeps its base's object areas, which relation_loss.py draws its scenes at
+    from ddpo_group.data.scenes import area_range_of_pipeline
+
+    assert area_range_of_pipeline(str(tmp_path / "step_2")) == (150.0, 260.0)
+    assert json.loads((tmp_path / "step_2" / "pretrain_log.json").read_text())["relation_finetune"]["step"] == 2
     saved = StableDiffusionPipeline.from_pretrained(str(tmp_path / "step_2"), local_files_only=True)
     # the saved weights are the average: 0.999 of the start plus 0.001 of each step's weights
     changed = [k for k, v in saved.unet.state_dict().items() if not torch.equal(v, before[k])]

@@ -615,13 +615,14 @@ def flow_text_embeddings(pipeline, ids: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, generator,
-                  flow_times: str = "logit-normal", levels=None) -> torch.Tensor:
+                  flow_times: str = "logit-normal", levels=None, per_sample: bool = False) -> torch.Tensor:
     """One batch's loss on scaled latents z0 (module docstring): epsilon prediction (sd) or flow matching (sd3, and
     sd-flow: the same loss with the UNet and its one text encoder as the velocity predictor),
     its noise levels s logit-normal(0, 1) (SD3's) or uniform in (0, 1) (`flow_times`, ``--flow-times``). The draws
     come from `generator` (a CPU one) and move to z0's device, the noise first. `levels` (a CPU tensor, one per
     sample) fixes the noise levels instead of drawing them: sd's integer timesteps, the flow models' s in (0, 1)
-    (benchmarks/relation_loss.py measures the loss level by level)."""
+    (benchmarks/relation_loss.py measures the loss level by level). `per_sample`: each sample's mean squared error
+    (n,) instead of the batch's (their mean, the same draws)."""
     device = z0.device
     noise = torch.randn(z0.shape, generator=generator).to(device)
     n = z0.shape[0]
@@ -633,7 +634,7 @@ def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, gene
         timesteps = timesteps.to(device)
         noisy = abar.sqrt() * z0 + (1 - abar).sqrt() * noise
         prediction = pipeline.unet(noisy, timesteps, pipeline.text_encoder(ids)[0]).sample
-        return F.mse_loss(prediction, noise)
+        return _mse(prediction, noise, per_sample)
     if levels is not None:
         sigma = levels.float().view(-1, 1, 1, 1).to(device)
     elif flow_times == "uniform":
@@ -643,11 +644,18 @@ def denoiser_loss(pipeline, arch: str, z0: torch.Tensor, ids: torch.Tensor, gene
     noisy = (1 - sigma) * z0 + sigma * noise
     if arch == "sd-flow":
         prediction = pipeline.unet(noisy, sigma.view(-1) * 1000, pipeline.text_encoder(ids)[0]).sample
-        return F.mse_loss(prediction, noise - z0)
+        return _mse(prediction, noise - z0, per_sample)
     hidden, pooled = flow_text_embeddings(pipeline, ids)
     prediction = pipeline.transformer(noisy, encoder_hidden_states=hidden, pooled_projections=pooled,
                                       timestep=sigma.view(-1) * 1000).sample
-    return F.mse_loss(prediction, noise - z0)
+    return _mse(prediction, noise - z0, per_sample)
+
+
+def _mse(prediction, target, per_sample: bool):
+    """F.mse_loss of the batch, or each sample's (denoiser_loss's `per_sample`)."""
+    if per_sample:
+        return ((prediction - target) ** 2).flatten(1).mean(dim=1)
+    return F.mse_loss(prediction, target)
 
 
 def scenes_batch(latent_mean, latent_std, rows, empty_row: int, batch_size: int, cond_dropout: float, generator):
