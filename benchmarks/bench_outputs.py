@@ -31,17 +31,6 @@ def fail(prog, err, code=2):
     sys.exit(code)
 
 
-def write_json(path, document):
-    """`document` as indented JSON at `path`, atomically (a temporary file renamed over it), its folder made."""
-    import json
-
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as handle:
-        json.dump(document, handle, indent=1)
-    os.replace(tmp, path)
-
-
 def tracked(path):
     """The files git tracks at or under `path` (committed results); [] outside a git checkout of this repository."""
     path = os.path.abspath(path)

@@ -35,7 +35,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
-from bench_outputs import BenchmarkError, fail, write_json  # noqa: E402
+from bench_outputs import BenchmarkError, fail  # noqa: E402
+from ddpo_group.runs.grids import save_json  # noqa: E402
 
 SAMPLER = {"num_steps": 10, "guidance_scale": 4.5, "eta": 0.7}  # tiny_scenes_flow's training sampler
 FIGURE_IMAGES = 16
@@ -168,7 +169,7 @@ def main(argv=None):
     except BenchmarkError as err:
         fail(parser.prog, str(err))
     document["command"] = "python benchmarks/position_probe.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    write_json(args.output, document)
+    save_json(document, args.output)
     figure(document, pictures, os.path.splitext(args.output)[0] + ".png")
     print(f"{'prompt':<40} {'correct':>7} {'placed':>6} {'wrong':>5} {document['side'] + ' of placed':>36} "
           f"{'pixel change':>12}")

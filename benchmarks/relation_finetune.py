@@ -30,7 +30,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
-from bench_outputs import BenchmarkError, fail, fresh_run_dir, write_json  # noqa: E402
+from bench_outputs import BenchmarkError, fail, fresh_run_dir  # noqa: E402
+from ddpo_group.runs.grids import save_json  # noqa: E402
 
 WARMUP_STEPS, BATCH, COND_DROPOUT, EMA_DECAY = 100, 32, 0.1, 0.999
 
@@ -68,13 +69,11 @@ def scene_weights(prompts, tag: str, fraction: float):
     return torch.where(chosen, fraction / n_chosen, (1.0 - fraction) / n_other)
 
 
-def base_log(model: str) -> dict:
-    """The shipped model's or the folder's pretrain_log.json ({} without one)."""
+def base_log(pipeline) -> dict:
+    """The loaded pipeline's own pretrain_log.json ({} without one)."""
     import json
 
-    from ddpo_group.diffusion.loading import SHIPPED_SCENES
-
-    path = os.path.join(str(SHIPPED_SCENES.get(model, model)), "pretrain_log.json")
+    path = os.path.join(getattr(pipeline.config, "_name_or_path", "") or "", "pretrain_log.json")
     try:
         with open(path) as handle:
             return json.load(handle)
@@ -138,13 +137,14 @@ def finetune(pipeline, images, prompts, tag, fraction, steps, lr, save_every, ou
             folder = os.path.join(output_dir, f"step_{step}")
             pipeline.save_pretrained(folder, safe_serialization=True)
             if pretrain_log is not None:
-                write_json(os.path.join(folder, "pretrain_log.json"), {**pretrain_log, "relation_finetune": {
-                    "share": {tag: fraction}, "step": step, "lr": lr, "data_seed": seed, "scenes": len(prompts)}})
+                save_json({**pretrain_log, "relation_finetune": {
+                    "share": {tag: fraction}, "step": step, "lr": lr, "data_seed": seed, "scenes": len(prompts)}},
+                    os.path.join(folder, "pretrain_log.json"))
             with torch.no_grad():
                 for kept, p in zip(trained, params):
                     p.copy_(kept)
             written.append({"step": step, "loss": smooth, "seconds": time.time() - began})
-            write_json(os.path.join(output_dir, "log.json"), written)
+            save_json(written, os.path.join(output_dir, "log.json"))
     return written
 
 
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
         scene_weights(prompts, tag, fraction)  # a tag without scenes is refused before the folder is made
         os.makedirs(args.output_dir, exist_ok=True)
         finetune(pipeline, images, prompts, tag, fraction, args.steps, args.lr, args.save_every, args.output_dir,
-                 seed=args.seed, pretrain_log={**base_log(args.model), "object_area": list(area_range)})
+                 seed=args.seed, pretrain_log={**base_log(pipeline), "object_area": list(area_range)})
     except BenchmarkError as err:
         fail(parser.prog, str(err))
     print(f"wrote {args.output_dir}")

@@ -40,7 +40,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
-from bench_outputs import BenchmarkError, fail, write_json  # noqa: E402
+from bench_outputs import BenchmarkError, fail  # noqa: E402
+from ddpo_group.runs.grids import save_json  # noqa: E402
 
 LEVELS = (0.95, 0.9, 0.8, 0.7, 0.6, 0.4, 0.2)
 TOLD = 0.01  # the share is given where the caption lowers the loss by at least this much of it (else a ratio of noise)
@@ -84,14 +85,13 @@ def load_scenes_model(model: str):
     import torch
 
     from ddpo_group.data.scenes import area_range_of_pipeline
-    from ddpo_group.diffusion.loading import SHIPPED_SCENES
     from ddpo_group.diffusion.policy import load_policy
 
     try:
         pipeline = load_policy(model, torch_dtype=torch.float32).pipeline
     except (ValueError, OSError) as err:
         raise BenchmarkError(f"--model {model!r}: {str(err).splitlines()[0]}") from None
-    return pipeline, area_range_of_pipeline(str(SHIPPED_SCENES[model]) if model in SHIPPED_SCENES else model)
+    return pipeline, area_range_of_pipeline(getattr(pipeline.config, "_name_or_path", None))
 
 
 def relation_losses(pipeline, images, prompts, levels=LEVELS, batch: int = 128, seed: int = 0) -> list[dict]:
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
               "object_area": list(area_range),
               "levels": rows,
               "command": "python benchmarks/relation_loss.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
-    write_json(args.output, result)
+    save_json(result, args.output)
     print(f"wrote {args.output}")
     return 0
 
