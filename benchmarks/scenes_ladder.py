@@ -54,7 +54,9 @@ skipped when its ladder_config.json is the config this command would train (the 
 never reported as another config's: give a new --results). An unfinished run is started again from scratch. The
 command exits non-zero when any run failed.
 
-Writes RESULTS/summary.json ({"runs": one row per finished run, "rungs": the verdicts, "definitions", "command"}),
+Writes RESULTS/summary.json ({"runs": one row per finished run (rung b's rows also carry best_window, the best
+WINDOW-epoch mean of strict-correct within the rung's epochs with its first and last epoch counted from 0, and
+strict_by_ten, the means of epochs 0-9, 10-19, ...), "rungs": the verdicts, "definitions", "command"}),
 RESULTS/metrics.json.gz (every run's metrics rows) and RESULTS/ladder_<rung>.png (training reward and strict-correct
 per epoch, a panel per family, a colour per case, a line per seed). With --samples N, also RESULTS/ladder_b_samples.png:
 for every rung-b run whose final checkpoint is still there (checkpoints are not committed), N images of its prompt
@@ -237,6 +239,25 @@ def epochs_to_target(strict, target=TARGET, window=WINDOW):
     return None
 
 
+def best_window(strict, window=WINDOW, limit=None):
+    """[mean, first epoch, last epoch] of the `window` consecutive epochs with the highest mean strict-correct among
+    the first `limit` epochs (all when None); epochs counted from 0 as in metrics.jsonl; the earliest of tied
+    windows; None when the run has fewer epochs than the window."""
+    values = strict[:limit] if limit else strict
+    best = None
+    for start in range(len(values) - window + 1):
+        mean = statistics.fmean(values[start:start + window])
+        if best is None or mean > best[0] + 1e-12:
+            best = [mean, start, start + window - 1]
+    return best
+
+
+def means_by_ten(values):
+    """The mean of epochs 0-9, 10-19, ... ([first, last, mean] each; the last block may be shorter)."""
+    return [[start, min(start + 10, len(values)) - 1, statistics.fmean(values[start:start + 10])]
+            for start in range(0, len(values), 10)]
+
+
 def run_row(rung, family, case, seed, rows, document):
     """One summary row of a finished run (module docstring's verdicts)."""
     training = sorted((r for r in rows if "reward_mean" in r), key=lambda r: r["epoch"])
@@ -252,6 +273,8 @@ def run_row(rung, family, case, seed, rows, document):
            "first_reward": rewards[0] if rewards else None, "last_reward": rewards[-1] if rewards else None,
            "reward": [round(v, 4) for v in rewards], "strict_correct": [round(v, 4) for v in strict],
            "epochs_to_strict_0.9": epochs_to_target(strict) if strict else None,
+           "best_window": best_window(strict, limit=DEFAULT_EPOCHS[rung]) if strict else None,
+           "strict_by_ten": means_by_ten(strict) if strict else [],
            "seconds_per_epoch": (statistics.fmean(sum(r.get(k, 0.0) for k in TIME_KEYS) for r in training)
                                  if training else None)}
     evals = sorted((r for r in rows if "eval/geneval/overall" in r), key=lambda r: r["epoch"])
@@ -380,8 +403,8 @@ def render(rows, verdicts):
                             for f, v in verdicts[rung].items())
         lines += ["", f"## rung {rung} ({verdict})", "",
                   "| family | case | seed | epochs | reward first -> last | strict-correct first -> last "
-                  "| epochs to 0.9 | held-out base -> final | s/epoch | pass |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| best {WINDOW}-epoch mean (its epochs) | epochs to 0.9 | held-out base -> final | s/epoch | pass |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
             strict = (f"{r['strict_correct'][0]:.3f} -> {r['strict_correct'][-1]:.3f}" if r["strict_correct"] else "-")
             held = "-"
@@ -390,9 +413,11 @@ def render(rows, verdicts):
                 held = f"{_cell(r['base'][key])} -> {_cell(r['final'][key])} ({key})"
                 if r.get("lift_error") is not None:
                     held += f", lift {r['lift']:+.3f} +- {r['lift_error']:.3f}"
+            best = r.get("best_window")
+            best = f"{best[0]:.3f} ({best[1]}-{best[2]})" if best else "-"
             extra = f" (rise {r['rise']:.3f} +- {r['rise_error']:.3f})" if rung == "a" and r.get("rise") is not None else ""
             lines.append(f"| {r['family']} | {r['case']} | {r['seed']} | {r['epochs']} | {_cell(r['first_reward'])} -> "
-                         f"{_cell(r['last_reward'])}{extra} | {strict} | {r['epochs_to_strict_0.9'] or '-'} | {held} | "
+                         f"{_cell(r['last_reward'])}{extra} | {strict} | {best} | {r['epochs_to_strict_0.9'] or '-'} | {held} | "
                          f"{_cell(r['seconds_per_epoch'], 1)} | {'yes' if r['passed'] else 'no'} |")
     return "\n".join(lines)
 

@@ -329,3 +329,38 @@ def test_a_field_the_code_added_since_a_run_at_its_default_is_the_same_config(tm
     assert [(r["case"], r["seed"]) for r in rows] == [("two_object", 42)]
     with pytest.raises(SystemExit, match="trained with another config"):  # the new field set away from its default
         ladder.main(args + ["--set", "train.lr_warmup_steps=8"])
+
+
+def test_best_window_is_the_highest_three_epoch_mean_within_the_rung_and_ties_go_to_the_earliest():
+    strict = [0.2, 0.5, 0.8, 0.5, 0.8, 0.5, 0.2]
+    # windows from epoch 0: 0.5, 0.6, 0.7, 0.6, 0.5: the best starts at epoch 2
+    mean, first, last = ladder.best_window(strict)
+    assert [first, last] == [2, 4] and mean == pytest.approx(0.7)
+    # (0.9, 0.9, 0.9) twice: the earlier window; a better window past the limit is not counted
+    assert ladder.best_window([0.9, 0.9, 0.9, 0.9, 1.0, 1.0, 1.0], limit=4)[1:] == [0, 2]
+    assert ladder.best_window([0.9, 0.9, 0.9, 0.9, 1.0, 1.0, 1.0])[1:] == [4, 6]
+    assert ladder.best_window([0.9, 0.9]) is None
+    blocks = ladder.means_by_ten([0.1] * 10 + [0.3] * 10 + [0.5, 0.7])
+    assert [b[:2] for b in blocks] == [[0, 9], [10, 19], [20, 21]]
+    assert [b[2] for b in blocks] == pytest.approx([0.1, 0.3, 0.6])
+
+
+def test_a_rung_b_row_reports_its_best_window_within_thirty_epochs_in_the_summary_and_the_table(tmp_path):
+    # 33 epochs: 0.5 throughout, 0.8 at epochs 10-12, 1.0 at epochs 30-32 (past the rung's 30)
+    values = [0.5] * 33
+    values[10:13] = [0.8] * 3
+    values[30:33] = [1.0] * 3
+    spec = {"rung": "b", "family": "unet", "case": "colors", "prompt": "a photo of a magenta star",
+            "epochs": 33, "images": 0, "model": "", "seed": 42}
+    write_run(tmp_path, "b", "unet", "colors", 42, strict_rows(values), spec)
+    rows, verdicts = ladder.main(["--collect", "--results", str(tmp_path)])
+    row = rows[0]
+    assert row["best_window"][1:] == [10, 12]
+    assert row["best_window"][0] == pytest.approx(0.8)
+    assert [b[2] for b in row["strict_by_ten"]] == pytest.approx([0.5, (3 * 0.8 + 7 * 0.5) / 10, 0.5, 1.0])
+    assert row["epochs_to_strict_0.9"] == 33 and not row["passed"]
+    with open(tmp_path / "summary.json") as f:
+        saved = json.load(f)["runs"][0]
+    assert saved["best_window"][1:] == [10, 12]
+    table = ladder.render(rows, verdicts)
+    assert "| 0.800 (10-12) | 33 |" in table
