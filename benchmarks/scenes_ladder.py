@@ -54,9 +54,9 @@ skipped when its ladder_config.json is the config this command would train (the 
 never reported as another config's: give a new --results). An unfinished run is started again from scratch. The
 command exits non-zero when any run failed.
 
-Writes RESULTS/summary.json ({"runs": one row per finished run (rung b's rows also carry best_window, the best
-WINDOW-epoch mean of strict-correct within the rung's epochs with its first and last epoch counted from 0, and
-strict_by_ten, the means of epochs 0-9, 10-19, ...), "rungs": the verdicts, "definitions", "command"}),
+Writes RESULTS/summary.json ({"runs": one row per finished run (a row with a strict-correct series, as rung b's,
+also carries best_window, the best WINDOW-epoch mean of strict-correct within the rung's epochs with its first
+and last epoch counted from 0, and strict_by_ten, the means of epochs 0-9, 10-19, ...), "rungs": the verdicts, "definitions", "command"}),
 RESULTS/metrics.json.gz (every run's metrics rows) and RESULTS/ladder_<rung>.png (training reward and strict-correct
 per epoch, a panel per family, a colour per case, a line per seed). With --samples N, also RESULTS/ladder_b_samples.png:
 for every rung-b run whose final checkpoint is still there (checkpoints are not committed), N images of its prompt
