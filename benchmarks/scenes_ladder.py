@@ -56,7 +56,8 @@ command exits non-zero when any run failed.
 
 Writes RESULTS/summary.json ({"runs": one row per finished run (a row with a strict-correct series, as rung b's,
 also carries best_window, the best WINDOW-epoch mean of strict-correct within the rung's epochs with its first
-and last epoch counted from 0, and strict_by_ten, the means of epochs 0-9, 10-19, ...), "rungs": the verdicts, "definitions", "command"}),
+and last epoch counted from 0, and strict_by_ten, the means of epochs 0-9, 10-19, ...), "rungs": the verdicts,
+"definitions", "command"}),
 RESULTS/metrics.json.gz (every run's metrics rows) and RESULTS/ladder_<rung>.png (training reward and strict-correct
 per epoch, a panel per family, a colour per case, a line per seed). With --samples N, also RESULTS/ladder_b_samples.png:
 for every rung-b run whose final checkpoint is still there (checkpoints are not committed), N images of its prompt
@@ -403,7 +404,8 @@ def render(rows, verdicts):
                             for f, v in verdicts[rung].items())
         lines += ["", f"## rung {rung} ({verdict})", "",
                   "| family | case | seed | epochs | reward first -> last | strict-correct first -> last "
-                  f"| best {WINDOW}-epoch mean (its epochs) | epochs to 0.9 | held-out base -> final | s/epoch | pass |",
+                  f"| best {WINDOW}-epoch mean (its epochs) | epochs to 0.9 | held-out base -> final "
+                  "| s/epoch | pass |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
             strict = (f"{r['strict_correct'][0]:.3f} -> {r['strict_correct'][-1]:.3f}" if r["strict_correct"] else "-")
@@ -417,7 +419,8 @@ def render(rows, verdicts):
             best = f"{best[0]:.3f} ({best[1]}-{best[2]})" if best else "-"
             extra = f" (rise {r['rise']:.3f} +- {r['rise_error']:.3f})" if rung == "a" and r.get("rise") is not None else ""
             lines.append(f"| {r['family']} | {r['case']} | {r['seed']} | {r['epochs']} | {_cell(r['first_reward'])} -> "
-                         f"{_cell(r['last_reward'])}{extra} | {strict} | {best} | {r['epochs_to_strict_0.9'] or '-'} | {held} | "
+                         f"{_cell(r['last_reward'])}{extra} | {strict} | {best} | "
+                         f"{r['epochs_to_strict_0.9'] or '-'} | {held} | "
                          f"{_cell(r['seconds_per_epoch'], 1)} | {'yes' if r['passed'] else 'no'} |")
     return "\n".join(lines)
 

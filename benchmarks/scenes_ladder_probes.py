@@ -32,7 +32,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
-from scenes_ladder import TARGET, WINDOW, run_dir_of, strict_key  # noqa: E402  (the ladder's rules and folders)
+from scenes_ladder import TARGET, WINDOW, best_window, run_dir_of, strict_key  # noqa: E402  (the ladder's rules and folders)
 
 
 def read_run(results, family, case, seed):
@@ -52,7 +52,7 @@ def read_run(results, family, case, seed):
 
 def summarise(label, rows, finished):
     strict = [r["strict_correct"] for r in rows]
-    windows = [sum(strict[i:i + WINDOW]) / WINDOW for i in range(max(1, len(strict) - WINDOW + 1))]
+    best = best_window(strict)  # the ladder's own window; a run shorter than it: its sum over the window's length
     shares = [r["steps/grad_share"] for r in rows if "steps/grad_share" in r]
     mean_share = []
     for k in range(len(shares[0]) if shares else 0):  # none: a forward-process objective's run
@@ -62,7 +62,7 @@ def summarise(label, rows, finished):
             "reward": [r["reward_mean"] for r in rows], "approx_kl": [r.get("approx_kl") for r in rows],
             "ref_kl": [r.get("ref/kl") for r in rows], "grad_share_mean": mean_share,
             "strict_first": strict[0], "strict_last": strict[-1], "strict_lowest": min(strict),
-            "strict_best_window": max(windows)}
+            "strict_best_window": best[0] if best else sum(strict) / WINDOW}
 
 
 def ddim_step_stds(model="tiny-scenes", num_steps=10):
