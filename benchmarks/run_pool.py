@@ -13,14 +13,17 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED"
 
 def run_pool(tasks, jobs, poll_seconds=5.0):
     """tasks: [(label, command (argv list), run_dir)]; runs them `jobs` at a time, printing a line as each starts
-    and ends. Returns {label: exit code}."""
+    and ends; a run's log is appended to (a run that goes on from a checkpoint keeps its earlier attempts' lines).
+    Returns {label: exit code}."""
     pending, running, codes = list(tasks), [], {}
     env = dict(os.environ, **ONE_THREAD)
     while pending or running:
         while pending and len(running) < max(1, jobs):
             label, command, run_dir = pending.pop(0)
             os.makedirs(os.path.dirname(run_dir), exist_ok=True)
-            log = open(run_dir + ".log", "w")
+            log = open(run_dir + ".log", "a")
+            log.write(f"=== {label}: started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            log.flush()
             print(f"start {label}", flush=True)
             process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
             running.append((label, process, log, time.time()))

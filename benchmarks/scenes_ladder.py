@@ -51,8 +51,11 @@ Each run trains in a process of its own on one thread into RESULTS/runs/<rung>/<
 written there as ladder_config.json when it finishes). A run whose directory holds finished.json is done and
 skipped when its ladder_config.json is the config this command would train (the same rung, model, epochs, images,
 --set, code defaults); otherwise the command refuses the results folder (a finished run is never overwritten and
-never reported as another config's: give a new --results). An unfinished run is started again from scratch. The
-command exits non-zero when any run failed.
+never reported as another config's: give a new --results). A run saves a checkpoint every --save-every epochs
+(default SAVE_EVERY = 5; also when a signal stops it): an unfinished run goes on from its latest checkpoint, bit for
+bit what one uninterrupted run trains (the trainer refuses the resume, naming the fields, when the run was started
+with another config), and one with no checkpoint starts again from scratch; its log is appended to. The command
+exits non-zero when any run failed.
 
 Writes RESULTS/summary.json ({"runs": one row per finished run (a row with a strict-correct series, as rung b's,
 also carries best_window, the best WINDOW-epoch mean of strict-correct within the rung's epochs with its first
@@ -98,6 +101,7 @@ RUNG_B_PROMPTS = {
 }
 TARGET = 0.9
 WINDOW = 3
+SAVE_EVERY = 5  # epochs between a run's checkpoints (--save-every): a stopped ladder resumes from the last one
 SEEDS = 3  # a rung's verdict needs every case on at least this many seeds
 STRICT = "reward_info/geneval/strict_correct"
 CONFIG_FILE = "ladder_config.json"
@@ -126,9 +130,10 @@ def cases(rung, tag="colors"):
     return [("full", None)]
 
 
-def ladder_config(rung, family, case, prompt, seed, run_dir, epochs=0, images=0, model="", overrides=()):
+def ladder_config(rung, family, case, prompt, seed, run_dir, epochs=0, images=0, model="", overrides=(),
+                  save_every=SAVE_EVERY):
     """The config of one run: the family's variant with the rung's prompts / reward / evaluation, then the
-    --set overrides, then the images per epoch (whole sampling batches)."""
+    --set overrides, then the images per epoch (whole sampling batches); a checkpoint every `save_every` epochs."""
     from ddpo_group.config import grpo
     from ddpo_group.config.fields import set_field
     from ddpo_group.config.registry import ConfigError
@@ -160,17 +165,32 @@ def ladder_config(rung, family, case, prompt, seed, run_dir, epochs=0, images=0,
         config.sample.num_batches_per_epoch = images // config.sample.batch_size
     config.logdir, config.run_name = os.path.dirname(run_dir), os.path.basename(run_dir)
     config.overwrite = True
-    config.save_freq = 0
+    config.save_freq = save_every
     config.log_images_every = 0
     return config
 
 
+# fields that say where a run is written and how often it saves, not what it trains: left out of the config a
+# finished run is compared by (a resumed folder may have moved; a run resumed from a checkpoint trains bit for bit
+# what one uninterrupted run trains)
+NOT_THE_EXPERIMENT = ("logdir", "run_name", "overwrite", "save_freq", "resume_from")
+
+
 def config_document(config):
-    """The run's config as JSON data, without where it is written (a resumed folder may have moved)."""
+    """The run's config as JSON data, without the fields of NOT_THE_EXPERIMENT."""
     document = json.loads(json.dumps(config.to_dict(), default=str, sort_keys=True))
-    for key in ("logdir", "run_name", "overwrite"):
+    for key in NOT_THE_EXPERIMENT:
         document.pop(key, None)
     return document
+
+
+def has_checkpoint(run_dir):
+    """Whether an unfinished run's directory holds a checkpoint_N to go on from (a half-written one is named
+    .tmp_checkpoint_N and does not count)."""
+    from ddpo_group.runs.run_dir import CHECKPOINT_RE
+
+    root = os.path.join(run_dir, "checkpoints")
+    return os.path.isdir(root) and any(CHECKPOINT_RE.match(name) for name in os.listdir(root))
 
 
 @functools.lru_cache(maxsize=1)
@@ -186,6 +206,7 @@ def same_config(done, now):
     code added since the run (absent from `done`) are dropped from `now` where they hold the base config's default
     (a field added at its default, e.g. train.lr_warmup_steps = 0, is the config the run had)."""
     defaults = _base_defaults()
+    done = {key: value for key, value in done.items() if key not in NOT_THE_EXPERIMENT} if done else done
 
     def trim(old, new, default):
         if not (isinstance(old, dict) and isinstance(new, dict)):
@@ -202,7 +223,9 @@ def run_dir_of(results, rung, family, case, seed):
 
 
 def run_one(spec, overrides=()):
-    """Train one run in this process (a subprocess of its own, started by `main`); its config beside it at the end."""
+    """Train one run in this process (a subprocess of its own, started by `main`); its config beside it at the end.
+    A run directory with a checkpoint (a run stopped or killed before its end) goes on from its latest checkpoint:
+    the trainer refuses the resume, naming the fields, when the run was started with another config."""
     import torch
 
     torch.set_num_threads(1)
@@ -210,6 +233,9 @@ def run_one(spec, overrides=()):
 
     config = ladder_config(**spec, overrides=overrides)
     document = config_document(config)  # as built, before the trainer reads (or fills in) anything
+    if has_checkpoint(spec["run_dir"]):
+        config.overwrite, config.resume_from = False, spec["run_dir"]
+        print(f"resuming {spec['run_dir']} from its latest checkpoint", flush=True)
     Trainer(config).run()
     write_json(os.path.join(spec["run_dir"], CONFIG_FILE), {"spec": spec, "set": list(overrides), "config": document})
 
@@ -613,6 +639,9 @@ def main(argv=None):
     parser.add_argument("--model-flow", default="", help="the flow base to train (default tiny-scenes-sd3)")
     parser.add_argument("--model-unet", default="", help="the UNet base to train (default tiny-scenes)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
+    parser.add_argument("--save-every", type=int, default=SAVE_EVERY, metavar="N",
+                        help=f"a checkpoint every N epochs (default {SAVE_EVERY}; 0: at a run's end and when it is "
+                             "stopped): an unfinished run goes on from its latest checkpoint")
     parser.add_argument("--results", default=DEFAULT_RESULTS)
     parser.add_argument("--collect", action="store_true", help="only build the tables, JSON and figures")
     parser.add_argument("--samples", type=int, default=0, metavar="N",
@@ -626,6 +655,8 @@ def main(argv=None):
     results = os.path.abspath(args.results)
     if args.samples < 0:
         parser.error(f"--samples {args.samples}: a number of images, 0 (none) or more")
+    if args.save_every < 0:
+        parser.error(f"--save-every {args.save_every}: a number of epochs, 0 (at a run's end only) or more")
     if not args.collect:
         from ddpo_group.config.registry import ConfigError
         from ddpo_group.data.prompts import load_config_prompts
@@ -655,7 +686,7 @@ def main(argv=None):
                         run_dir = run_dir_of(results, rung, family, case, seed)
                         spec = {"rung": rung, "family": family, "case": case, "prompt": prompt, "seed": seed,
                                 "run_dir": run_dir, "epochs": args.epochs, "images": args.images,
-                                "model": models[family]}
+                                "model": models[family], "save_every": args.save_every}
                         try:  # a misspelt field or a bad prompt is one line here, not a traceback in a run's log
                             config = ladder_config(**spec, overrides=args.set)
                             if not tasks:

@@ -18,6 +18,7 @@ from ddpo_group.runs.run_dir import (
     TRAINER_STATE,
     CheckpointError,
     RunDir,
+    resumed_config,
 )
 from helpers import make_config, read_json
 
@@ -308,3 +309,15 @@ def test_resume_from_with_overwrite_is_refused_naming_both(tmp_path):
     message = str(info.value)
     assert message.startswith(f"config.resume_from={first.path!r} and config.overwrite=True") and "\n" not in message
     assert sorted(os.listdir(first.path)) == [".ddpo_group_run", "checkpoints", CONFIG_FILE]
+
+
+def test_a_run_started_with_overwrite_resumes_when_every_field_is_compared(tmp_path):
+    # overwrite says what a new run does to an earlier one; a resume always has it off (resolve refuses both), so a
+    # run started with overwrite=True resumed by code (overrides=None: every field compared) is not another experiment
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(make_config(tmp_path, overwrite=True).to_dict(), f)
+    given = make_config(tmp_path, resume_from=str(tmp_path))
+    _, changes = resumed_config(given, str(tmp_path), overrides=None)
+    assert changes["overwrite"] == [True, False]
+    with pytest.raises(ConfigError, match="seed"):  # a field of the experiment is still refused
+        resumed_config(make_config(tmp_path, resume_from=str(tmp_path), seed=7), str(tmp_path), overrides=None)

@@ -1,5 +1,6 @@
 """benchmarks/scenes_ladder.py (issue 53's learning ladder): its verdicts recomputed by hand from synthetic metrics
-files, the folder it refuses, the one-line errors. No training here: the ladder's runs are benchmarks."""
+files, the folder it refuses, the one-line errors; one run of two tiny epochs, stopped and resumed. The ladder's
+real runs are benchmarks."""
 
 import json
 import math
@@ -245,7 +246,12 @@ def test_the_run_pool_runs_each_command_on_one_thread_with_its_log_and_returns_i
     tasks = [(name, [sys.executable, "-c", f"import os; print(os.environ['OMP_NUM_THREADS']); raise SystemExit({code})"],
               str(tmp_path / "runs" / name)) for name, code in (("ok", 0), ("bad", 3))]
     assert pool.run_pool(tasks, jobs=2, poll_seconds=0.05) == {"ok": 0, "bad": 3}
-    assert (tmp_path / "runs" / "bad.log").read_text().strip() == "1"
+    lines = (tmp_path / "runs" / "bad.log").read_text().splitlines()
+    assert lines[0].startswith("=== bad: started ") and lines[1:] == ["1"]
+    # a run started again (it goes on from its checkpoint) appends to its log: the first attempt's lines stay
+    assert pool.run_pool(tasks[1:], jobs=1, poll_seconds=0.05) == {"bad": 3}
+    lines = (tmp_path / "runs" / "bad.log").read_text().splitlines()
+    assert [line for line in lines if not line.startswith("=== bad: started ")] == ["1", "1"] and len(lines) == 4
 
 
 def test_a_folder_is_one_ladder_config_a_finished_run_of_another_rung_with_other_epochs_is_refused(tmp_path):
@@ -364,3 +370,65 @@ def test_a_rung_b_row_reports_its_best_window_within_thirty_epochs_in_the_summar
     assert saved["best_window"][1:] == [10, 12]
     table = ladder.render(rows, verdicts)
     assert "| 0.800 (10-12) | 33 |" in table
+
+
+def test_a_finished_run_saved_at_another_frequency_is_the_same_config(tmp_path):
+    # runs finished before --save-every saved at their end only (save_freq 0): how often a run saves changes
+    # nothing it trains, so a folder of them takes more seeds at the new default
+    spec = {"rung": "b", "family": "unet", "case": "colors", "prompt": ladder.RUNG_B_PROMPTS["colors"],
+            "seed": 42, "epochs": 2, "images": 0, "model": ""}
+    run_dir = write_run(tmp_path, "b", "unet", "colors", 42, strict_rows([0.5, 0.6]), spec)
+    path = os.path.join(run_dir, ladder.CONFIG_FILE)
+    with open(path) as f:
+        document = json.load(f)
+    document["config"]["save_freq"] = 0
+    with open(path, "w") as f:
+        json.dump(document, f)
+    args = ["--rungs", "b", "--cases", "colors", "--families", "unet", "--seeds", "42", "--epochs", "2",
+            "--results", str(tmp_path)]
+    for every in ("5", "1"):
+        rows, _ = ladder.main(args + ["--save-every", every])  # nothing to run, collected
+        assert [(r["case"], r["seed"]) for r in rows] == [("colors", 42)]
+    assert "save_freq" not in ladder.config_document(ladder.ladder_config(**spec, run_dir=run_dir))
+
+
+def test_a_negative_save_frequency_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ladder.main(["--rungs", "a", "--results", str(tmp_path), "--save-every", "-1"])
+    assert "--save-every -1: a number of epochs" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_goes_on_from_its_checkpoint_and_trains_what_one_run_trains(tmp_path):
+    import torch
+
+    threads = torch.get_num_threads()
+    spec = {"rung": "a", "family": "flow", "case": "jpeg", "prompt": ladder.RUNG_A_PROMPT, "seed": 42, "epochs": 2,
+            "images": 0, "model": "tiny-scenes-flow", "save_every": 1,
+            "run_dir": ladder.run_dir_of(str(tmp_path), "a", "flow", "jpeg", 42)}
+    tiny = ["sample.num_steps=2", "sample.batch_size=8", "train.batch_size=8", "sample.num_batches_per_epoch=1"]
+    run_dir = spec["run_dir"]
+    try:
+        ladder.run_one(spec, tiny)  # two epochs, a checkpoint after each
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            whole = [json.loads(line) for line in f]
+        assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["checkpoint_1", "checkpoint_2"]
+        # killed during epoch 1: its checkpoint, finished.json and the ladder's record never written
+        for name in ("finished.json", ladder.CONFIG_FILE):
+            os.remove(os.path.join(run_dir, name))
+        import shutil
+
+        shutil.rmtree(os.path.join(run_dir, "checkpoints", "checkpoint_2"))
+        assert ladder.has_checkpoint(run_dir) and not ladder.has_checkpoint(str(tmp_path / "nowhere"))
+        ladder.run_one(spec, tiny)
+    finally:
+        torch.set_num_threads(threads)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        resumed = [json.loads(line) for line in f]
+    assert [r["epoch"] for r in resumed] == [0, 1]
+    timing = ("time/", "perf/", "peak_rss")
+    for before, after in zip(whole, resumed):  # the same numbers, the seconds aside
+        assert {k: v for k, v in before.items() if not k.startswith(timing)} == \
+            {k: v for k, v in after.items() if not k.startswith(timing)}
+    assert os.path.exists(os.path.join(run_dir, "finished.json"))
+    with open(os.path.join(run_dir, "resumes.jsonl")) as f:
+        assert json.loads(f.readline())["epoch"] == 1

@@ -423,6 +423,7 @@ SAFE_RESUME_FIELDS = (
     "num_epochs", "save_freq", "num_checkpoint_limit", "log_images_every", "log_with", "project_name",
     "resume_from", "resume_allow_changes", "resume_allow_input_changes", "run_name", "logdir", "reward_workers", "reward_timeout", "debug_dump",
     "variant",  # a label (config/grpo.py's name): runs from before it was stored have none
+    "overwrite",  # what a new run does to an earlier one in its directory; a resume always has it off
     "train.gradient_checkpointing",  # memory only: values, gradients and the on-policy ratio are unchanged
 )
 
