@@ -27,6 +27,16 @@ def write_run(results, rung, family, case, seed, rows, spec=None):
     return run_dir
 
 
+def edit_ladder_config(run_dir, change):
+    """Rewrite a finished run's ladder_config.json with `change` applied to its config (a run of older code)."""
+    path = os.path.join(run_dir, ladder.CONFIG_FILE)
+    with open(path) as f:
+        document = json.load(f)
+    change(document["config"])
+    with open(path, "w") as f:
+        json.dump(document, f)
+
+
 def strict_rows(values):
     return [{"epoch": e, "reward_mean": 0.5 + 0.1 * v, "reward_std": 0.2, "num_samples": 64,
              "reward_info/geneval/strict_correct": v, "time/sample": 2.0, "time/train": 1.0}
@@ -323,12 +333,8 @@ def test_a_field_the_code_added_since_a_run_at_its_default_is_the_same_config(tm
     spec = {"rung": "b", "family": "unet", "case": "two_object", "prompt": ladder.RUNG_B_PROMPTS["two_object"],
             "seed": 42, "epochs": 2, "images": 0, "model": ""}
     run_dir = write_run(tmp_path, "b", "unet", "two_object", 42, strict_rows([0.5, 0.6]), spec)
-    path = os.path.join(run_dir, ladder.CONFIG_FILE)
-    with open(path) as f:
-        document = json.load(f)
-    del document["config"]["train"]["lr_warmup_steps"]  # a run finished before the field existed
-    with open(path, "w") as f:
-        json.dump(document, f)
+    # a run finished before the field existed
+    edit_ladder_config(run_dir, lambda config: config["train"].pop("lr_warmup_steps"))
     args = ["--rungs", "b", "--cases", "two_object", "--families", "unet", "--seeds", "42", "--epochs", "2",
             "--results", str(tmp_path)]
     rows, _ = ladder.main(args)  # the same config: nothing to run, collected
@@ -378,12 +384,7 @@ def test_a_finished_run_saved_at_another_frequency_is_the_same_config(tmp_path):
     spec = {"rung": "b", "family": "unet", "case": "colors", "prompt": ladder.RUNG_B_PROMPTS["colors"],
             "seed": 42, "epochs": 2, "images": 0, "model": ""}
     run_dir = write_run(tmp_path, "b", "unet", "colors", 42, strict_rows([0.5, 0.6]), spec)
-    path = os.path.join(run_dir, ladder.CONFIG_FILE)
-    with open(path) as f:
-        document = json.load(f)
-    document["config"]["save_freq"] = 0
-    with open(path, "w") as f:
-        json.dump(document, f)
+    edit_ladder_config(run_dir, lambda config: config.update(save_freq=0))
     args = ["--rungs", "b", "--cases", "colors", "--families", "unet", "--seeds", "42", "--epochs", "2",
             "--results", str(tmp_path)]
     for every in ("5", "1"):
