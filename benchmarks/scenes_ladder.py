@@ -53,9 +53,10 @@ skipped when its ladder_config.json is the config this command would train (the 
 --set, code defaults); otherwise the command refuses the results folder (a finished run is never overwritten and
 never reported as another config's: give a new --results). A run saves a checkpoint every --save-every epochs
 (default SAVE_EVERY = 5; also when a signal stops it): an unfinished run goes on from its latest checkpoint, bit for
-bit what one uninterrupted run trains (the trainer refuses the resume, naming the fields, when the run was started
-with another config), and one with no checkpoint starts again from scratch; its log is appended to. The command
-exits non-zero when any run failed.
+bit what one uninterrupted run trains (a run started with another config, as its ladder_started.json says, is refused),
+and one with no checkpoint starts again from scratch; its log is appended to. A run keeps its last two checkpoints.
+A run that ends without finished.json (a signal stopped it) counts as failed. The command exits non-zero when any
+run failed.
 
 Writes RESULTS/summary.json ({"runs": one row per finished run (a row with a strict-correct series, as rung b's,
 also carries best_window, the best WINDOW-epoch mean of strict-correct within the rung's epochs with its first
@@ -166,6 +167,7 @@ def ladder_config(rung, family, case, prompt, seed, run_dir, epochs=0, images=0,
     config.logdir, config.run_name = os.path.dirname(run_dir), os.path.basename(run_dir)
     config.overwrite = True
     config.save_freq = save_every
+    config.num_checkpoint_limit = 2  # the final checkpoint and the one before it: a ladder has dozens of runs
     config.log_images_every = 0
     return config
 
@@ -173,7 +175,8 @@ def ladder_config(rung, family, case, prompt, seed, run_dir, epochs=0, images=0,
 # fields that say where a run is written and how often it saves, not what it trains: left out of the config a
 # finished run is compared by (a resumed folder may have moved; a run resumed from a checkpoint trains bit for bit
 # what one uninterrupted run trains)
-NOT_THE_EXPERIMENT = ("logdir", "run_name", "overwrite", "save_freq", "resume_from")
+NOT_THE_EXPERIMENT = ("logdir", "run_name", "overwrite", "save_freq", "num_checkpoint_limit", "resume_from")
+STARTED_FILE = "ladder_started.json"  # the config a run was started with: a resume under another is refused
 
 
 def config_document(config):
@@ -224,8 +227,9 @@ def run_dir_of(results, rung, family, case, seed):
 
 def run_one(spec, overrides=()):
     """Train one run in this process (a subprocess of its own, started by `main`); its config beside it at the end.
-    A run directory with a checkpoint (a run stopped or killed before its end) goes on from its latest checkpoint:
-    the trainer refuses the resume, naming the fields, when the run was started with another config."""
+    A run directory with a checkpoint (a run stopped or killed before its end) goes on from its latest checkpoint,
+    refused in one line when the run was started with another config (STARTED_FILE); a run that ends without
+    finished.json exits non-zero and writes no ladder_config.json."""
     import torch
 
     torch.set_num_threads(1)
@@ -233,11 +237,23 @@ def run_one(spec, overrides=()):
 
     config = ladder_config(**spec, overrides=overrides)
     document = config_document(config)  # as built, before the trainer reads (or fills in) anything
-    if has_checkpoint(spec["run_dir"]):
+    record = {"spec": spec, "set": list(overrides), "config": document}
+    started = os.path.join(spec["run_dir"], STARTED_FILE)
+    resume = has_checkpoint(spec["run_dir"])
+    if resume:
+        before = _read_json(started)
+        if before is not None and not same_config(before.get("config"), document):
+            sys.exit(f"{spec['run_dir']}: this unfinished run was started with another config (its {STARTED_FILE}); "
+                     "run its own command to finish it, or give a new --results")
         config.overwrite, config.resume_from = False, spec["run_dir"]
         print(f"resuming {spec['run_dir']} from its latest checkpoint", flush=True)
-    Trainer(config).run()
-    write_json(os.path.join(spec["run_dir"], CONFIG_FILE), {"spec": spec, "set": list(overrides), "config": document})
+    trainer = Trainer(config)
+    if not resume:
+        write_json(started, record)  # after the trainer took the directory (an overwrite empties it first)
+    trainer.run()
+    if not os.path.exists(os.path.join(spec["run_dir"], "finished.json")):  # stopped by a signal, or nothing to do
+        sys.exit(f"{spec['run_dir']}: the run did not finish (no finished.json); run the same command to go on")
+    write_json(os.path.join(spec["run_dir"], CONFIG_FILE), record)
 
 
 def rising(rows):
@@ -496,9 +512,15 @@ def figures(rows, verdicts, results):
 
 
 def final_checkpoint(run_dir):
-    """The run's last checkpoint_N directory, or None."""
+    """The checkpoint finished.json names when it is still there, else the run's last checkpoint_N directory, or
+    None."""
+    from ddpo_group.runs.run_dir import CHECKPOINT_RE
+
+    named = (_read_json(os.path.join(run_dir, "finished.json")) or {}).get("checkpoint")
+    if isinstance(named, str) and os.path.isdir(named):
+        return named
     base = os.path.join(run_dir, "checkpoints")
-    names = [n for n in os.listdir(base) if n.startswith("checkpoint_")] if os.path.isdir(base) else []
+    names = [n for n in os.listdir(base) if CHECKPOINT_RE.match(n)] if os.path.isdir(base) else []
     return os.path.join(base, max(names, key=lambda n: int(n.split("_")[1]))) if names else None
 
 
@@ -657,6 +679,8 @@ def main(argv=None):
         parser.error(f"--samples {args.samples}: a number of images, 0 (none) or more")
     if args.save_every < 0:
         parser.error(f"--save-every {args.save_every}: a number of epochs, 0 (at a run's end only) or more")
+    if any(item.split("=")[0].strip() in ("save_freq", "num_checkpoint_limit") for item in args.set):
+        parser.error("--set save_freq / num_checkpoint_limit: the ladder sets them; use --save-every")
     if not args.collect:
         from ddpo_group.config.registry import ConfigError
         from ddpo_group.data.prompts import load_config_prompts

@@ -8,7 +8,8 @@ plateau by eye (docs/scenes.md, "What the misses are").
 Reads the per-image rows scripts/evaluate.py writes beside its output (OUT_images.jsonl: "prompt_index",
 "image_index", "strict_correct", "detections") and the images it saved (DIR/<prompt_index:05d>/samples/<i:04d>.png);
 draws every image whose strict verdict is wrong (Flow-GRPO's, the rung's number), `--columns` a row, under each its
-index and the classes found with their counts. Writes the PNG atomically; refuses an existing output.
+index and the classes found with their counts (cut to the image's width). Writes the PNG atomically; refuses an
+existing output.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def main(argv=None):
         parser.error(f"--output {args.output}: exists; give a new path (nothing is overwritten)")
     if args.columns < 1:
         parser.error(f"--columns {args.columns}: at least 1")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        parser.error(f"--output {args.output}: its folder does not exist")
     for name, path, check in (("rows", args.rows, os.path.isfile), ("images", args.images, os.path.isdir)):
         if not check(path):
             parser.error(f"--{name} {path}: not found (scripts/evaluate.py's --output gives OUT_images.jsonl, "

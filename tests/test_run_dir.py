@@ -321,3 +321,18 @@ def test_a_run_started_with_overwrite_resumes_when_every_field_is_compared(tmp_p
     assert changes["overwrite"] == [True, False]
     with pytest.raises(ConfigError, match="seed"):  # a field of the experiment is still refused
         resumed_config(make_config(tmp_path, resume_from=str(tmp_path), seed=7), str(tmp_path), overrides=None)
+
+
+def test_a_resume_is_a_resume_whatever_the_override_list_names(tmp_path):
+    # an override list that omits resume_from (code calling Trainer(config, overrides=["num_epochs"])) once gave the
+    # stored config's resume_from "" and overwrite True: start() would have emptied the run it was resuming
+    run_dir, config = RunDir.resolve(make_config(tmp_path, overwrite=True))
+    run_dir.start(config, first_epoch=0)
+    AcceleratorState._reset_state()
+    acc = Accelerator(cpu=True)
+    run_dir.save_checkpoint(acc, 1, {"epoch": 1, "global_step": 1}, {})
+    run_dir.release()
+    given = make_config(tmp_path, resume_from=str(tmp_path / "r"), num_epochs=3)
+    resumed, resolved = RunDir.resolve(given, overrides=["num_epochs"])
+    assert resolved.resume_from == str(tmp_path / "r") and resolved.overwrite is False
+    assert resumed.resume_checkpoint.endswith("checkpoint_1") and resolved.num_epochs == 3

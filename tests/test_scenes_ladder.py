@@ -5,6 +5,7 @@ real runs are benchmarks."""
 import json
 import math
 import os
+import shutil
 
 import pytest
 from helpers import load_script
@@ -397,6 +398,9 @@ def test_a_negative_save_frequency_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ladder.main(["--rungs", "a", "--results", str(tmp_path), "--save-every", "-1"])
     assert "--save-every -1: a number of epochs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the ladder sets how often a run saves: --set would be ignored
+        ladder.main(["--rungs", "a", "--results", str(tmp_path), "--set", "save_freq=1"])
+    assert "use --save-every" in capsys.readouterr().err
 
 
 def test_an_interrupted_run_goes_on_from_its_checkpoint_and_trains_what_one_run_trains(tmp_path):
@@ -416,8 +420,6 @@ def test_an_interrupted_run_goes_on_from_its_checkpoint_and_trains_what_one_run_
         # killed during epoch 1: its checkpoint, finished.json and the ladder's record never written
         for name in ("finished.json", ladder.CONFIG_FILE):
             os.remove(os.path.join(run_dir, name))
-        import shutil
-
         shutil.rmtree(os.path.join(run_dir, "checkpoints", "checkpoint_2"))
         assert ladder.has_checkpoint(run_dir) and not ladder.has_checkpoint(str(tmp_path / "nowhere"))
         ladder.run_one(spec, tiny)
@@ -433,3 +435,18 @@ def test_an_interrupted_run_goes_on_from_its_checkpoint_and_trains_what_one_run_
     assert os.path.exists(os.path.join(run_dir, "finished.json"))
     with open(os.path.join(run_dir, "resumes.jsonl")) as f:
         assert json.loads(f.readline())["epoch"] == 1
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["checkpoint_1", "checkpoint_2"]
+    assert ladder.final_checkpoint(run_dir).endswith("checkpoint_2")
+    # unfinished again, and asked to go on with other epochs: refused in one line before anything is trained
+    os.remove(os.path.join(run_dir, "finished.json"))
+    with pytest.raises(SystemExit, match="started with another config") as err:
+        ladder.run_one(dict(spec, epochs=3), tiny)
+    assert "\n" not in str(err.value.code) and not os.path.exists(os.path.join(run_dir, "finished.json"))
+    # the same config with nothing left to do ends without finished.json: a failure, no ladder record
+    os.remove(os.path.join(run_dir, ladder.CONFIG_FILE))
+    try:
+        with pytest.raises(SystemExit, match="did not finish"):
+            ladder.run_one(spec, tiny)
+    finally:
+        torch.set_num_threads(threads)
+    assert not os.path.exists(os.path.join(run_dir, ladder.CONFIG_FILE))

@@ -18,7 +18,8 @@ def write_evaluation(tmp_path, colors, verdicts, detections):
     with open(rows, "w") as f:
         for i, (color, right, found) in enumerate(zip(colors, verdicts, detections)):
             Image.fromarray(np.full((64, 64, 3), color, dtype=np.uint8)).save(folder / f"{i:04d}.png")
-            f.write(json.dumps({"prompt_index": 0, "image_index": i, "strict_correct": right, "detections": found}) + "\n")
+            row = {"prompt_index": 0, "image_index": i, "strict_correct": right, "detections": found}
+            f.write(json.dumps(row) + "\n")
     return str(rows), str(tmp_path / "images")
 
 

@@ -103,7 +103,10 @@ class RunDir:
             )
         if config.resume_from:
             checkpoint, state, path = find_checkpoint(config.resume_from)
+            given = config.resume_from
             config, changes = resumed_config(config, path, overrides)
+            with config.unlocked():  # a resume, whatever the stored config or an override list that omits these
+                config.resume_from, config.overwrite = given, False
             # a changed prompt / reward file: refused, or recorded (a resume with nothing to do trains on nothing)
             input_changes = check_inputs(path, config) if int(state["epoch"]) < config.num_epochs else {}
             return cls(path, checkpoint, state, changes, input_changes), config
