@@ -106,6 +106,7 @@ SAVE_EVERY = 5  # epochs between a run's checkpoints (--save-every): a stopped l
 SEEDS = 3  # a rung's verdict needs every case on at least this many seeds
 STRICT = "reward_info/geneval/strict_correct"
 CONFIG_FILE = "ladder_config.json"
+FINISHED = "finished.json"  # the trainer's mark of a run that reached its end (ddpo_group.runs.run_dir.FINISHED_FILE)
 
 
 def strict_key(rows):
@@ -251,7 +252,7 @@ def run_one(spec, overrides=()):
     if not resume:
         write_json(started, record)  # after the trainer took the directory (an overwrite empties it first)
     trainer.run()
-    if not os.path.exists(os.path.join(spec["run_dir"], "finished.json")):  # stopped by a signal, or nothing to do
+    if not os.path.exists(os.path.join(spec["run_dir"], FINISHED)):  # stopped by a signal, or nothing to do
         sys.exit(f"{spec['run_dir']}: the run did not finish (no finished.json); run the same command to go on")
     write_json(os.path.join(spec["run_dir"], CONFIG_FILE), record)
 
@@ -375,7 +376,7 @@ def finished_runs(results):
                 for name in sorted(os.listdir(os.path.join(base, case))):
                     run_dir = os.path.join(base, case, name)
                     if (name.startswith("seed_") and os.path.isdir(run_dir)
-                            and os.path.exists(os.path.join(run_dir, "finished.json"))):
+                            and os.path.exists(os.path.join(run_dir, FINISHED))):
                         found.append((run_dir, _read_json(os.path.join(run_dir, CONFIG_FILE))))
     return found
 
@@ -516,7 +517,7 @@ def final_checkpoint(run_dir):
     None."""
     from ddpo_group.runs.run_dir import CHECKPOINT_RE
 
-    named = (_read_json(os.path.join(run_dir, "finished.json")) or {}).get("checkpoint")
+    named = (_read_json(os.path.join(run_dir, FINISHED)) or {}).get("checkpoint")
     if isinstance(named, str) and os.path.isdir(named):
         return named
     base = os.path.join(run_dir, "checkpoints")
@@ -717,7 +718,7 @@ def main(argv=None):
                                 load_config_prompts(config, "prompt_fn")
                         except ConfigError as err:
                             parser.error(str(err))
-                        if os.path.exists(os.path.join(run_dir, "finished.json")):
+                        if os.path.exists(os.path.join(run_dir, FINISHED)):
                             done = _read_json(os.path.join(run_dir, CONFIG_FILE)) or {}
                             if not same_config(done.get("config"), config_document(config)):
                                 refused.append(os.path.relpath(run_dir, results))

@@ -450,3 +450,9 @@ def test_an_interrupted_run_goes_on_from_its_checkpoint_and_trains_what_one_run_
     finally:
         torch.set_num_threads(threads)
     assert not os.path.exists(os.path.join(run_dir, ladder.CONFIG_FILE))
+
+
+def test_the_ladder_reads_the_trainer_s_own_finished_mark():
+    from ddpo_group.runs.run_dir import FINISHED_FILE
+
+    assert ladder.FINISHED == FINISHED_FILE
