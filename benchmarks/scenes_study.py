@@ -137,15 +137,7 @@ def _nft(config):
 
 
 def _nft_kl(config):
-    """The scenes ladder's DiffusionNFT recipe on the flow UNet (docs/scenes.md): DiffusionNFT's settings, a KL of
-    0.1 to the frozen reference, the conditional prediction only in training, 4 passes over each epoch's samples."""
-    config = _grpo_helpers()._diffusion_nft(config, weighting="uniform")
-    config.train.skip_last_steps = 0
-    config.train.use_reference_model = config.train.use_kl_loss = True
-    config.train.beta = 0.1
-    config.train.cfg = False
-    config.train.num_inner_epochs = 4
-    return config
+    return _grpo_helpers()._diffusion_nft_kl(config)  # the scenes ladder's recipe (ddpo_group/config/variants/_methods.py)
 
 
 def _awm(config):

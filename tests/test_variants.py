@@ -135,7 +135,7 @@ def test_a_learning_rate_other_than_the_main_jobs_is_named_in_the_docstring():
 
 # The scenes world's main jobs (docs/scenes.md): another task and model, with Flow-GRPO's recipe (tiny_scenes) and the
 # main job's method on the UNet (tiny_scenes_sd); their methods are compared among themselves, not with tiny's.
-SCENES_TASKS = {"tiny_scenes", "tiny_scenes_sd", "tiny_scenes_flow"}
+SCENES_TASKS = {"tiny_scenes", "tiny_scenes_sd", "tiny_scenes_flow", "tiny_scenes_flow_nft"}
 # A full-size preset's tiny twin that carries its preset's recipe (SDE window, KL), not the main job's method.
 PRESET_TWINS = {"tiny_zimage_turbo"}
 # A family's tiny pipeline with another policy loss (smoke runs of the loss on that family, not the main job's task).
@@ -238,6 +238,25 @@ def test_scenes_main_jobs_train_on_generated_prompts_and_evaluate_on_the_held_ou
     # the flow-matching UNet keeps the flow model's recipe whole: only the model and its CLIP prompt length differ
     assert changed(flat(grpo.get_config("tiny_scenes_flow")), flow) - {"variant"} == {
         "pretrained.model", "sample.max_sequence_length"}
+
+
+def test_tiny_scenes_flow_nft_is_tiny_scenes_flow_with_the_ladders_diffusion_nft_kl_recipe_only():
+    """The ladder's DiffusionNFT + KL recipe (docs/scenes.md: the twelve --set options of its flow runs) as a named
+    variant: tiny_scenes_flow's task, sampler and evaluation, only the method's fields changed, to these values."""
+    config = grpo.get_config("tiny_scenes_flow_nft")
+    recipe = {"train.objective": "nft", "forward.num_timesteps": 9, "forward.nft_beta": 1.0,
+              "forward.weighting": "uniform", "forward.old_decay_rate": 0.001, "forward.old_decay_max": 0.5,
+              "train.skip_last_steps": 0, "train.use_reference_model": True, "train.use_kl_loss": True,
+              "train.beta": 0.1, "train.cfg": False, "train.num_inner_epochs": 4}
+    got = flat(config)
+    assert {k: got[k] for k in recipe} == recipe
+    flow = flat(grpo.get_config("tiny_scenes_flow"))
+    assert changed(got, flow) - {"variant"} <= set(recipe)
+    assert config.pretrained.model == "tiny-scenes-flow" and config.sample.guidance_scale == 4.5
+    # the study's nft_kl arm is the same recipe
+    study = flat(load_script("benchmarks/scenes_study.py").method_config("nft_kl", 42, "/tmp/unused_run",
+                                                                           flow_model="tiny-scenes-flow"))
+    assert {k: study[k] for k in recipe} == recipe
 
 
 # ---- where the variants live: ddpo_group/config/variants/, one module per purpose; grpo.py only assembles them

@@ -60,6 +60,7 @@ their map. A variant is read against the ones it derives from (tiny_* from tiny,
                     per 64-px scene, GenEval's six tags), evaluated on the held-out geneval_scenes.jsonl, CPU, minutes
     tiny_scenes_sd  the same task and evaluation on the shipped UNet + DDIM scenes model tiny-scenes (GRPO + KL)
     tiny_scenes_flow  tiny_scenes's Flow-GRPO recipe and task on the shipped flow-matching UNet tiny-scenes-flow
+    tiny_scenes_flow_nft  the same task on tiny-scenes-flow with the scenes ladder's DiffusionNFT + KL recipe
     sd35_geneval    Flow-GRPO's GenEval recipe on SD3.5-Medium: the geneval reward (partial score), generated prompts
     sd35_nft_geneval  DiffusionNFT's GenEval recipe on SD3.5-Medium (sd35_nft with the geneval reward)
     flux2           FLUX.2 [dev] (32B) with Flow-Factory's GRPO LoRA recipe, one GPU (docs/flux2_zimage.md)
@@ -88,7 +89,12 @@ rate differs from the main job's 2e-4 only where a measured sweep chose it, and 
 
 # The method recipes and the private helpers the variants share, re-exported: benchmarks/scenes_study.py applies
 # grpo._learning_group_ppo, grpo._algorithm2_group_ppo and grpo._diffusion_nft to its arms.
-from ddpo_group.config.variants._methods import _algorithm2_group_ppo, _diffusion_nft, _learning_group_ppo  # noqa: F401
+from ddpo_group.config.variants._methods import (  # noqa: F401
+    _algorithm2_group_ppo,
+    _diffusion_nft,
+    _diffusion_nft_kl,
+    _learning_group_ppo,
+)
 from ddpo_group.config.variants.flow import (  # noqa: F401
     _tiny_flow,
     flux,
@@ -132,6 +138,7 @@ from ddpo_group.config.variants.tasks import (  # noqa: F401
     tiny_geneval,
     tiny_scenes,
     tiny_scenes_flow,
+    tiny_scenes_flow_nft,
     tiny_scenes_sd,
 )
 from ddpo_group.config.variants.tiny import (  # noqa: F401
@@ -235,6 +242,7 @@ VARIANTS = {
     "tiny_scenes": tiny_scenes,
     "tiny_scenes_sd": tiny_scenes_sd,
     "tiny_scenes_flow": tiny_scenes_flow,
+    "tiny_scenes_flow_nft": tiny_scenes_flow_nft,
     "flux2": flux2,
     "flux2_klein": flux2_klein,
     "zimage": zimage,

@@ -31,8 +31,8 @@ cannot be placed raises ``SceneInfeasible``.
 Prompts (``world_records``): every distinct record of the world, one phrasing each (drawn with a fixed seed
 among "A and B" / "B and A", "A left of B" / "B right of A" ...). The held-out set (``evaluation_records``,
 shipped as ``assets/prompts/geneval_scenes.jsonl``): per tag n = round(150 * GenEval's share of the tag)
-records (GenEval's 553 prompts: 80 / 99 / 80 / 94 / 100 / 100), capped so that two thirds of a tag's
-records stay for training (single_object: all eight go to evaluation), the shortfall given to the tags with
+records (GenEval's 553 prompts: 80 / 99 / 80 / 94 / 100 / 100), capped so that a third of a tag's
+records stays for training (single_object: all eight go to evaluation), the shortfall given to the tags with
 room in proportion to their shares; then n records drawn at random per tag (seed 0). Training (pretraining and
 RL) uses only the other records (``training_records``).
 """

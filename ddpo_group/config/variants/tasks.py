@@ -2,10 +2,11 @@
 (sd35_ocr; the `ocr` reward, docs/tasks_ocr_judge.md), PickScore (sd35_pickscore) and GenEval (sd35_geneval,
 sd35_nft_geneval; docs/geneval.md) tasks, each `sd35` (or `sd35_nft`) with only its task's fields changed; on the
 shipped models, the main job with the geneval reward (tiny_geneval) and the second main job, the scenes world
-(tiny_scenes on the flow model, tiny_scenes_sd on the UNet, tiny_scenes_flow on the flow-matching UNet; docs/scenes.md).
+(tiny_scenes on the flow model, tiny_scenes_sd on the UNet, tiny_scenes_flow and tiny_scenes_flow_nft on the flow-matching UNet; docs/scenes.md).
 """
 
 from ddpo_group.config import base
+from ddpo_group.config.variants._methods import _diffusion_nft_kl
 from ddpo_group.config.variants.flow import sd35, sd35_nft
 from ddpo_group.config.variants.tiny import _tiny_common, tiny
 
@@ -170,3 +171,11 @@ def tiny_scenes_flow():
     config.pretrained.model = "tiny-scenes-flow"
     config.sample.max_sequence_length = 0
     return config
+
+
+def tiny_scenes_flow_nft():
+    """tiny_scenes_flow's task, sampler and evaluation (tiny-scenes-flow, the "sde" sampler at 0.7, 10 steps, CFG 4.5,
+    the held-out set every 10 epochs) trained with the scenes ladder's DiffusionNFT + KL recipe instead of
+    Flow-GRPO: DiffusionNFT's settings, KL 0.1 to the base, the conditional prediction in training, 4 passes over
+    each epoch's 64 images; the method that taught this base most in the ladder's one-prompt runs (docs/scenes.md)."""
+    return _diffusion_nft_kl(tiny_scenes_flow())
