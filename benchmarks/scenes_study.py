@@ -137,7 +137,8 @@ def _nft(config):
 
 
 def _nft_kl(config):
-    return _grpo_helpers()._diffusion_nft_kl(config)  # the scenes ladder's recipe (ddpo_group/config/variants/_methods.py)
+    """The scenes ladder's DiffusionNFT + KL recipe (ddpo_group/config/variants/_methods.py)."""
+    return _grpo_helpers()._diffusion_nft_kl(config)
 
 
 def _awm(config):

@@ -1,5 +1,6 @@
-"""Which held-out prompts of the scenes world ask for a word its models were never shown? (docs/scenes.md, "Rung d
-on the flow base, and the words no caption teaches")
+"""Which held-out prompts of the scenes world ask for a word its models were never shown?
+
+docs/scenes.md, "Rung d on the flow base, and the words no caption teaches":
 
     python benchmarks/scenes_vocabulary.py --output benchmarks/results/scenes_vocabulary/shipped.json
 
@@ -33,7 +34,6 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
 
 from bench_outputs import BenchmarkError, fail  # noqa: E402
 
-TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 DEFAULT_MODELS = ("tiny-scenes-flow", "tiny-scenes", "tiny-scenes-sd3")
 ENCODER_PAIRS = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"), ("tokenizer_3", "text_encoder_3"))
 EMBEDDING_KEYS = ("text_model.embeddings.token_embedding.weight", "embeddings.token_embedding.weight", "shared.weight",
@@ -42,7 +42,8 @@ EMBEDDING_KEYS = ("text_model.embeddings.token_embedding.weight", "embeddings.to
 
 def unseen_records(held_out: list[dict], training_prompts: list[str], tokenize) -> dict:
     """{"unseen": sorted tokens of held-out prompts that no training prompt has, "records": {tag: [prompts with one]},
-    "per_tag": {tag: records of the tag}} for `tokenize(prompt) -> list of tokens`."""
+    "per_tag": {tag: how many held-out records the tag has}, "seen": the training prompts' tokens} for
+    `tokenize(prompt) -> list of tokens`."""
     seen = {token for prompt in training_prompts for token in tokenize(prompt)}
     unseen, records, per_tag = set(), {}, {}
     for record in held_out:
@@ -51,7 +52,7 @@ def unseen_records(held_out: list[dict], training_prompts: list[str], tokenize) 
         if missing:
             unseen.update(missing)
             records.setdefault(record["tag"], []).append(record["prompt"])
-    return {"unseen": sorted(unseen), "records": records, "per_tag": per_tag}
+    return {"unseen": sorted(unseen), "records": records, "per_tag": per_tag, "seen": seen}
 
 
 def ceiling(records: dict, per_tag: dict) -> float:
@@ -73,6 +74,7 @@ def _embedding(folder: str):
 
 
 def model_folder(model: str) -> str:
+    """The pipeline folder of a shipped scenes model's name or of a folder; BenchmarkError naming --models if none."""
     from ddpo_group.diffusion.loading import SHIPPED_SCENES, shipped_dir
 
     if model in SHIPPED_SCENES:
@@ -93,21 +95,25 @@ def measure(model: str, held_out: list[dict], training_prompts: list[str], world
     folder = model_folder(model)
     encoders = {}
     for tokenizer_name, encoder_name in ENCODER_PAIRS:
-        if not (os.path.isdir(os.path.join(folder, tokenizer_name)) and os.path.isdir(os.path.join(folder, encoder_name))):
+        if not all(os.path.isdir(os.path.join(folder, name)) for name in (tokenizer_name, encoder_name)):
             continue
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, tokenizer_name))
+        vocab = tokenizer.get_vocab()
         found = unseen_records(held_out, training_prompts, tokenizer.tokenize)
+        world = {t for p in world_prompts for t in tokenizer.tokenize(p)} | found["seen"] | set(found["unseen"])
+        missing = sorted(t for t in world if t not in vocab)
+        if missing:  # tokenize() gives vocabulary tokens; a tokenizer that does not would be read wrong
+            raise BenchmarkError(f"--models {model!r}: {tokenizer_name} tokenizes to {missing[:3]}, "
+                                 "not in its vocabulary")
         norms = _embedding(os.path.join(folder, encoder_name)).norm(dim=1)
-        ids = lambda tokens: [i for i in tokenizer.convert_tokens_to_ids(tokens) if i is not None]  # noqa: E731
-        seen = set(ids([t for p in training_prompts for t in tokenizer.tokenize(p)]))
-        world = set(ids([t for p in world_prompts for t in tokenizer.tokenize(p)])) | set(tokenizer.all_special_ids)
-        never_used = [i for i in range(len(norms)) if i not in world]
+        used = {vocab[t] for t in world} | set(tokenizer.all_special_ids)
+        never_used = [i for i in range(len(norms)) if i not in used]
         never = norms[never_used] if never_used else norms[:0]
         encoders[encoder_name] = {
-            **found,
+            **{k: v for k, v in found.items() if k != "seen"},
             "ceiling": ceiling(found["records"], found["per_tag"]),
-            "unseen_norms": {token: float(norms[i]) for token, i in zip(found["unseen"], ids(found["unseen"]))},
-            "seen_norm_mean": float(norms[sorted(seen)].mean()),
+            "unseen_norms": {token: float(norms[vocab[token]]) for token in found["unseen"]},
+            "seen_norm_mean": float(norms[sorted(vocab[t] for t in found["seen"])].mean()),
             "never_used_norm_mean": float(never.mean()) if len(never) else None,
             "never_used_norm_std": float(never.std()) if len(never) > 1 else None,
             "never_used_tokens": len(never_used),
@@ -140,15 +146,15 @@ def main(argv=None) -> int:
         fail(parser.prog, str(err))
     print(f"held-out records: {len(held_out)}; training prompts: {len(training_prompts)}")
     print(f"{'model / encoder':<34} {'unseen tokens (embedding norm)':<58} {'records, per tag':<24} "
-          f"{'seen norm':>9} {'never-used norm':>16} {'ceiling':>8}")
+          f"{'seen norm':>9} {'never-used norm (sd)':>20} {'ceiling':>8}")
     for model, result in models.items():
         for encoder, row in result["encoders"].items():
             tokens = ", ".join(f"{t} ({row['unseen_norms'][t]:.3f})" for t in row["unseen"]) or "-"
             per = ", ".join(f"{tag} {len(p)}/{row['per_tag'][tag]}" for tag, p in row["records"].items()) or "-"
-            never = (f"{row['never_used_norm_mean']:.3f} +- {row['never_used_norm_std']:.3f}"
+            never = (f"{row['never_used_norm_mean']:.3f} (sd {row['never_used_norm_std']:.3f})"
                      if row["never_used_norm_std"] is not None else "-")
             print(f"{model + ' / ' + encoder:<34} {tokens:<58} {per:<24} {row['seen_norm_mean']:>9.3f} "
-                  f"{never:>16} {row['ceiling']:>8.3f}")
+                  f"{never:>20} {row['ceiling']:>8.3f}")
     result = {"held_out": os.path.relpath(evaluation_prompts_path(), REPO_ROOT),
               "training_prompts": len(training_prompts), "models": models,
               "command": "python benchmarks/scenes_vocabulary.py " + shlex.join(sys.argv[1:] if argv is None else argv)}

@@ -88,7 +88,7 @@ rate differs from the main job's 2e-4 only where a measured sweep chose it, and 
 """
 
 # The method recipes and the private helpers the variants share, re-exported: benchmarks/scenes_study.py applies
-# grpo._learning_group_ppo, grpo._algorithm2_group_ppo and grpo._diffusion_nft to its arms.
+# grpo._learning_group_ppo, grpo._algorithm2_group_ppo, grpo._diffusion_nft and grpo._diffusion_nft_kl to its arms.
 from ddpo_group.config.variants._methods import (  # noqa: F401
     _algorithm2_group_ppo,
     _diffusion_nft,

@@ -31,9 +31,9 @@ cannot be placed raises ``SceneInfeasible``.
 Prompts (``world_records``): every distinct record of the world, one phrasing each (drawn with a fixed seed
 among "A and B" / "B and A", "A left of B" / "B right of A" ...). The held-out set (``evaluation_records``,
 shipped as ``assets/prompts/geneval_scenes.jsonl``): per tag n = round(150 * GenEval's share of the tag)
-records (GenEval's 553 prompts: 80 / 99 / 80 / 94 / 100 / 100), capped so that a third of a tag's
+records (GenEval's 553 prompts: 80 / 99 / 80 / 94 / 100 / 100), capped so that at least a third of a tag's
 records stays for training (single_object: all eight go to evaluation), the shortfall given to the tags with
-room in proportion to their shares; then n records drawn at random per tag (seed 0). Training (pretraining and
+room, furthest below their share first; then n records drawn at random per tag (seed 0). Training (pretraining and
 RL) uses only the other records (``training_records``).
 """
 
@@ -115,8 +115,9 @@ def world_records(seed: int = 0) -> dict[str, list[dict]]:
 
 
 def evaluation_sizes(total: int = EVALUATION_SIZE, available: dict | None = None) -> dict[str, int]:
-    """Records per tag in the held-out set (module docstring): GenEval's shares of `total`, capped so that
-    TRAIN_RESERVE of each tag stays for training, the shortfall given to tags with room by their shares."""
+    """Records per tag in the held-out set (module docstring): GenEval's shares of `total`, capped so that at least
+    TRAIN_RESERVE of each tag stays for training, the shortfall given to tags with room, furthest below its share
+    first."""
     available = available or {tag: len(r) for tag, r in world_records().items()}
     caps = {tag: n if tag == "single_object" else n - math.ceil(TRAIN_RESERVE * n) for tag, n in available.items()}
     weight = {tag: GENEVAL_TAG_COUNTS[tag] / sum(GENEVAL_TAG_COUNTS.values()) for tag in TAGS}

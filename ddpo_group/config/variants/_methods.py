@@ -1,6 +1,7 @@
 """The method recipes a variant applies onto another's config: the Group-PPO design that learns, Group-PPO as
-Algorithm 2 is written, DiffusionNFT's objective settings and the scenes ladder's DiffusionNFT + KL recipe. Each takes a ConfigDict, changes only its method's fields
-and returns it, so `tiny_group_ppo` and `group_ppo` (and benchmarks/scenes_study.py's arms) share one recipe.
+Algorithm 2 is written, DiffusionNFT's objective settings and the scenes ladder's DiffusionNFT + KL recipe. Each
+takes a ConfigDict, changes only its method's fields and returns it, so `tiny_group_ppo` and `group_ppo` (and
+benchmarks/scenes_study.py's arms) share one recipe.
 """
 
 
@@ -43,8 +44,8 @@ def _diffusion_nft(config, weighting):
 def _diffusion_nft_kl(config):
     """The scenes ladder's DiffusionNFT recipe (docs/scenes.md, "DiffusionNFT + KL on the flow base"): DiffusionNFT's
     settings with uniform weighting, a KL of 0.1 to the frozen reference (the base), the conditional prediction
-    alone in training (`train.cfg` off; sampling keeps its CFG), every sampling step's time trained (no step
-    skipped: a forward-process objective trains no trajectory step) and 4 passes over each epoch's samples."""
+    alone in training (`train.cfg` off; sampling keeps its CFG), no step skipped (a forward-process objective keeps
+    one outcome per sample, which a skip would mask whole) and 4 passes over each epoch's samples."""
     config = _diffusion_nft(config, weighting="uniform")
     config.train.skip_last_steps = 0
     config.train.use_reference_model = config.train.use_kl_loss = True

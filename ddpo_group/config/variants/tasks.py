@@ -2,7 +2,8 @@
 (sd35_ocr; the `ocr` reward, docs/tasks_ocr_judge.md), PickScore (sd35_pickscore) and GenEval (sd35_geneval,
 sd35_nft_geneval; docs/geneval.md) tasks, each `sd35` (or `sd35_nft`) with only its task's fields changed; on the
 shipped models, the main job with the geneval reward (tiny_geneval) and the second main job, the scenes world
-(tiny_scenes on the flow model, tiny_scenes_sd on the UNet, tiny_scenes_flow and tiny_scenes_flow_nft on the flow-matching UNet; docs/scenes.md).
+(tiny_scenes on the flow model, tiny_scenes_sd on the UNet, tiny_scenes_flow and tiny_scenes_flow_nft on the
+flow-matching UNet; docs/scenes.md).
 """
 
 from ddpo_group.config import base
