@@ -4,6 +4,7 @@ easiest lesson up? A rung that fails stops the climb until its cause is found (d
     python benchmarks/scenes_ladder.py --rungs a,b --families flow,unet --jobs 14   # rungs a and b, 3 seeds each
     python benchmarks/scenes_ladder.py --rungs a --families flow --seeds 42 --epochs 3   # one short check
     python benchmarks/scenes_ladder.py --rungs b --cases two_object --families unet      # one case of a rung
+    python benchmarks/scenes_ladder.py --rungs b --draw 1 --results benchmarks/results/scenes_ladder_draw1  # other prompts
     python benchmarks/scenes_ladder.py --collect                                    # the tables, JSON and figures
     python benchmarks/scenes_ladder.py --rungs b --model-flow runs/pretrain/flow --results benchmarks/results/scenes_ladder_newbase
 
@@ -20,7 +21,9 @@ another base; a flow base may be an SD3 pipeline or a flow-matching UNet, the sd
        strict-correct (reward_info/geneval/strict_correct, GenEval's strict verdict, the mean over an epoch's
        images) averaged over WINDOW consecutive epochs reaches TARGET = 0.9 within the rung's 30 epochs (a run
        given more with --epochs is judged on its first 30; its epochs_to_strict_0.9 still says when it got there).
-       single_object has no training prompt (all eight are held out), so five runs per seed.
+       single_object has no training prompt (all eight are held out), so five runs per seed. --draw K draws
+       another prompt per tag the same way with seed K (rung_b_prompts; 0 is RUNG_B_PROMPTS): the issue's "a
+       one-prompt run on a training prompt nobody tuned for learns the same way", for recipes chosen on draw 0.
     c  one tag's training prompts (--tag, default colors; its training records in the GenEval mix); passes when
        the held-out set's number for that tag (eval/geneval/<tag>, 2 fixed-noise images per record) after the
        last epoch is above the base's (the same evaluation at epoch 0) by more than 2 standard errors of the
@@ -121,12 +124,24 @@ def strict_key(rows):
     return keys.pop()
 
 
-def cases(rung, tag="colors"):
-    """[(case name, prompt or None)] of a rung."""
+def rung_b_prompts(draw=0):
+    """{tag: prompt} of rung b: per tag with training records, the record at numpy default_rng(draw).integers(n)
+    of scenes.training_records()[tag] (n records). draw 0 is RUNG_B_PROMPTS, the prompts every earlier run used."""
+    import numpy as np
+
+    from ddpo_group.data import scenes
+
+    records = scenes.training_records()
+    return {tag: records[tag][int(np.random.default_rng(draw).integers(len(records[tag])))]["prompt"]
+            for tag in RUNG_B_PROMPTS}
+
+
+def cases(rung, tag="colors", draw=0):
+    """[(case name, prompt or None)] of a rung (rung b's prompts from rung_b_prompts(draw))."""
     if rung == "a":
         return [("jpeg", RUNG_A_PROMPT)]
     if rung == "b":
-        return list(RUNG_B_PROMPTS.items())
+        return list((RUNG_B_PROMPTS if draw == 0 else rung_b_prompts(draw)).items())
     if rung == "c":
         return [(tag, None)]
     return [("full", None)]
@@ -657,6 +672,8 @@ def main(argv=None):
     parser.add_argument("--images", type=int, default=0, help="images per epoch (0: the variants' 64; a multiple "
                                                               "of sample.batch_size)")
     parser.add_argument("--tag", default="colors", help="rung c's tag (default colors)")
+    parser.add_argument("--draw", type=int, default=0, metavar="K",
+                        help="rung b's prompts drawn with seed K, one per tag (default 0: RUNG_B_PROMPTS)")
     parser.add_argument("--cases", default="", help="only these cases of the rungs, comma-separated (rung b's: "
                         "its tags, e.g. two_object); default every case")
     parser.add_argument("--model-flow", default="", help="the flow base to train (default tiny-scenes-sd3)")
@@ -678,6 +695,8 @@ def main(argv=None):
     results = os.path.abspath(args.results)
     if args.samples < 0:
         parser.error(f"--samples {args.samples}: a number of images, 0 (none) or more")
+    if args.draw < 0:
+        parser.error(f"--draw {args.draw}: a seed, 0 (the ladder's own prompts) or more")
     if args.save_every < 0:
         parser.error(f"--save-every {args.save_every}: a number of epochs, 0 (at a run's end only) or more")
     if any(item.split("=")[0].strip() in ("save_freq", "num_checkpoint_limit") for item in args.set):
@@ -694,7 +713,7 @@ def main(argv=None):
             seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         except ValueError:
             parser.error(f"--seeds {args.seeds!r}: comma-separated whole numbers, e.g. 42,43,44")
-        known = {case for rung in rungs for case, _ in cases(rung, args.tag)}
+        known = {case for rung in rungs for case, _ in cases(rung, args.tag, args.draw)}
         only = set(_list(args.cases, sorted(known), "cases", parser)) if args.cases else known
         models = {"flow": args.model_flow, "unet": args.model_unet}
         for family, model in models.items():
@@ -704,7 +723,7 @@ def main(argv=None):
         tasks, refused = [], []
         for rung in rungs:
             for family in families:
-                for case, prompt in cases(rung, args.tag):
+                for case, prompt in cases(rung, args.tag, args.draw):
                     if case not in only:
                         continue
                     for seed in seeds:

@@ -250,6 +250,39 @@ def test_rung_b_s_prompts_are_training_prompts_one_per_tag_with_training_records
         assert scenes.scene_training_prompts(prompt=prompt)[0]["tag"] == tag
 
 
+def test_draw_0_is_the_ladder_s_own_prompts_and_another_draw_gives_other_training_prompts_of_each_tag():
+    from ddpo_group.data import scenes
+
+    assert ladder.rung_b_prompts(0) == ladder.RUNG_B_PROMPTS
+    # draw 1, as docs/scenes.md lists it: numpy default_rng(1).integers(n) of each tag's n training records
+    drawn = {"two_object": "a photo of a semicircle and a circle", "counting": "a photo of two squares",
+             "colors": "a photo of a cyan diamond", "position": "a photo of a cross left of a circle",
+             "color_attr": "a photo of a yellow diamond and a green triangle"}
+    assert ladder.rung_b_prompts(1) == drawn
+    assert dict(ladder.cases("b", draw=1)) == drawn
+    for tag, prompt in drawn.items():
+        assert scenes.scene_training_prompts(prompt=prompt)[0]["tag"] == tag
+        assert prompt != ladder.RUNG_B_PROMPTS[tag]
+
+
+def test_a_draw_s_runs_are_refused_beside_the_ladder_s_own_and_a_negative_draw_is_one_line(tmp_path, capsys):
+    spec = {"rung": "b", "family": "unet", "case": "counting", "prompt": ladder.RUNG_B_PROMPTS["counting"],
+            "seed": 42, "epochs": 2, "images": 0, "model": ""}
+    write_run(tmp_path, "b", "unet", "counting", 42, strict_rows([0.5, 0.6]), spec)
+    args = ["--rungs", "b", "--families", "unet", "--cases", "counting", "--seeds", "42", "--epochs", "2",
+            "--results", str(tmp_path)]
+    rows, _ = ladder.main(args)  # draw 0: the finished run is this config
+    assert [r["prompt"] for r in rows] == [ladder.RUNG_B_PROMPTS["counting"]]
+    with pytest.raises(SystemExit) as err:  # another prompt for the same case and seed: never mixed in
+        ladder.main(args + ["--draw", "1"])
+    assert "another config" in str(err.value) and "b/unet/counting/seed_42" in str(err.value)
+    assert sorted(os.listdir(ladder.run_dir_of(str(tmp_path), "b", "unet", "counting", 42))) == sorted(
+        ["metrics.jsonl", "finished.json", ladder.CONFIG_FILE])  # untouched
+    with pytest.raises(SystemExit):
+        ladder.main(args + ["--draw", "-1"])
+    assert "--draw -1" in capsys.readouterr().err
+
+
 def test_the_run_pool_runs_each_command_on_one_thread_with_its_log_and_returns_its_exit_code(tmp_path):
     import sys
 
